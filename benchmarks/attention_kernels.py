@@ -1,0 +1,258 @@
+"""Micro-benchmark of the Triton paged-attention kernels on the GPU (made for the H200).
+
+For each shape it first checks the Triton kernel against the torch reference (fp32 reference
+from the same bf16 inputs, relative error < 1e-2), then times with ``triton.testing.do_bench``
+(median; it flushes the L2 before every run):
+  - triton:    ``paged_attention_triton`` over a paged cache (block size 16, shuffled blocks)
+  - reference: ``reference.paged_attention`` (the torch oracle, same paged inputs)
+  - sdpa:      ``torch.nn.functional.scaled_dot_product_attention`` over DENSE contiguous K/V
+               (no paging; the ceiling a paged kernel is measured against)
+Shapes: decode of batch 1/8/64/256 over 512- and 4000-token contexts, and a causal prefill of
+8 x 1024 tokens, for Llama-3-8B heads (32 q, 8 kv, head_dim 128) and Qwen3-0.6B heads (16 q,
+8 kv, head_dim 128). Decode reports GB/s of KV read (batch * ctx * kv_heads * head_dim * 2 * 2
+bytes over the time), prefill TFLOP/s (4 * B * H * D * L(L+1)/2 causal FLOPs over the time).
+Then a small tuning sweep (tile shapes, flash-decoding split) unless ``--no-tune``.
+
+Run from the repository root:  OUT=/some/dir python benchmarks/attention_kernels.py
+Prints tables; writes ``$OUT/attention_kernels.json`` when OUT is set. About 1-2 min on an H200.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pagoda.kernels import reference  # noqa: E402
+from pagoda.kernels import triton_attention as ta  # noqa: E402
+
+MODELS = {"llama3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}  # q heads, kv heads, head_dim
+DECODE_BATCHES = [1, 8, 64, 256]
+DECODE_CONTEXTS = [512, 4000]
+PREFILL_BATCH, PREFILL_LEN = 8, 1024
+BLOCK_SIZE = 16
+DEVICE = "cuda"
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel_err(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+class Case:
+    """One attention problem: paged inputs for Triton and the reference, dense ones for SDPA.
+    All requests have the same context ``ctx``; the last ``q_len`` positions are queries."""
+
+    def __init__(self, batch, q_len, ctx, num_heads, num_kv_heads, head_dim, dtype, gen):
+        self.batch, self.q_len, self.ctx = batch, q_len, ctx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        blocks_per_seq = triton.cdiv(ctx, BLOCK_SIZE)
+        num_blocks = batch * blocks_per_seq
+        dev = DEVICE
+        self.kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim,
+                                    device=dev, dtype=dtype, generator=gen)
+        # Shuffled physical blocks, as in a cache after some churn.
+        self.tables = torch.randperm(num_blocks, device=dev, generator=gen).view(
+            batch, blocks_per_seq).to(torch.int32)
+        self.query = torch.randn(batch * q_len, num_heads, head_dim, device=dev, dtype=dtype,
+                                 generator=gen)
+        self.seq_lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+        self.qsl = (torch.arange(batch + 1, device=dev) * q_len).to(torch.int32)
+        self.out = torch.empty_like(self.query)
+        self.scale = head_dim ** -0.5
+
+    def triton(self, **kw):
+        return ta.paged_attention_triton(self.query, self.kv_cache, self.tables, self.seq_lens,
+                                         self.qsl, self.scale, self.ctx, self.q_len, out=self.out,
+                                         **kw)
+
+    def reference(self, fp32=False):
+        cast = (lambda t: t.float()) if fp32 else (lambda t: t)
+        return reference.paged_attention(cast(self.query), cast(self.kv_cache), self.tables,
+                                         self.seq_lens, self.qsl, self.scale, self.ctx, self.q_len)
+
+    def make_dense(self):
+        """Contiguous (B, H, L, D) tensors for SDPA, gathered once through the block tables."""
+        k, v = reference.gather_context(self.kv_cache, self.tables, self.ctx)
+        self.k_dense = k.transpose(1, 2).contiguous()
+        self.v_dense = v.transpose(1, 2).contiguous()
+        self.q_dense = self.query.view(self.batch, self.q_len, self.num_heads,
+                                       self.head_dim).transpose(1, 2).contiguous()
+
+    def sdpa(self):
+        # Decode: one query at the last position sees everything, no mask needed. Prefill
+        # (q_len == ctx): plain causal.
+        return F.scaled_dot_product_attention(self.q_dense, self.k_dense, self.v_dense,
+                                              is_causal=self.q_len > 1, scale=self.scale,
+                                              enable_gqa=True)
+
+    def kv_bytes(self) -> int:
+        return (self.batch * self.ctx * self.num_kv_heads * self.head_dim * 2
+                * self.kv_cache.element_size())
+
+    def flops(self) -> float:
+        # causal: query j of q_len (at position ctx - q_len + j) sees ctx - q_len + j + 1 keys
+        pairs = sum(self.ctx - self.q_len + j + 1 for j in range(self.q_len))
+        return 4.0 * self.batch * self.num_heads * self.head_dim * pairs
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy GB/s (read + write) on 2 GiB, the memory ceiling for decode."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * (2 << 30) / ms / 1e6
+
+
+def run_case(kind, model, case, rows, log):
+    ref = case.reference(fp32=True)
+    case.out.fill_(float("nan"))
+    err = rel_err(case.triton(), ref)
+    ok = not case.out.isnan().any().item() and err < 1e-2
+    case.make_dense()
+    sdpa_err = rel_err(case.sdpa().transpose(1, 2).reshape(ref.shape), ref)
+    del ref
+    if kind == "decode":
+        work, unit = case.kv_bytes() / 1e9, "GB/s"
+        label = f"decode b={case.batch:<3d} ctx={case.ctx:<5d}"
+    else:
+        work, unit = case.flops() / 1e12, "TFLOP/s"
+        label = f"prefill {case.batch}x{case.q_len}"
+    timings = {"triton": bench(case.triton), "reference": bench(case.reference),
+               "sdpa": bench(case.sdpa)}
+    row = dict(kind=kind, model=model, batch=case.batch, q_len=case.q_len, ctx=case.ctx,
+               rel_err=err, correct=ok, sdpa_rel_err=sdpa_err, unit=unit,
+               num_segments=ta._pick_num_segments(case.batch * case.num_kv_heads, case.q_len,
+                                                  case.ctx, case.query.device))
+    for impl, ms in timings.items():
+        row[f"{impl}_ms"] = ms
+        row[f"{impl}_rate"] = work / (ms / 1e3)
+    rows.append(row)
+    log(f"{model:11s} {label:24s} {row['triton_ms'] * 1e3:9.1f} {row['triton_rate']:9.1f} "
+        f"{row['reference_ms'] * 1e3:10.1f} {row['reference_rate']:9.1f} "
+        f"{row['sdpa_ms'] * 1e3:9.1f} {row['sdpa_rate']:9.1f}  {unit:7s} {row['num_segments']:3d} "
+        f"{err:8.1e} {'ok' if ok else 'FAIL'}")
+    del case.k_dense, case.v_dense, case.q_dense
+
+
+def tune(dtype, gen, log, deadline):
+    """Time a few alternatives to the default tiles / split settings (module globals of
+    triton_attention, read at each call)."""
+    results = []
+    default_tiles = dict(ta.TILES)
+    default_split = ta.SPLIT_PROGRAMS_PER_SM, ta.SPLIT_MIN_TOKENS
+    heads = MODELS["llama3-8b"]
+
+    def trial(name, case, setting, **kw):
+        if time.time() > deadline:  # keep the whole run inside its time budget
+            log(f"  {name:24s} {setting:46s} skipped (time budget)")
+            return
+        try:
+            ms = bench(lambda: case.triton(**kw))
+            rate = (case.kv_bytes() / 1e9 if case.q_len == 1 else case.flops() / 1e12) / (ms / 1e3)
+        except Exception as e:  # e.g. out of shared memory for a config
+            ms = rate = float("nan")
+            log(f"  {name}: {setting}: failed: {type(e).__name__}: {str(e)[:80]}")
+        results.append(dict(case=name, setting=setting, ms=ms, rate=rate))
+        log(f"  {name:24s} {setting:46s} {ms * 1e3:9.1f} us {rate:9.1f}")
+
+    log("\nTuning (llama3-8b heads; rate in GB/s for decode, TFLOP/s for prefill)")
+    try:
+        for batch in (1, 8, 64):
+            case = Case(batch, 1, 4000, *heads, dtype, gen)
+            name = f"decode b={batch} ctx=4000"
+            for tile_n, warps, stages in [(64, 4, 3), (32, 4, 3), (128, 4, 2), (64, 4, 4),
+                                          (64, 8, 3), (128, 8, 3)]:
+                ta.TILES[16] = dict(TILE_N=tile_n, num_warps=warps, num_stages=stages)
+                trial(name, case, f"BLOCK_M=16 TILE_N={tile_n} warps={warps} stages={stages}")
+            ta.TILES[16] = default_tiles[16]
+            if batch <= 8:  # flash-decoding split: off, then a few (programs/SM, min tokens)
+                trial(name, case, "no split (num_segments=1)", num_segments=1)
+                for per_sm, min_tokens in [(1, 128), (2, 128), (2, 64), (4, 64), (8, 32)]:
+                    ta.SPLIT_PROGRAMS_PER_SM, ta.SPLIT_MIN_TOKENS = per_sm, min_tokens
+                    segments = ta._pick_num_segments(batch * heads[1], 1, 4000, case.query.device)
+                    trial(name, case, f"SPLIT_PROGRAMS_PER_SM={per_sm} SPLIT_MIN_TOKENS="
+                          f"{min_tokens} (seg={segments})")
+                ta.SPLIT_PROGRAMS_PER_SM, ta.SPLIT_MIN_TOKENS = default_split
+            del case
+        case = Case(PREFILL_BATCH, PREFILL_LEN, PREFILL_LEN, *heads, dtype, gen)
+        name = f"prefill {PREFILL_BATCH}x{PREFILL_LEN}"
+        for block_m, tile_n, warps, stages in [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3),
+                                               (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
+                                               (64, 128, 4, 2)]:
+            ta.TILES = {k: v for k, v in default_tiles.items() if k < block_m}
+            ta.TILES[block_m] = dict(TILE_N=tile_n, num_warps=warps, num_stages=stages)
+            trial(name, case, f"BLOCK_M={block_m} TILE_N={tile_n} warps={warps} stages={stages}")
+    finally:
+        ta.TILES = default_tiles
+        ta.SPLIT_PROGRAMS_PER_SM, ta.SPLIT_MIN_TOKENS = default_split
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--no-tune", action="store_true", help="skip the tuning sweep")
+    args = parser.parse_args()
+    assert DEVICE != "cuda" or torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    start = time.time()
+    lines = []
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    props = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth()
+    log(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
+        f"triton {triton.__version__}; {args.dtype}; block size {BLOCK_SIZE}; "
+        f"copy bandwidth {bw:.0f} GB/s")
+    log(f"{'model':11s} {'shape':24s} {'triton us':>9s} {'rate':>9s} {'ref us':>10s} {'rate':>9s} "
+        f"{'sdpa us':>9s} {'rate':>9s}  {'unit':7s} {'seg':>3s} {'rel err':>8s}")
+    rows = []
+    for model, heads in MODELS.items():
+        for ctx in DECODE_CONTEXTS:
+            for batch in DECODE_BATCHES:
+                run_case("decode", model, Case(batch, 1, ctx, *heads, dtype, gen), rows, log)
+                torch.cuda.empty_cache()
+        run_case("prefill", model, Case(PREFILL_BATCH, PREFILL_LEN, PREFILL_LEN, *heads, dtype, gen),
+                 rows, log)
+        torch.cuda.empty_cache()
+    decode = [r for r in rows if r["kind"] == "decode"]
+    log(f"decode: triton at {max(r['triton_rate'] for r in decode) / bw:.0%} of copy bandwidth "
+        f"at best; {sum(r['triton_ms'] < r['sdpa_ms'] for r in decode)}/{len(decode)} shapes "
+        f"faster than dense SDPA")
+    tuning = [] if args.no_tune else tune(dtype, gen, log, deadline=start + 150)
+    failed = [r for r in rows if not r["correct"]]
+    log(f"\n{len(rows) - len(failed)}/{len(rows)} shapes correct; {time.time() - start:.0f} s")
+
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "attention_kernels.json")
+        with open(path, "w") as f:
+            json.dump(dict(device=props.name, sms=props.multi_processor_count,
+                           torch=torch.__version__, triton=triton.__version__, dtype=args.dtype,
+                           block_size=BLOCK_SIZE, copy_bandwidth_gbps=bw,
+                           date=datetime.datetime.now().isoformat(timespec="seconds"),
+                           command=" ".join(sys.argv), tiles={str(k): v for k, v in ta.TILES.items()},
+                           split=dict(programs_per_sm=ta.SPLIT_PROGRAMS_PER_SM,
+                                      min_tokens=ta.SPLIT_MIN_TOKENS,
+                                      max_segments=ta.SPLIT_MAX_SEGMENTS),
+                           results=rows, tuning=tuning, log=lines), f, indent=1, default=str)
+        print(f"wrote {path}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Engine configuration as plain dataclasses. `engine/arg_utils.py` builds them from the user's
+`LLM(...)` keyword arguments; everything else only reads them."""
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ArchConfig:
+    """The transformer's shape, read from a HF config.json dict (or a GGUF's metadata
+    rendered as one)."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_id: list[int]
+    torch_dtype: str | None
+    hf_config: dict = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "ArchConfig":
+        archs = d.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry; cannot tell which model this is.")
+        heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
+        rope_scaling = d.get("rope_scaling") or (d.get("rope_parameters") if isinstance(
+            d.get("rope_parameters"), dict) and "rope_type" in d.get("rope_parameters", {}) else None)
+        rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        model_type = d.get("model_type", "")
+        return cls(
+            architecture=archs[0],
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            # Qwen2 always carries q/k/v biases; others say so in attention_bias.
+            attention_bias=d.get("attention_bias", model_type == "qwen2" or archs[0] == "Qwen2ForCausalLM"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            hf_config=d,
+        )
+
+
+@dataclass
+class ModelConfig:
+    model: str                    # what the user passed
+    path: str                     # resolved local folder or .gguf file
+    arch: ArchConfig
+    dtype: torch.dtype            # dtype the weights are stored in
+    compute_dtype: torch.dtype    # dtype the math runs in (float32 on CPUs without bf16 units)
+    max_model_len: int
+    seed: int = 0
+    load_format: str = "auto"     # auto | safetensors | gguf | dummy
+    quantization: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    generation_config: dict = field(default_factory=dict)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.endswith(".gguf")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None     # explicit KV budget (the CPU default is 4 GiB)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_blocks: int = 0                          # decided by the runner after profiling
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str = "cpu"
+    enforce_eager: bool = False

@@ -1,0 +1,48 @@
+"""What passes between the scheduler and the model runner each step. Plain data (a leaf module
+that the runner may import too), so it can cross a process boundary for multi-GPU executors."""
+from dataclasses import dataclass, field
+
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or dropped after a preemption): everything it needs."""
+    req_id: str
+    token_ids: list[int]          # prompt + outputs so far (outputs are recomputed after preemption)
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass
+class CachedRequestData:
+    """A request already on the runner: only the blocks added this step."""
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]      # batch order: running first, then new
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)   # runner may drop their state
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Requests that reached the end of their known tokens and sampled one more.
+    sampled_token_ids: dict[str, int]
+    # req_id -> (token ids (k+1 each), logprobs, rank of the sampled token) for the sampled token
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    cumulative: dict[str, float] = field(default_factory=dict)     # logprob of the sampled token
+    # req_id -> (first position, token ids (P, k+1), logprobs (P, k+1), ranks (P,))
+    prompt_logprobs: dict[str, tuple] = field(default_factory=dict)

@@ -1,0 +1,147 @@
+"""Continuous batching, vLLM v1 style: each step spends one token budget on the running
+requests first (a decode token each, or their next prefill chunk), then admits waiting ones.
+Prefill and decode tokens share the step; a prompt longer than the budget is chunked. When the
+KV cache runs out, the newest running request is preempted: its blocks are freed and it goes
+back to the front of the queue, to be recomputed from its tokens later."""
+import time
+from collections import deque
+
+from pagoda.config import SchedulerConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request, RequestStatus
+from pagoda.core.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                      SchedulerOutput)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.first_scheduled_time: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids, status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string): free all they hold."""
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        # The runner must forget it: on resumption it is sent again as a new request.
+        self.finished_req_ids.add(req.request_id)
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_block_ids = self.kv.allocate_slots(req, n)
+            while new_block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                new_block_ids = self.kv.allocate_slots(req, n)
+            if new_block_ids is None:
+                break
+            cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
+            num_scheduled[req.request_id] = n
+            budget -= n
+            i += 1
+
+        # Admit waiting requests only if nobody had to be preempted: the cache is tight.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.config.enable_chunked_prefill and n < req.num_tokens:
+                break
+            if self.kv.allocate_slots(req, n) is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self.first_scheduled_time.setdefault(req.request_id, time.time())
+            new_reqs.append(NewRequestData(
+                req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
+                self.kv.get_block_ids(req), req.num_computed_tokens, req.sampling_params))
+            num_scheduled[req.request_id] = n
+            budget -= n
+
+        out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
+                              self.config.max_num_batched_tokens - budget, self.finished_req_ids)
+        self.finished_req_ids = set()
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return out
+
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens and apply the token-level stop rules. Returns the requests that
+        got a new token (finished ones included, their status set and blocks freed)."""
+        updated = []
+        for req_id, token in out.sampled_token_ids.items():
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            req.append_output_token(token)
+            if self._check_stop(req, token):
+                self.running.remove(req)
+                self._free(req)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == req.eos_token_id:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

@@ -1,0 +1,120 @@
+"""EngineArgs: the keyword arguments of ``LLM(...)`` (vLLM's names), turned into EngineConfig."""
+import logging
+from dataclasses import dataclass, fields
+
+import torch
+
+from pagoda.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagoda.model.hub import default_model_path, resolve_model_path
+from pagoda.model.loader import read_arch_config, read_generation_config
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    swap_space: float = 4
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    quantization: str | None = None
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    device: str = "auto"
+    trust_remote_code: bool = False
+    tokenizer_mode: str = "auto"
+    skip_tokenizer_init: bool = False
+    disable_log_stats: bool = True
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        path = resolve_model_path(self.model or default_model_path(), self.revision)
+        arch = read_arch_config(path)
+        dtype, compute_dtype = _resolve_dtype(self.dtype, arch.torch_dtype, device)
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(f"Unknown load_format {self.load_format!r}; choose one of {_LOAD_FORMATS}.")
+        max_model_len = self.max_model_len or arch.max_position_embeddings
+        if max_model_len > arch.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} is larger than the model's maximum "
+                             f"context ({arch.max_position_embeddings} tokens).")
+        if self.block_size not in (1, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 1, 8, 16, 32, 64, 128, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        max_num_seqs = self.max_num_seqs or 256
+        max_batched = self.max_num_batched_tokens or 8192
+        if max_batched < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1.")
+        chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
+        if not chunked and max_batched < max_model_len:
+            raise ValueError(f"With chunked prefill off, max_num_batched_tokens ({max_batched}) must be "
+                             f">= max_model_len ({max_model_len}) or long prompts could never run.")
+        model = ModelConfig(
+            model=self.model or path, path=path, arch=arch, dtype=dtype, compute_dtype=compute_dtype,
+            max_model_len=max_model_len, seed=self.seed, load_format=self.load_format,
+            quantization=self.quantization, tokenizer=self.tokenizer, revision=self.revision,
+            generation_config=read_generation_config(path))
+        cache = CacheConfig(
+            block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching)
+        sched = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len, enable_chunked_prefill=chunked)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                  self.data_parallel_size, self.distributed_executor_backend)
+        return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager)
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None, device: str):
+    """(storage dtype, compute dtype). "auto" is the checkpoint's half type (bf16 when it has
+    none) on GPUs, and float32 on CPUs that lack bf16 matrix units, where half math is slow."""
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16.")
+    slow_half = device == "cpu" and not cpu_has_native_bf16()
+    if dtype == "auto":
+        if slow_half:
+            return torch.float32, torch.float32
+        chosen = _DTYPES.get(config_dtype or "", torch.bfloat16)
+        return (torch.bfloat16, torch.bfloat16) if chosen == torch.float32 else (chosen, chosen)
+    chosen = _DTYPES[dtype]
+    if slow_half and chosen != torch.float32:
+        logger.warning("This CPU has no bf16/fp16 matrix units: weights are rounded to %s but the "
+                       "math runs in float32.", dtype)
+        return chosen, torch.float32
+    return chosen, chosen

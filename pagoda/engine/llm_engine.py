@@ -1,0 +1,161 @@
+"""The synchronous engine: add requests, then step until done. One step = schedule, execute,
+update, detokenize."""
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from pagoda.config import EngineConfig
+from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
+from pagoda.core.request import Request, RequestStatus
+from pagoda.core.scheduler import Scheduler
+from pagoda.distributed.executor import get_executor
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.output_processor import OutputProcessor, ParentState
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_prompt_tokens: int = 0          # prompt tokens admitted
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None):
+        t0 = time.time()
+        self.config = config
+        self.tokenizer = tokenizer
+        self.executor = get_executor(config)
+        num_blocks = self.executor.determine_num_blocks()
+        self._check_kv_cache_fits(num_blocks)
+        self.executor.initialize_kv_cache(num_blocks)
+        config.cache.num_blocks = num_blocks
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self.eos_token_id = self._eos_token_id()
+        logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens.", time.time() - t0,
+                    num_blocks - 1, config.cache.block_size)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        config = args.create_engine_config()
+        tokenizer = None
+        if not args.skip_tokenizer_init:
+            source = args.tokenizer or config.model.path
+            tokenizer = Tokenizer.from_gguf(source) if source.endswith(".gguf") else Tokenizer.from_pretrained(source)
+        return cls(config, tokenizer)
+
+    def _check_kv_cache_fits(self, num_blocks: int) -> None:
+        bs, max_len = self.config.cache.block_size, self.config.scheduler.max_model_len
+        if cdiv(max_len, bs) > num_blocks - 1:
+            raise ValueError(
+                f"The KV cache holds {(num_blocks - 1) * bs} tokens ({num_blocks - 1} blocks), less than "
+                f"one sequence of max_model_len={max_len} needs. Lower max_model_len to at most "
+                f"{(num_blocks - 1) * bs} or give the KV cache more memory.")
+
+    def _eos_token_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        eos = self.config.model.arch.eos_token_id
+        return eos[0] if eos else None
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+        """Validate and queue a request; raises ValueError on bad input, leaving the engine
+        untouched."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        text, token_ids = self._tokenize(prompt)
+        max_len = self.config.scheduler.max_model_len
+        if not token_ids:
+            raise ValueError("The prompt is empty: it must contain at least one token.")
+        if len(token_ids) > max_len:
+            raise ValueError(f"The prompt (length {len(token_ids)}) is longer than the maximum model "
+                             f"length of {max_len}. Shorten the prompt or raise max_model_len.")
+        vocab = self.config.model.arch.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"Prompt token ids must be in [0, {vocab}); got min {min(token_ids)}, "
+                             f"max {max(token_ids)}.")
+        params = self._finalize_params(params)
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(token_ids)
+        arrival = arrival_time or time.time()
+        parent = ParentState(request_id, text, token_ids, params, arrival)
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + i
+            children.append(Request(f"{i}_{request_id}" if params.n > 1 else request_id, token_ids,
+                                    child_params, self.eos_token_id, max(1, max_tokens), arrival))
+        self.output_processor.add(parent, children)
+        for req in children:
+            self.scheduler.add_request(req)
+        self.stats.num_prompt_tokens += len(token_ids) * params.n
+        return request_id
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("Text prompts need a tokenizer (skip_tokenizer_init=True was set).")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"A prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                         f"'prompt_token_ids'; got {type(prompt).__name__}.")
+
+    def _finalize_params(self, params: SamplingParams) -> SamplingParams:
+        params = params.clone()
+        if not params.ignore_eos:
+            gen_eos = self.config.model.generation_config.get("eos_token_id")
+            extra = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+            if self.tokenizer is not None:
+                extra = list(extra) + sorted(self.tokenizer.eos_token_ids)
+            params.stop_token_ids = params.stop_token_ids + [
+                t for t in dict.fromkeys(extra) if t != self.eos_token_id and t not in params.stop_token_ids]
+        params.all_stop_token_ids = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            params.all_stop_token_ids.add(self.eos_token_id)
+        return params
+
+    def abort_request(self, request_ids) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            self.scheduler.finish_requests(self.output_processor.remove(rid), RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parents)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        runner_out = self.executor.execute_model(sched)
+        updated = self.scheduler.update_from_output(sched, runner_out)
+        outputs, stopped = self.output_processor.process(updated, runner_out)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.stats.num_steps += 1
+        self.stats.num_generation_tokens += len(runner_out.sampled_token_ids)
+        return outputs

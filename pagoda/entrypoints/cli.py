@@ -1,0 +1,108 @@
+"""The ``pagoda`` command: ``pagoda generate`` (batch, offline) and ``pagoda chat``
+(interactive, streaming)."""
+import argparse
+import sys
+import time
+
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder, .gguf file or cached hub name "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--top-k", type=int, default=0)
+
+
+def _make_llm(args):
+    from pagoda.llm import LLM
+    return LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               seed=args.seed)
+
+
+def _params(args, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, **extra)
+
+
+def cmd_generate(args) -> int:
+    prompts = list(args.prompts)
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("pagoda generate: give prompts as arguments or with --file.", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    llm = _make_llm(args)
+    print(f"# model loaded in {time.time() - t0:.1f} s", file=sys.stderr)
+    params = _params(args)
+    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if args.chat \
+        else llm.generate(prompts, params)
+    for out in outputs:
+        print(f"### Prompt: {out.prompt!r}")
+        print(out.outputs[0].text)
+        print(f"### ({len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason})\n")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _make_llm(args)
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("pagoda chat: type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        req_id = engine.add_request(None, {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)},
+                                    _params(args, output_kind=RequestOutputKind.DELTA))
+        reply = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == req_id:
+                    delta = out.outputs[0].text
+                    reply.append(delta)
+                    print(delta, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pagoda", description="pagoda LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions for prompts (offline, batched)")
+    g.add_argument("prompts", nargs="*", help="prompts (also see --file)")
+    g.add_argument("--file", help="a text file with one prompt per line")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    _engine_args(g)
+    _sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat, streaming to the terminal")
+    c.add_argument("--system", default=None, help="system prompt")
+    _engine_args(c)
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""Triton kernels for paged attention: writing K/V into the paged cache, and causal attention of
+a varlen (mixed prefill / chunked-prefill / decode) batch against it. Same semantics and
+argument layout as ``pagoda.kernels.reference`` (the oracle the tests compare against).
+
+Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same kernel.
+
+- The grid is ``(query tiles, kv heads, kv segments)``. A query tile holds ``BLOCK_Q`` query
+  tokens of one request times the ``GROUP = num_heads // num_kv_heads`` query heads that share
+  one KV head, i.e. ``BLOCK_M = BLOCK_Q * GROUP`` rows of the ``tl.dot``. Every K/V tile is thus
+  loaded once per GQA group and feeds all of its query heads (for decode, GROUP rows of one
+  token; for prefill, BLOCK_Q tokens of every head of the group).
+- Query tiles are numbered over the whole varlen batch: request ``i`` owns tile slots starting
+  at ``query_start_loc[i] // BLOCK_Q + i``; a program finds its request by binary search over
+  ``query_start_loc``. The number of slots, ``num_tokens // BLOCK_Q + num_seqs``, is an upper
+  bound that depends only on tensor shapes, so the grid never depends on tensor values (CUDA-graph
+  capturable, no host sync); slots past a request's last tile exit at once.
+- Why unified rather than a prefill kernel + a decode kernel: the engine's steps are mixed
+  (chunked prefill rides along with decodes), and one launch with one code path serves them all;
+  prefill, chunked prefill over a cached prefix and decode are the same computation (the query
+  rows are the last ``q_len`` positions of a ``seq_len`` context, causal), so a second kernel
+  would only duplicate the paging, masking and online-softmax code. What does differ between
+  decode and prefill is the tile shape, and that is a launch-time choice (``_pick_tiles``, from
+  the python int ``max_query_len``): 16 rows for decode (memory-bound: extra rows are wasted
+  MMA work and registers), 128 rows for prefill (compute-bound: each K/V tile feeds more query
+  rows, and wgmma needs 64-row multiples). A mixed batch takes its longest request's tile, so
+  decodes riding along with a prefill run in 128-row tiles: more (idle-row) MMA work for the
+  same bytes, a fraction of such a step's time; a runner that orders decodes first could launch
+  the decode and prefill parts separately if a profile ever shows it.
+- Flash-decoding: with few sequences decoding, ``batch * num_kv_heads`` programs cannot fill
+  132 SMs (batch 1 of Llama-3-8B: 8 programs). Then each request's context is split into
+  ``NUM_SEGMENTS`` contiguous ranges of KV tiles, one program each; they write unnormalised
+  partial outputs with their running max and sum, and a second small kernel merges them
+  (log-sum-exp weights). The split factor comes from python ints only (batch shape,
+  ``max_seq_len``); each program derives its range from the request's actual ``seq_len`` in the
+  kernel, so the result is right for any lengths (pass ``max_seq_len = max_model_len`` when
+  capturing a CUDA graph: it only sets how many segments there are).
+- Numerics: K/V tiles in the cache dtype, ``tl.dot`` into fp32, online softmax in fp32 with
+  ``exp2`` (scale * log2(e) folded into the scores), P cast to the value dtype for the second
+  dot (as flash-attention does). fp32 inputs use exact ("ieee") dots, not tf32.
+
+Tiles to tune on the GPU are ``TILES`` and ``SPLIT_*`` below (module globals read at each call);
+``benchmarks/attention_kernels.py`` measures the defaults and a few alternatives.
+"""
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# Tile shapes (Hopper defaults), keyed by BLOCK_M: the number of (query token, query head) rows
+# per program. BLOCK_M is chosen per call to hold the longest request's queries of one GQA group
+# (16 for decode, up to 128 for prefill); TILE_N is the number of context tokens per K/V tile
+# (a multiple of 16; a tile may span several cache blocks, each token is addressed through the
+# block table). Checked by compiling for sm_90 (ptxas -v): no spills at any of these in
+# bf16/fp16, 128 registers at BLOCK_M 16 (4 programs per SM), wgmma from BLOCK_M 64 up.
+TILES = {  # BLOCK_M: dict(TILE_N, num_warps, num_stages)
+    16: dict(TILE_N=64, num_warps=4, num_stages=3),
+    32: dict(TILE_N=64, num_warps=4, num_stages=3),
+    64: dict(TILE_N=64, num_warps=4, num_stages=3),
+    128: dict(TILE_N=64, num_warps=8, num_stages=3),
+}
+# On the GPU, fp32 inputs (a test dtype, not a serving one) use exact FMA dots, which spill at
+# large tiles. (Not applied in the CPU interpreter, so that its tests cover the large tiles.)
+MAX_BLOCK_M_CUDA = {torch.float32: 16}
+
+# Flash-decoding: split the context when fewer than SPLIT_PROGRAMS_PER_SM * num_SMs programs
+# would run, into at most SPLIT_MAX_SEGMENTS segments of at least SPLIT_MIN_TOKENS tokens each.
+SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_MAX_SEGMENTS = 64
+SPLIT_MIN_TOKENS = 128
+
+
+def _fix_interpreter_loop_bounds() -> None:
+    """CPU interpreter only (TRITON_INTERPRET=1): triton 3.6 turns a run-time scalar into a
+    python int with ``int(array_of_one_element)``, which numpy >= 2.4 rejects, so a loop like
+    ``range(tile_lo, tile_hi)`` over loaded values fails. Use ``.item()`` instead, for the
+    duration of each interpreted launch (the interpreter restores its patches afterwards)."""
+    try:
+        from triton.runtime import interpreter
+        original = interpreter._patch_lang_tensor
+    except (ImportError, AttributeError):
+        return
+    if getattr(original, "_pagoda_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched._pagoda_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if triton.knobs.runtime.interpret:
+    _fix_interpreter_loop_bounds()
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache write
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _write_kv_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                           stride_kt, stride_kh, stride_vt, stride_vh,
+                           stride_cslot, stride_chead,
+                           NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token (CUDA-graph batches): nothing to write
+        return
+    offs_h = tl.arange(0, HEADS_P)[:, None]
+    offs_d = tl.arange(0, HEAD_DIM_P)[None, :]
+    mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM)
+    k = tl.load(key_ptr + token * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    dst = slot * stride_cslot + offs_h * stride_chead + offs_d
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V ``(num_tokens, num_kv_heads, head_dim)`` into ``kv_cache`` at
+    ``slot_mapping`` (int32 or int64). A slot of -1 is skipped (padding tokens). K/V may be
+    strided views (e.g. slices of a fused qkv output) as long as ``head_dim`` is contiguous."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape and slot_mapping.shape[0] == num_tokens
+    assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.is_contiguous()
+    if num_tokens == 0:
+        return
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    # A slot index addresses (block, offset) of the flattened (num_blocks * block_size) axis.
+    _write_kv_cache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        num_warps=4)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest request i whose first tile slot ``query_start_loc[i] // BLOCK_Q + i`` is <= q_tile
+    (the slots are strictly increasing in i, so binary search)."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_slot = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_slot <= q_tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+        part_acc_ptr, part_m_ptr, part_l_ptr,       # flash-decoding scratch (NUM_SEGMENTS > 1)
+        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+        qk_scale, num_seqs,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_bt,
+        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+        NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    q_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+
+    seq = _find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    local_tile = q_tile - (q_start // BLOCK_Q + seq)
+    if local_tile * BLOCK_Q >= q_len:  # spare slot of the upper-bound grid
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # tokens already in the cache before this step's queries
+
+    # Row r of the tile: query token local_tile * BLOCK_Q + r // GROUP, head r % GROUP of the group.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = local_tile * BLOCK_Q + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_valid = (offs_m // GROUP < BLOCK_Q) & (q_idx < q_len)
+    q_pos = context_len + q_idx  # position of the query in its sequence (causal limit)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_valid = offs_d < HEAD_DIM
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+
+    # Context range of this tile: up to its last query's position (causal), split into segments.
+    kv_end = tl.minimum(seq_len, context_len + tl.minimum((local_tile + 1) * BLOCK_Q, q_len))
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+    tile_lo = segment * tiles_per_segment
+    tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 domain)
+    l_i = tl.zeros([BLOCK_M], tl.float32)                # running sum of exp2
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for t in range(tile_lo, tile_hi):
+        offs_n = t * TILE_N + tl.arange(0, TILE_N)
+        n_valid = offs_n < kv_end
+        # Each context token through the block table: (physical block, offset in block).
+        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_off = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        # Masked loads return 0, never stale cache contents (which may be NaN).
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with nothing allowed yet keep m = -inf; subtract 0 there so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SEGMENTS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+    else:
+        # Partials, contiguous (num_tokens, num_heads, NUM_SEGMENTS[, HEAD_DIM_P]); an empty
+        # segment writes m = -inf, l = 0, acc = 0 and weighs nothing in the merge.
+        part = (token * NUM_HEADS + head) * NUM_SEGMENTS + segment
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc,
+                 mask=row_valid[:, None])
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _merge_segments_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr,
+                           num_seqs, stride_ot, stride_oh,
+                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           HEAD_DIM_P: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_seqs):  # padding rows: left untouched
+        return
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    part = (token.to(tl.int64) * NUM_HEADS + head) * NUM_SEGMENTS + offs_s
+    m = tl.load(part_m_ptr + part)
+    l = tl.load(part_l_ptr + part)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :])
+    m_max = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty segments -> 0
+    out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(l * w, 0), 1e-30)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter on CPU: plan as for an H200 so the split path is exercised
+
+
+def _pick_tiles(max_query_len: int, group: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[int, dict]:
+    """BLOCK_M and its launch parameters, from python ints: enough rows for the longest
+    request's queries of one GQA group, at least 16 (tl.dot) and at least one whole group."""
+    rows = triton.next_power_of_2(max_query_len * group)
+    cap = MAX_BLOCK_M_CUDA.get(dtype, max(TILES)) if device.type == "cuda" else max(TILES)
+    block_m = max(min(rows, cap), min(TILES), triton.next_power_of_2(group))
+    return block_m, dict(TILES[min(block_m, max(TILES))])
+
+
+def _pick_num_segments(num_programs: int, max_query_len: int, max_seq_len: int,
+                       device: torch.device) -> int:
+    """Flash-decoding split factor (a power of two) from python ints only."""
+    target = SPLIT_PROGRAMS_PER_SM * _num_sms(device)
+    if max_query_len > 1 or num_programs >= target:
+        return 1
+    want = triton.next_power_of_2(triton.cdiv(target, num_programs))
+    fit = max(1, max_seq_len // SPLIT_MIN_TOKENS)  # don't cut segments shorter than this
+    return max(1, min(want, SPLIT_MAX_SEGMENTS, 1 << (fit.bit_length() - 1)))
+
+
+def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                           max_seq_len: int | None = None, max_query_len: int | None = None,
+                           out: torch.Tensor | None = None,
+                           num_segments: int | None = None) -> torch.Tensor:
+    """Causal attention of a varlen batch against its paged context; same contract as
+    ``reference.paged_attention``. ``query``: ``(num_tokens, num_heads, head_dim)`` (strided
+    views fine, head_dim contiguous); ``kv_cache``: ``(2, num_blocks, block_size, num_kv_heads,
+    head_dim)``; ``block_tables`` int32 ``(batch, max_blocks)``; ``seq_lens`` int32 ``(batch,)``;
+    ``query_start_loc`` int32 ``(batch + 1,)``. ``max_seq_len`` / ``max_query_len`` are python ints
+    (upper bounds are fine); when given, the call makes no host sync and its grid depends only on
+    them and on shapes (CUDA-graph capturable). Writes into ``out`` if given (rows past
+    ``query_start_loc[-1]`` are left untouched) and returns it. ``num_segments`` forces the
+    flash-decoding split factor (a power of two; tests and tuning), otherwise chosen here.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    assert num_heads == group * num_kv_heads and kv_cache.shape[4] == head_dim
+    assert query.stride(2) == 1 and kv_cache.is_contiguous()
+    if max_seq_len is None:  # host syncs; pass them in on the hot path
+        max_seq_len = int(seq_lens.max())
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(2) == 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    block_m, tiles = _pick_tiles(max_query_len, group, query.dtype, query.device)
+    block_q = block_m // group
+    num_q_tiles = num_tokens // block_q + num_seqs  # upper bound, from shapes only
+    if num_segments is None:
+        # (for decode, each request has one query tile per KV head; the rest of the grid are
+        # spare slots that exit at once)
+        num_segments = _pick_num_segments(num_seqs * num_kv_heads, max_query_len, max_seq_len,
+                                          query.device)
+    assert num_segments >= 1 and num_segments & (num_segments - 1) == 0
+    head_dim_p = triton.next_power_of_2(head_dim)
+    if num_segments > 1:
+        part_m = torch.empty(num_tokens, num_heads, num_segments, device=query.device,
+                             dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(num_tokens, num_heads, num_segments, head_dim_p,
+                               device=query.device, dtype=torch.float32)
+    else:
+        part_m = part_l = part_acc = out  # unused
+
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_segments)](
+        query, k_cache, v_cache, out, part_acc, part_m, part_l,
+        block_tables, seq_lens, query_start_loc,
+        scale * math.log2(math.e), num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
+        NUM_SEGMENTS=num_segments,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        **tiles)
+    if num_segments > 1:
+        _merge_segments_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_m, part_l, query_start_loc, num_seqs,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+            NUM_SEGMENTS=num_segments, num_warps=4)
+    return out

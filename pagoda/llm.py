@@ -1,0 +1,110 @@
+"""The offline API, vLLM-compatible: ``LLM(model=...).generate(prompts, sampling_params)``."""
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """An offline engine. ``model`` is a model folder, a .gguf file, or a hub name in the local
+    Hugging Face cache; with none, the embedded SmolLM2-135M-Instruct. Other keyword arguments
+    are vLLM's engine arguments (max_num_seqs, max_num_batched_tokens, dtype, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(unknown)}.")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, **_ignored) -> list[RequestOutput]:
+        """Generate for one prompt or a list of them (strings, token-id lists, or dicts with
+        ``prompt`` / ``prompt_token_ids``). Returns outputs in input order."""
+        prompts = self._as_list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list | None = None, chat_template_kwargs: dict | None = None, **_ignored) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered with
+        the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                           tools=tools, chat_template=chat_template,
+                                           continue_final_message=continue_final_message,
+                                           **(chat_template_kwargs or {}))
+            # The template already holds BOS and the special tokens.
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self._run(prompts, self._params_list(sampling_params, len(prompts)), use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        return True   # nothing is cached across requests yet
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _as_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):   # one token-id prompt
+            return [prompts]
+        return prompts
+
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != n:
+            raise ValueError(f"Got {len(sampling_params)} SamplingParams for {n} prompts; "
+                             "pass one, or one per prompt.")
+        return sampling_params
+
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+                ids.append(engine.add_request(None, prompt, p))
+            finished = self._run_engine(len(ids), use_tqdm)
+        except BaseException:
+            # Bad input or a failure mid-run: release everything this call holds so the
+            # engine stays usable.
+            engine.abort_request(ids)
+            raise
+        return [finished[i] for i in ids]
+
+    def _run_engine(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        engine = self.llm_engine
+        bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start, in_toks, out_toks = time.time(), 0, 0
+        finished: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    in_toks += len(out.prompt_token_ids)
+                    out_toks += sum(len(o.token_ids) for o in out.outputs)
+                    elapsed = max(time.time() - start, 1e-6)
+                    bar.set_postfix_str(f"input: {in_toks / elapsed:.0f} tok/s, output: {out_toks / elapsed:.0f} tok/s",
+                                        refresh=False)
+                    bar.update(1)
+        bar.close()
+        return finished

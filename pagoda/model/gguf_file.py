@@ -1,0 +1,246 @@
+"""Reading GGUF model files: metadata as an HF-style config, tensors as HF-named float32 weights.
+
+The header is parsed here with `struct` instead of `gguf.GGUFReader`: the reader builds a numpy view per
+metadata element, which takes ~4 s for a 49k-token vocabulary; this takes ~0.1 s. Tensor data stays
+memory-mapped and is dequantized by `gguf.quants.dequantize`, one tensor at a time.
+"""
+from __future__ import annotations
+
+import mmap
+import re
+import struct
+from functools import cached_property
+from math import prod
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf.quants import dequantize
+
+_GGUF_MAGIC = b"GGUF"
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+SUPPORTED_TYPES = frozenset({
+    QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0,
+    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+})
+
+# general.architecture -> (HF model_type, HF architecture class)
+_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Tensors llama.cpp adds that HF recomputes from the config (llama3 rope factors).
+_SKIPPED = {"rope_freqs.weight"}
+
+
+class _Header:
+    """Sequential little-endian reader over the mapped file; short reads surface as struct.error."""
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str):
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        if self.pos + n > len(self.buf):
+            raise struct.error("string runs past the end of the file")
+        s = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return s.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int):
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            return self.array()
+        return self.scalar(_SCALAR[vtype])
+
+    def array(self):
+        etype, n = self.scalar("<I"), self.scalar("<Q")
+        if etype in _NUMPY:  # numbers: one numpy read instead of n struct calls
+            arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=n, offset=self.pos)
+            self.pos += arr.nbytes
+            return arr.tolist()
+        return [self.value(etype) for _ in range(n)]
+
+
+class GGUFModel:
+    """A GGUF file: `metadata`, `tensor_infos`, `hf_config`, `tokenizer_metadata` and `iter_weights()`."""
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        try:
+            with open(self.path, "rb") as f:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._parse_header()
+        except (ValueError, struct.error, KeyError, OSError, UnicodeDecodeError, OverflowError) as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise ValueError(f"{self.path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
+
+    def _parse_header(self) -> None:
+        h = _Header(self._mm)
+        if self._mm[:4] != _GGUF_MAGIC:
+            raise ValueError("bad magic, expected b'GGUF'")
+        h.pos = 4
+        version = h.scalar("<I")
+        if version not in (2, 3):  # v1 used 32-bit counts; big-endian files show up as huge versions
+            raise ValueError(f"unsupported GGUF version {version}")
+        n_tensors, n_kv = h.scalar("<Q"), h.scalar("<Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = h.string()
+            self.metadata[key] = h.value(h.scalar("<I"))
+        self.tensor_infos: dict[str, tuple[tuple[int, ...], QT, int]] = {}
+        for _ in range(n_tensors):
+            name = h.string()
+            dims = tuple(h.scalar("<Q") for _ in range(h.scalar("<I")))
+            qtype, offset = QT(h.scalar("<I")), h.scalar("<Q")
+            # GGUF lists dims innermost first; torch/HF order is the reverse.
+            self.tensor_infos[name] = (dims[::-1], qtype, offset)
+        align = self.metadata.get("general.alignment", 32)
+        self._data_start = (h.pos + align - 1) // align * align  # data starts at the next boundary
+        self._check_sizes()
+
+    def _nbytes(self, shape: tuple[int, ...], qtype: QT) -> int:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        return prod(shape) // block * type_size
+
+    def _check_sizes(self) -> None:
+        # Catch truncation when opening, not halfway through loading the weights.
+        for name, (shape, qtype, offset) in self.tensor_infos.items():
+            end = self._data_start + offset + self._nbytes(shape, qtype)
+            if end > len(self._mm):
+                raise ValueError(f"tensor {name!r} ends at byte {end} but the file has {len(self._mm)} bytes")
+
+    # ---- config -------------------------------------------------------------------------------
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata["general.architecture"]
+
+    @cached_property
+    def hf_config(self) -> dict[str, Any]:
+        arch, md = self.architecture, self.metadata
+        if arch not in _ARCHITECTURES:
+            raise ValueError(f"{self.path}: unsupported GGUF architecture {arch!r} "
+                             f"(supported: {sorted(_ARCHITECTURES)})")
+        model_type, cls = _ARCHITECTURES[arch]
+        get = lambda key, default=None: md.get(f"{arch}.{key}", default)  # noqa: E731
+        hidden, heads = get("embedding_length"), get("attention.head_count")
+        kv_heads = get("attention.head_count_kv", heads)
+        embed = self.tensor_infos.get("token_embd.weight")
+        vocab = get("vocab_size") or len(md.get("tokenizer.ggml.tokens", ())) or (embed[0][0] if embed else None)
+        return {
+            "architectures": [cls],
+            "model_type": model_type,
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": get("feed_forward_length"),
+            "num_hidden_layers": get("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": get("attention.key_length") or hidden // heads,
+            "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": get("rope.freq_base", 10000.0),
+            "rope_scaling": self._rope_scaling(),
+            "max_position_embeddings": get("context_length"),
+            "tie_word_embeddings": "output.weight" not in self.tensor_infos,
+            "attention_bias": "blk.0.attn_q.bias" in self.tensor_infos,
+            "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
+            "torch_dtype": self._torch_dtype(),
+            "hidden_act": "silu",
+        }
+
+    def _rope_scaling(self) -> dict | None:
+        prefix = f"{self.architecture}.rope.scaling."
+        kind = self.metadata.get(prefix + "type")
+        if kind in (None, "none"):
+            return None
+        scaling = {"rope_type": kind, "type": kind, "factor": self.metadata.get(prefix + "factor", 1.0)}
+        if (orig := self.metadata.get(prefix + "original_context_length")) is not None:
+            scaling["original_max_position_embeddings"] = orig
+        return scaling
+
+    def _torch_dtype(self) -> str:
+        # Dequantized weights are float32, so quantized files say float32 (as transformers loads them);
+        # an unquantized file keeps the dtype its embedding is stored in.
+        qtype = self.tensor_infos["token_embd.weight"][1] if "token_embd.weight" in self.tensor_infos else None
+        return {QT.F16: "float16", QT.BF16: "bfloat16"}.get(qtype, "float32")
+
+    @property
+    def tokenizer_metadata(self) -> dict[str, Any]:
+        """Every `tokenizer.*` key (tokens, merges, token_type, special ids, chat_template, ...)."""
+        return {k: v for k, v in self.metadata.items() if k.startswith("tokenizer.")}
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    @staticmethod
+    def hf_name(gguf_name: str) -> str | None:
+        """HF parameter name for a GGUF tensor name; None for tensors HF has no parameter for."""
+        if gguf_name in _SKIPPED:
+            return None
+        if gguf_name in _GLOBAL_NAMES:
+            return _GLOBAL_NAMES[gguf_name]
+        m = _LAYER_RE.fullmatch(gguf_name)
+        if m and m.group(2) in _LAYER_NAMES:
+            return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        return gguf_name  # unknown: pass through so the loader reports it by its real name
+
+    def tensor(self, gguf_name: str) -> torch.Tensor:
+        """One tensor by GGUF name, dequantized to float32 in HF shape (q/k un-permuted for llama)."""
+        shape, qtype, offset = self.tensor_infos[gguf_name]
+        if qtype not in SUPPORTED_TYPES:
+            raise ValueError(f"{self.path}: tensor {gguf_name!r} has unsupported type {qtype.name}")
+        raw = np.frombuffer(self._mm, dtype=np.uint8, count=self._nbytes(shape, qtype),
+                            offset=self._data_start + offset)
+        rows = prod(shape[:-1])
+        w = dequantize(raw.reshape(rows, -1), qtype).reshape(shape)
+        # F32 comes back as a view of the read-only map: copy it (and only it) so torch may own it.
+        w = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        return self._unpermute(gguf_name, w)
+
+    def _unpermute(self, gguf_name: str, w: torch.Tensor) -> torch.Tensor:
+        # llama.cpp's converter interleaves each head's rotary halves in q/k rows for the llama
+        # architecture (convert_hf_to_gguf.py LlamaModel.permute: reshape(n_head, 2, dim//2).swapaxes);
+        # undo it so the weights use HF's rotate-half layout. qwen2/qwen3 files are not permuted.
+        if self.architecture != "llama" or not (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            return w
+        heads = self.metadata["llama.attention.head_count"]
+        n_head = heads if ".attn_q." in gguf_name else self.metadata.get("llama.attention.head_count_kv", heads)
+        return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for gguf_name in self.tensor_infos:
+            if (name := self.hf_name(gguf_name)) is not None:
+                yield name, self.tensor(gguf_name)
+
+    def __repr__(self) -> str:
+        return f"GGUFModel({self.path!r}, arch={self.metadata.get('general.architecture')!r}, " \
+               f"tensors={len(self.tensor_infos)})"

@@ -1,0 +1,85 @@
+"""The attention layer and its backends.
+
+The model runner describes the batch once per step in an ``AttentionMetadata`` and installs it
+with ``set_forward_context``; every attention layer then writes its new K/V into its own
+paged cache at ``slot_mapping`` and attends through the block tables. Backends are the one
+plug-in point: ``forward(q, k, v, kv_cache, metadata) -> out``.
+"""
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagoda.kernels import reference
+
+
+@dataclass
+class AttentionMetadata:
+    """The batch is ordered decodes first: requests ``[0, num_decodes)`` have one query token
+    each and occupy tokens ``[0, num_decodes)``; the rest are prefills (whole or chunked)."""
+    num_actual_tokens: int
+    num_decodes: int
+    slot_mapping: torch.Tensor        # (num_tokens,) int64
+    query_start_loc: torch.Tensor     # (batch + 1,) int32
+    seq_lens: torch.Tensor            # (batch,) int32: context length including this step
+    block_tables: torch.Tensor        # (batch, max_blocks) int32
+    max_query_len: int
+    max_seq_len: int
+    max_decode_seq_len: int
+
+
+class TorchAttentionBackend:
+    """Reference kernels; used on CPU. Decodes and prefills are computed as two padded groups
+    so a long prefill does not pad hundreds of decodes to its length."""
+
+    @staticmethod
+    def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        n = md.num_actual_tokens
+        reference.write_kv_cache(k[:n], v[:n], kv_cache, md.slot_mapping[:n])
+        out = torch.empty_like(q)
+        nd = md.num_decodes
+        if nd:
+            out[:nd] = reference.paged_attention(
+                q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd], md.query_start_loc[:nd + 1],
+                scale, max_seq_len=md.max_decode_seq_len, max_query_len=1)
+        if nd < md.seq_lens.shape[0]:
+            out[nd:n] = reference.paged_attention(
+                q[nd:n], kv_cache, md.block_tables[nd:], md.seq_lens[nd:], md.query_start_loc[nd:] - nd,
+                scale, max_seq_len=md.max_seq_len, max_query_len=md.max_query_len)
+        return out
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None
+    backend: type
+
+
+_FORWARD_CONTEXT: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(attn_metadata: AttentionMetadata | None, backend=TorchAttentionBackend):
+    global _FORWARD_CONTEXT
+    prev, _FORWARD_CONTEXT = _FORWARD_CONTEXT, ForwardContext(attn_metadata, backend)
+    try:
+        yield
+    finally:
+        _FORWARD_CONTEXT = prev
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        self.kv_cache = torch.tensor([])   # bound by the model runner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = _FORWARD_CONTEXT
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)
+        return out.view(-1, self.num_heads * self.head_dim)

@@ -1,0 +1,36 @@
+"""Token embedding and LM head, split over the vocabulary across tensor-parallel ranks."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.vocab_size = vocab_size
+        self.shard = -(-vocab_size // self.tp_size)
+        self.start = self.tp_rank * self.shard
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        part = loaded[self.start:self.start + self.shard]
+        param.data.zero_()
+        param.data[:part.shape[0]].copy_(part)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mask = (local >= 0) & (local < self.shard)
+        out = F.embedding(local.clamp(0, self.shard - 1), self.weight) * mask[:, None]
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = tp_all_gather(F.linear(hidden, self.weight), dim=-1)
+        return logits[:, :self.vocab_size]

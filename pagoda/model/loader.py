@@ -1,0 +1,135 @@
+"""Build a model and fill its weights: HF safetensors folders, GGUF files, or random
+("dummy") weights for benchmarks."""
+import glob
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from pagoda.config import ArchConfig, ModelConfig
+from pagoda.model.gguf_file import GGUFModel
+from pagoda.model.hub import read_json
+from pagoda.model.registry import get_model_class
+from pagoda.quant.base import get_quant_method
+
+
+def read_arch_config(path: str) -> ArchConfig:
+    if path.endswith(".gguf"):
+        return ArchConfig.from_hf_dict(GGUFModel(path).hf_config)
+    config_file = Path(path) / "config.json"
+    return ArchConfig.from_hf_dict(read_json(config_file))
+
+
+def read_generation_config(path: str) -> dict:
+    f = Path(path) / "generation_config.json"
+    return read_json(f) if not path.endswith(".gguf") and f.is_file() else {}
+
+
+def safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        names = sorted(set(read_json(index)["weight_map"].values()))
+        missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+        if missing:
+            raise ValueError(f"Model folder {folder} is missing weight files listed in its index: {missing}.")
+        return [os.path.join(folder, n) for n in names]
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ValueError(f"Model folder {folder} has no *.safetensors weight files.")
+    return files
+
+
+def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+    for file in safetensors_files(folder):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ValueError(f"Cannot read weights file {file} (truncated or corrupt?): {e}") from None
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    mapping = getattr(model, "packed_modules_mapping", {})
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        shard_id = None
+        for ckpt_name, (fused, sid) in mapping.items():
+            if f".{ckpt_name}." in name:
+                name, shard_id = name.replace(f".{ckpt_name}.", f".{fused}."), sid
+                break
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(model).__name__}.")
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            param.data.copy_(tensor)
+        elif shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+        loaded.add(name if shard_id is None else f"{name}:{shard_id}")
+    expected = _expected_names(model, mapping)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"The checkpoint lacks {len(missing)} weights, e.g. {missing[:4]}.")
+
+
+def _expected_names(model: nn.Module, mapping: dict) -> set[str]:
+    shards: dict[str, list] = {}
+    for fused, sid in mapping.values():
+        shards.setdefault(fused, []).append(sid)
+    names = set()
+    for name, _ in model.named_parameters():   # tied weights appear once
+        module = name.rsplit(".", 2)[-2]
+        if module in shards:
+            names.update(f"{name}:{sid}" for sid in shards[module])
+        else:
+            names.add(name)
+    return names
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Small uniform values: speed does not depend on them and activations stay finite."""
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            gen = torch.Generator(device=p.device).manual_seed(seed + i)
+            p.data.uniform_(-1e-2, 1e-2, generator=gen)
+
+
+def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
+    cls = get_model_class(config.arch.architecture)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype)
+    try:
+        with torch.device(device):
+            model = cls(config.arch, get_quant_method(config.quantization))
+    finally:
+        torch.set_default_dtype(prev)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    elif config.is_gguf:
+        load_weights(model, GGUFModel(config.path).iter_weights())
+    else:
+        load_weights(model, iter_safetensors(config.path))
+    for m in model.modules():
+        qm = getattr(m, "quant_method", None)
+        if qm is not None:
+            qm.process_weights_after_loading(m)
+    if config.compute_dtype != config.dtype:
+        # Weights keep the values of the requested dtype; the math runs in compute_dtype.
+        model.to(config.compute_dtype)
+    return model.eval()
+
+
+

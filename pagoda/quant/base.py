@@ -1,0 +1,34 @@
+"""The quantization plug-in interface. A linear layer owns a QuantMethod that creates its
+parameters, fixes them up after loading, and runs the matmul. Unquantized weights are the
+first method; FP8/INT8/GPTQ/AWQ plug in beside it."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class QuantMethod:
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
+                       dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(QuantMethod):
+    def create_weights(self, layer, in_features, out_features, dtype):
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                    requires_grad=False)
+
+    def apply(self, layer, x, bias):
+        return F.linear(x, layer.weight, bias)
+
+
+def get_quant_method(quantization: str | None) -> QuantMethod:
+    if quantization is None:
+        return UnquantizedLinearMethod()
+    raise ValueError(f"Unknown quantization method {quantization!r}; supported: None "
+                     "(more methods arrive with the quantization work).")

@@ -1,0 +1,272 @@
+"""The model runner: turns a SchedulerOutput into one flat, unpadded batch, runs the model and
+samples. Per-request state lives in preallocated rows (token ids, block table, sampling
+parameters), so building a step's inputs is a handful of vectorized numpy gathers: the Python
+work per step is O(requests), not O(tokens)."""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagoda.model.layers.attention import AttentionMetadata, TorchAttentionBackend, set_forward_context
+from pagoda.model.loader import get_model
+from pagoda.runner.sampler import SamplingMetadata, logprobs_of, sample
+from pagoda.sampling_params import SamplingParams
+
+GiB = 1 << 30
+CPU_DEFAULT_KV_CACHE_BYTES = 4 * GiB
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class CachedRequestState:
+    row: int
+    num_tokens: int               # tokens known: prompt + sampled so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        mc, sc = config.model, config.scheduler
+        torch.manual_seed(mc.seed)
+        self.model = get_model(mc, self.device)
+        self.arch = mc.arch
+        self.block_size = config.cache.block_size
+        self.kv_dtype = mc.compute_dtype
+        self.backend = TorchAttentionBackend
+        self.max_num_reqs = sc.max_num_seqs
+        self.max_model_len = sc.max_model_len
+        max_blocks = cdiv(sc.max_model_len, self.block_size)
+        # +1: a request that reaches max_model_len still appends its last sampled token.
+        self.token_ids = np.zeros((self.max_num_reqs, sc.max_model_len + 1), dtype=np.int32)
+        self.block_table = np.zeros((self.max_num_reqs, max_blocks), dtype=np.int32)
+        self.num_row_blocks = np.zeros(self.max_num_reqs, dtype=np.int32)
+        self.temperature = np.zeros(self.max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(self.max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(self.max_num_reqs, dtype=np.int64)
+        self.min_p = np.zeros(self.max_num_reqs, dtype=np.float32)
+        self.free_rows = list(range(self.max_num_reqs - 1, -1, -1))
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ KV cache
+    def kv_bytes_per_block(self) -> int:
+        a = self.arch
+        num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        return 2 * a.num_hidden_layers * self.block_size * num_kv_heads * a.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        cc = self.config.cache
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        budget = cc.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+        # Never more than every sequence at full length could use (+1: the null block).
+        need = self.max_num_reqs * cdiv(self.max_model_len, self.block_size) + 1
+        return min(budget // self.kv_bytes_per_block(), need)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        layers = self.model.model.layers
+        attn0 = layers[0].self_attn.attn
+        shape = (2, num_blocks, self.block_size, attn0.num_kv_heads, attn0.head_dim)
+        self.kv_caches = []
+        for layer in layers:
+            # Uninitialised: every kernel masks what lies past a request's length, and untouched
+            # pages of a large CPU cache are then never committed.
+            cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+            layer.self_attn.attn.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ------------------------------------------------------------------ request state
+    def _add_request(self, r: NewRequestData) -> None:
+        row = self.free_rows.pop()
+        n = len(r.token_ids)
+        self.token_ids[row, :n] = r.token_ids
+        self.block_table[row, :len(r.block_ids)] = r.block_ids
+        self.num_row_blocks[row] = len(r.block_ids)
+        p = r.sampling_params
+        self.temperature[row] = 0.0 if p.greedy else p.temperature
+        self.top_p[row], self.top_k[row], self.min_p[row] = p.top_p, p.top_k, p.min_p
+        gen = None
+        if p.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(p.seed)
+        self.requests[r.req_id] = CachedRequestState(row, n, r.num_prompt_tokens, p, gen)
+
+    def _append_blocks(self, req_id: str, block_ids: list[int]) -> None:
+        row = self.requests[req_id].row
+        start = self.num_row_blocks[row]
+        self.block_table[row, start:start + len(block_ids)] = block_ids
+        self.num_row_blocks[row] = start + len(block_ids)
+
+    def _remove_request(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.num_row_blocks[state.row] = 0
+            self.free_rows.append(state.row)
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in sched.finished_req_ids:
+            self._remove_request(req_id)
+        num_computed: dict[str, int] = {}
+        for r in sched.new_reqs:
+            self._add_request(r)
+            num_computed[r.req_id] = r.num_computed_tokens
+        for r in sched.cached_reqs:
+            if r.new_block_ids:
+                self._append_blocks(r.req_id, r.new_block_ids)
+            num_computed[r.req_id] = r.num_computed_tokens
+        if sched.is_empty:
+            return ModelRunnerOutput({})
+
+        # Decodes first: the attention backends treat them as one group.
+        req_ids = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
+        states = [self.requests[r] for r in req_ids]
+        rows = np.array([s.row for s in states], dtype=np.int64)
+        q_lens = np.array([sched.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        computed = np.array([num_computed[r] for r in req_ids], dtype=np.int64)
+        batch = self._prepare_inputs(rows, q_lens, computed)
+
+        with set_forward_context(batch["attn_metadata"], self.backend):
+            hidden = self.model(batch["input_ids"], batch["positions"])
+
+        known = np.array([s.num_tokens for s in states], dtype=np.int64)
+        seq_lens = computed + q_lens
+        sampling = np.nonzero(seq_lens == known)[0]          # reached their last known token
+        cu = np.cumsum(q_lens)
+        out = ModelRunnerOutput({})
+        self._prompt_logprobs(hidden, req_ids, states, rows, computed, q_lens, cu, out)
+        if len(sampling) == 0:
+            return out
+        logits = self.model.compute_logits(hidden[torch.from_numpy(cu[sampling] - 1).to(self.device)])
+        s_states = [states[i] for i in sampling]
+        s_rows = rows[sampling]
+        result = sample(logits, self._sampling_metadata(s_states, s_rows))
+        tokens = result.token_ids.cpu().numpy()
+        token_lp = result.logprobs.cpu().tolist()
+        self.token_ids[s_rows, known[sampling]] = tokens
+        topk = None
+        if result.topk_ids is not None:
+            topk = (result.topk_ids.cpu().tolist(), result.topk_logprobs.cpu().tolist(),
+                    result.ranks.cpu().tolist())
+        for j, i in enumerate(sampling):
+            s, req_id = states[i], req_ids[i]
+            s.num_tokens += 1
+            out.sampled_token_ids[req_id] = int(tokens[j])
+            out.cumulative[req_id] = token_lp[j]
+            k = s.params.logprobs
+            if k is not None:
+                ids, lps, ranks = topk[0][j][:k], topk[1][j][:k], topk[2][j]
+                out.logprobs[req_id] = ([int(tokens[j])] + ids, [token_lp[j]] + lps, ranks)
+        return out
+
+    def _prepare_inputs(self, rows, q_lens, computed) -> dict:
+        bs = self.block_size
+        total = int(q_lens.sum())
+        cu = np.cumsum(q_lens)
+        starts = cu - q_lens
+        req_idx = np.repeat(np.arange(len(rows)), q_lens)
+        positions = computed[req_idx] + (np.arange(total) - starts[req_idx])
+        tok_rows = rows[req_idx]
+        input_ids = self.token_ids[tok_rows, positions]
+        slot_mapping = self.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = computed + q_lens
+        max_seq_len = int(seq_lens.max())
+        block_tables = self.block_table[rows, :cdiv(max_seq_len, bs)]
+        num_decodes = int((q_lens == 1).sum())
+        dev = self.device
+        md = AttentionMetadata(
+            num_actual_tokens=total,
+            num_decodes=num_decodes,
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(np.concatenate([[0], cu]).astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=max_seq_len,
+            max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
+        )
+        return {"input_ids": torch.from_numpy(input_ids.astype(np.int64)).to(dev),
+                "positions": torch.from_numpy(positions).to(dev),
+                "attn_metadata": md}
+
+    def _sampling_metadata(self, states: list[CachedRequestState], rows: np.ndarray) -> SamplingMetadata:
+        dev = self.device
+        temp = self.temperature[rows]
+        top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
+        md = SamplingMetadata(
+            temperature=torch.from_numpy(temp).to(dev),
+            all_greedy=bool((temp == 0).all()),
+            top_k=torch.from_numpy(top_k).to(dev) if top_k.any() else None,
+            top_p=torch.from_numpy(top_p).to(dev) if (top_p < 1).any() else None,
+            min_p=torch.from_numpy(min_p).to(dev) if min_p.any() else None,
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+        )
+        ks = [s.params.logprobs for s in states if s.params.logprobs is not None]
+        md.max_num_logprobs = max(ks, default=0)
+        # The rare per-request extras: these loops touch only the requests that use them.
+        special = [i for i, s in enumerate(states) if s.params.needs_penalties or s.params.logit_bias
+                   or s.num_tokens - s.num_prompt_tokens < s.params.min_tokens]
+        if special:
+            self._add_special_sampling(md, states, rows, special)
+        return md
+
+    def _add_special_sampling(self, md, states, rows, special) -> None:
+        dev, vocab = self.device, self.arch.vocab_size
+        banned_rows, banned_ids, bias_rows, bias_ids, bias_vals = [], [], [], [], []
+        pen = [i for i in special if states[i].params.needs_penalties]
+        for i in special:
+            p, s = states[i].params, states[i]
+            if s.num_tokens - s.num_prompt_tokens < p.min_tokens:
+                ids = sorted(p.all_stop_token_ids)
+                banned_rows += [i] * len(ids)
+                banned_ids += ids
+            if p.logit_bias:
+                bias_rows += [i] * len(p.logit_bias)
+                bias_ids += list(p.logit_bias)
+                bias_vals += list(p.logit_bias.values())
+        if banned_rows:
+            md.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev))
+        if bias_rows:
+            md.logit_bias = (torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
+                             torch.tensor(bias_vals, dtype=torch.float32, device=dev))
+        if pen:
+            b = len(states)
+            counts = torch.zeros(b, vocab, device=dev)
+            prompt_mask = torch.zeros(b, vocab, dtype=torch.bool, device=dev)
+            pp = np.zeros((3, b), dtype=np.float32)
+            pp[2] = 1.0
+            for i in pen:
+                s = states[i]
+                toks = torch.from_numpy(self.token_ids[rows[i], :s.num_tokens].astype(np.int64)).to(dev)
+                prompt_mask[i, toks[:s.num_prompt_tokens]] = True
+                out_toks = toks[s.num_prompt_tokens:]
+                counts[i].index_add_(0, out_toks, torch.ones(len(out_toks), device=dev))
+                pp[:, i] = (s.params.presence_penalty, s.params.frequency_penalty, s.params.repetition_penalty)
+            md.output_counts, md.prompt_mask = counts, prompt_mask
+            md.presence_penalty, md.frequency_penalty, md.repetition_penalty = (
+                torch.from_numpy(x).to(dev) for x in pp)
+
+    def _prompt_logprobs(self, hidden, req_ids, states, rows, computed, q_lens, cu, out) -> None:
+        """Logprobs of prompt tokens computed this step (a chunk yields those of its next
+        tokens, up to the end of the prompt)."""
+        for i, s in enumerate(states):
+            k = s.params.prompt_logprobs
+            first = int(computed[i])
+            if k is None or first >= s.num_prompt_tokens - 1:
+                continue
+            last = min(first + int(q_lens[i]), s.num_prompt_tokens - 1)   # exclusive
+            h = hidden[int(cu[i] - q_lens[i]):int(cu[i] - q_lens[i]) + last - first]
+            targets = torch.from_numpy(self.token_ids[rows[i], first + 1:last + 1].astype(np.int64)).to(self.device)
+            lp, ranks, topk_ids, topk_lp = logprobs_of(self.model.compute_logits(h), targets, k)
+            out.prompt_logprobs[req_ids[i]] = (first + 1, targets.tolist(), lp.tolist(), ranks.tolist(),
+                                               topk_ids.tolist(), topk_lp.tolist())

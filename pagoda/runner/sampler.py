@@ -1,0 +1,106 @@
+"""Sampling for the whole batch in a few tensor ops: penalties, temperature, top-k / top-p /
+min-p, then one draw per row. A seeded request draws its noise from its own generator, so its
+output does not depend on what else shares the batch."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor            # (B,) float32, 0 for greedy rows
+    all_greedy: bool
+    top_k: torch.Tensor | None           # (B,) int64, 0 = off; None when no row uses it
+    top_p: torch.Tensor | None           # (B,) float32
+    min_p: torch.Tensor | None           # (B,) float32
+    generators: dict[int, torch.Generator]   # row -> its own generator (seeded requests)
+    # Penalties (None when no row uses them): output token counts and a prompt-token mask.
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None    # (B, V) float32
+    prompt_mask: torch.Tensor | None = None      # (B, V) bool
+    # (row indices, token ids) whose logits are forced to -inf (min_tokens holding back stops)
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
+    max_num_logprobs: int = 0
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor           # (B,)
+    logprobs: torch.Tensor            # (B,) raw logprob of the sampled token
+    ranks: torch.Tensor | None        # (B,) rank of the sampled token (when logprobs wanted)
+    topk_ids: torch.Tensor | None     # (B, k)
+    topk_logprobs: torch.Tensor | None
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.repetition_penalty is not None:
+        seen = md.prompt_mask | (md.output_counts > 0)
+        rp = md.repetition_penalty[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+    if md.frequency_penalty is not None:
+        logits = logits - md.frequency_penalty[:, None] * md.output_counts
+        logits = logits - md.presence_penalty[:, None] * (md.output_counts > 0).float()
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Mask logits outside each row's top-k / nucleus / min-p set to -inf."""
+    if md.min_p is not None:
+        probs = logits.softmax(-1)
+        threshold = probs.amax(-1, keepdim=True) * md.min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if md.top_k is None and md.top_p is None:
+        return logits
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if md.top_k is not None:
+        k = torch.where(md.top_k > 0, md.top_k, logits.shape[-1])
+        remove |= torch.arange(logits.shape[-1], device=logits.device)[None, :] >= k[:, None]
+    if md.top_p is not None:
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        remove |= (probs.cumsum(-1) - probs) >= md.top_p[:, None]
+    remove[:, 0] = False
+    return logits.scatter(-1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    logits = logits.float()
+    raw_logprobs = logits.log_softmax(-1)
+    if md.logit_bias is not None:
+        rows, ids, vals = md.logit_bias
+        logits = logits.index_put((rows, ids), vals, accumulate=True)
+    logits = apply_penalties(logits, md)
+    if md.banned is not None:
+        logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
+    greedy = logits.argmax(-1)
+    if md.all_greedy:
+        tokens = greedy
+    else:
+        temp = torch.where(md.temperature > 0, md.temperature, 1.0)
+        probs = apply_top_k_top_p_min_p(logits / temp[:, None], md).softmax(-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets each seeded
+        # row take its noise from its own generator.
+        noise = torch.empty_like(probs).exponential_()
+        for row, gen in md.generators.items():
+            noise[row].exponential_(generator=gen)
+        tokens = torch.where(md.temperature > 0, (probs / noise).argmax(-1), greedy)
+    token_logprobs = raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    ranks = topk_ids = topk_lp = None
+    if md.max_num_logprobs > 0 or md.max_num_logprobs == -1:
+        ranks = (raw_logprobs > token_logprobs[:, None]).sum(-1) + 1
+        k = raw_logprobs.shape[-1] if md.max_num_logprobs == -1 else md.max_num_logprobs
+        topk_lp, topk_ids = raw_logprobs.topk(k, dim=-1)
+    return SamplerOutput(tokens, token_logprobs, ranks, topk_ids, topk_lp)
+
+
+def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, k: int):
+    """Prompt logprobs: each row's target logprob and rank, and its top-k."""
+    lp = logits.float().log_softmax(-1)
+    target_lp = lp.gather(-1, targets[:, None]).squeeze(-1)
+    ranks = (lp > target_lp[:, None]).sum(-1) + 1
+    topk_lp, topk_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], targets[:, None][:, :0])
+    return target_lp, ranks, topk_ids, topk_lp

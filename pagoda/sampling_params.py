@@ -1,0 +1,113 @@
+"""Sampling parameters, with vLLM's names, defaults and validation."""
+import enum
+from dataclasses import dataclass, field
+
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0     # every output holds everything so far
+    DELTA = 1          # every output holds only what is new
+    FINAL_ONLY = 2     # one output, when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled in by the engine: every token id that ends the request (EOS + stop_token_ids).
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the filters would only cost time, so neutralise them as vLLM does.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self):
+        def check(ok: bool, msg: str):
+            if not ok:
+                raise ValueError(msg)
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        if self.best_of is not None:
+            check(self.best_of >= self.n, f"best_of must be >= n, got best_of={self.best_of}, n={self.n}.")
+        check(-2.0 <= self.presence_penalty <= 2.0,
+              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        check(-2.0 <= self.frequency_penalty <= 2.0,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        check(self.repetition_penalty > 0.0,
+              f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
+        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        check(isinstance(self.top_k, int) and self.top_k >= 0,
+              f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None:
+            check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.")
+        check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None:
+            check(self.min_tokens <= self.max_tokens,
+                  f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        if self.logprobs is not None:
+            check(self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None:
+            check(self.prompt_logprobs >= 0, f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings.")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}.")
+        if self.seed is not None:
+            check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self) -> "SamplingParams":
+        import copy
+        return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False

@@ -1,0 +1,267 @@
+"""Triton paged-attention kernels against the torch reference (pagoda.kernels.reference).
+
+Without a CUDA device the kernels run in Triton's CPU interpreter at small shapes (fp32);
+with one they run compiled, at full shapes (4,000-token contexts), in bf16 and fp16 (and fp32
+once over the cases). Bounds: ||out - ref|| / ||ref|| < 1e-3 (fp32), < 1e-2 (bf16, fp16), the
+reference computed in fp32 from the same inputs.
+On the GPU: ``pytest tests/kernels/test_triton_attention.py -q``.
+"""
+import os
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    # Must be set before the kernels are decorated, i.e. before the kernel module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib  # noqa: E402
+import sys  # noqa: E402
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+from pagoda.kernels import reference  # noqa: E402
+
+if not ON_GPU and "pagoda.kernels.triton_attention" in sys.modules:
+    # Imported earlier in this process before TRITON_INTERPRET was set: re-decorate its kernels.
+    importlib.reload(sys.modules["pagoda.kernels.triton_attention"])
+from pagoda.kernels import triton_attention as ta  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32]  # the shape matrix
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+LONG = 4000 if ON_GPU else 300          # "long context" for decode
+PREFILL = 1024 if ON_GPU else 40        # prefill length
+# (num_heads, num_kv_heads): GQA ratios 1, 3 and 4
+HEADS = [(8, 8), (24, 8), (32, 8)] if ON_GPU else [(2, 2), (6, 2), (8, 2)]
+
+
+def seed_for(request) -> torch.Generator:
+    """A fresh, reproducible stream per test case (seeded by its id)."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen):
+    """Random query, cache and block tables for a varlen batch. Each request gets distinct
+    physical blocks in random order; unused table entries point at random (valid) blocks."""
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    max_blocks = max(blocks_per_seq) + 1
+    num_blocks = sum(blocks_per_seq) + 4
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen)
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = perm[start:start + n]
+        start += n
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    to = dict(device=DEVICE)
+    return (query.to(dtype=dtype, **to), kv_cache.to(dtype=dtype, **to),
+            tables.to(torch.int32).to(**to), torch.tensor(seq_lens, dtype=torch.int32, **to),
+            qsl.to(**to))
+
+
+def check_attention(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen,
+                    num_segments=None, max_seq_len=None):
+    query, kv_cache, tables, seq_lens_t, qsl = make_batch(
+        q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen)
+    scale = head_dim ** -0.5
+    ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, scale)
+    out = torch.full_like(query, float("nan"))  # poison: every element must be written
+    ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale,
+                              max_seq_len or max(seq_lens), max(q_lens), out=out,
+                              num_segments=num_segments)
+    assert not out.isnan().any(), "unwritten (or NaN) output elements"
+    err = rel_err(out, ref)
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+    return err
+
+
+# --------------------------------------------------------------------------------------------
+# attention: the shape matrix
+
+CASES = {  # name: (q_lens, seq_lens)
+    "decode_ctx1": ([1], [1]),
+    "decode_long": ([1, 1, 1], [LONG, 77, LONG - 7]),
+    "prefill": ([PREFILL, 37], [PREFILL, 37]),
+    "chunked_prefill": ([PREFILL // 2 + 3, 20], [PREFILL + 29, 20 + 45]),
+    "mixed": ([1, 25, 1, 7, 1], [LONG // 2 + 1, 25, 40, 7 + 60, 1]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention(case, heads, head_dim, block_size, dtype, request):
+    q_lens, seq_lens = CASES[case]
+    check_attention(q_lens, seq_lens, *heads, head_dim, block_size, dtype, seed_for(request))
+
+
+@pytest.mark.skipif(ON_GPU, reason="fp16 is in the GPU matrix already")
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_fp16_cpu(case, request):
+    # Half-precision paths (P cast to the value dtype) in the interpreter. Not bf16: triton
+    # 3.6's interpreter multiplies bf16 tl.dot operands as their raw uint16 bits.
+    q_lens, seq_lens = CASES[case]
+    check_attention(q_lens, seq_lens, *HEADS[2], 128, 16, torch.float16, seed_for(request))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="fp32 is the CPU matrix's dtype already")
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_fp32_gpu(case, request):
+    q_lens, seq_lens = CASES[case]
+    check_attention(q_lens, seq_lens, *HEADS[2], 128, 16, torch.float32, seed_for(request))
+
+
+# --------------------------------------------------------------------------------------------
+# attention: flash-decoding split, bounds, strides, padding, stale cache
+
+
+@pytest.mark.parametrize("num_segments", [1, 2, 16])
+def test_split_kv_decode(num_segments, request):
+    # 16 segments over 17 tokens (one tile) leaves most segments empty: they must weigh nothing.
+    check_attention([1, 1, 1, 1], [LONG, 17, LONG // 2 + 5, 1], *HEADS[2], 128, 16,
+                    DTYPES[-1], seed_for(request), num_segments=num_segments)
+
+
+def test_split_kv_chosen_for_few_long_decodes():
+    dev = torch.device(DEVICE)
+    assert ta._pick_num_segments(8, 1, 4000, dev) > 1          # batch 1, 8 KV heads
+    assert ta._pick_num_segments(8 * 256, 1, 4000, dev) == 1   # batch 256 fills the chip
+    assert ta._pick_num_segments(8, 64, 4000, dev) == 1        # not a pure decode
+    assert ta._pick_num_segments(8, 1, 100, dev) == 1          # too short to split
+
+
+def test_upper_bound_max_seq_len(request):
+    # A CUDA graph is captured with max_seq_len = max_model_len; actual contexts are shorter.
+    check_attention([1, 1], [LONG // 3, 9], *HEADS[1], 64, 16, DTYPES[0], seed_for(request),
+                    max_seq_len=4 * LONG)
+
+
+def test_padding_requests(request):
+    # CUDA-graph padded decode batches: requests with no query tokens contribute nothing.
+    check_attention([1, 0, 1, 0], [50, 0, 21, 0], *HEADS[2], 64, 16, DTYPES[0], seed_for(request))
+
+
+def test_strided_views_and_default_out(request):
+    gen = seed_for(request)
+    num_heads, num_kv_heads, head_dim = HEADS[2][0], HEADS[2][1], 64
+    q_lens, seq_lens = [3, 1, 12], [3, LONG, 40]
+    _, kv_cache, tables, seq_lens_t, qsl = make_batch(q_lens, seq_lens, num_heads, num_kv_heads,
+                                                       head_dim, 16, DTYPES[0], gen)
+    # query as a slice of a fused qkv projection; out as a slice of a wider buffer
+    qkv = torch.randn(sum(q_lens), num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    query = qkv.to(DEVICE, DTYPES[0])[:, :num_heads]
+    scale = head_dim ** -0.5
+    ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, scale)
+    buf = torch.full((sum(q_lens), num_heads + 3, head_dim), float("nan"), device=DEVICE,
+                     dtype=DTYPES[0])
+    ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale, max(seq_lens),
+                              max(q_lens), out=buf[:, 1:num_heads + 1])
+    assert rel_err(buf[:, 1:num_heads + 1], ref) < TOLERANCE[query.dtype]
+    assert buf[:, 0].isnan().all() and buf[:, num_heads + 1:].isnan().all()  # nothing else written
+    out = ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale)  # no hints
+    assert out.shape == query.shape and rel_err(out, ref) < TOLERANCE[query.dtype]
+
+
+def test_stale_cache_slots_are_never_read(request):
+    # Slots past each request's length (the tail of its last block, unused blocks) hold garbage
+    # in a real cache; NaN there must not reach the output.
+    gen = seed_for(request)
+    q_lens, seq_lens = [1, 5, 1], [LONG - 3, 21, 30]
+    query, kv_cache, tables, seq_lens_t, qsl = make_batch(q_lens, seq_lens, *HEADS[1], 64, 16,
+                                                          DTYPES[0], gen)
+    scale = 64 ** -0.5
+    ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, scale)
+    live = torch.zeros(kv_cache.shape[1] * 16, dtype=torch.bool, device=DEVICE)
+    for i, n in enumerate(seq_lens):
+        pos = torch.arange(n, device=DEVICE)
+        live[tables[i, pos // 16].long() * 16 + pos % 16] = True
+    kv_cache.view(2, -1, *kv_cache.shape[3:])[:, ~live] = float("nan")
+    for num_segments in (None, 4):
+        out = torch.full_like(query, float("nan"))
+        ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale, max(seq_lens),
+                                  max(q_lens), out=out, num_segments=num_segments)
+        assert not out.isnan().any() and rel_err(out, ref) < TOLERANCE[query.dtype]
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache write
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=str)
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 64, 16), (3, 128, 32), (8, 128, 16)])
+def test_write_kv_cache(num_kv_heads, head_dim, block_size, slot_dtype, dtype, request):
+    gen = seed_for(request)
+    num_blocks, num_tokens = 9, 37
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    # key/value as slices of a fused qkv projection (strided), in float32: the write casts them
+    qkv = torch.randn(num_tokens, 4 + 2 * num_kv_heads, head_dim, generator=gen)
+    key, value = qkv[:, 4:4 + num_kv_heads], qkv[:, 4 + num_kv_heads:]
+    # distinct slots, never the cache's last one (see below)
+    slots = torch.randperm(num_blocks * block_size - 1, generator=gen)[:num_tokens]
+    slots[::5] = -1  # padding tokens
+    kv_cache, key, value, slots = (kv_cache.to(DEVICE, dtype), key.to(DEVICE), value.to(DEVICE),
+                                   slots.to(DEVICE, slot_dtype))
+
+    # The reference indexes with the slots as given, so a -1 would write the cache's LAST slot
+    # (python negative indexing): give it only the valid tokens. The Triton kernel gets them
+    # all and must skip the -1s, leaving every other slot untouched (the last one included).
+    expected = kv_cache.clone()
+    valid = slots >= 0
+    reference.write_kv_cache(key[valid], value[valid], expected, slots[valid])
+    ta.write_kv_cache_triton(key, value, kv_cache, slots)
+    assert torch.equal(kv_cache, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU only: no host sync, CUDA-graph capture of a decode batch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_decode_cuda_graph_and_no_sync(request):
+    gen = seed_for(request)
+    num_heads, num_kv_heads, head_dim, batch = 32, 8, 128, 8
+    seq_lens = [LONG, 1, 700, 2049, 16, 33, 3999, 512]
+    query, kv_cache, tables, seq_lens_t, qsl = make_batch(
+        [1] * batch, seq_lens, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, gen)
+    scale = head_dim ** -0.5
+    out = torch.empty_like(query)
+    slot = (tables[:, 0].long() * 16)  # write one token per request, as a decode step does
+    key, value = torch.randn_like(query[:, :num_kv_heads]), torch.randn_like(query[:, :num_kv_heads])
+
+    def step():
+        ta.write_kv_cache_triton(key, value, kv_cache, slot)
+        ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale,
+                                  max_seq_len=LONG, max_query_len=1, out=out)
+
+    step()  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync inside the call raises
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # Replay with new values in the same buffers: different lengths and queries.
+    seq_lens_t.copy_(torch.tensor([5, LONG, 1, 300, 2500, 17, 64, 1000], dtype=torch.int32))
+    query.copy_(torch.randn(query.shape, generator=gen).to(query))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, scale)
+    assert not out.isnan().any() and rel_err(out, ref) < TOLERANCE[torch.bfloat16]

@@ -1,0 +1,216 @@
+"""GGUF reading: config from metadata, weights equal to transformers' loading, errors on bad files."""
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from pagoda.model.gguf_file import GGUFModel
+
+
+@pytest.fixture(scope="module")
+def model(smollm_path) -> GGUFModel:
+    return GGUFModel(smollm_path)
+
+
+@pytest.fixture(scope="module")
+def weights(model) -> dict[str, torch.Tensor]:
+    return dict(model.iter_weights())
+
+
+def test_smollm2_config(model):
+    cfg = model.hf_config
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (30, 576, 1536)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (9, 3, 64)
+    assert cfg["vocab_size"] == 49152 and cfg["max_position_embeddings"] == 8192
+    assert cfg["tie_word_embeddings"] is True and cfg["attention_bias"] is False
+    assert cfg["rope_theta"] == 100000.0 and cfg["rope_scaling"] is None
+    assert cfg["rms_norm_eps"] == pytest.approx(1e-5)
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
+
+
+def test_names_and_shapes_match_hf_llama(model, weights):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{k: v for k, v in model.hf_config.items() if k != "torch_dtype"})
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(config)
+    expected = {k: tuple(v.shape) for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert {name: tuple(w.shape) for name, w in weights.items()} == expected
+    assert all(w.dtype == torch.float32 for w in weights.values())
+
+
+REFERENCE_TENSORS = ["token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
+                     "blk.0.attn_v.weight", "blk.7.attn_output.weight", "blk.29.ffn_down.weight",
+                     "blk.29.attn_k.weight", "blk.3.attn_norm.weight"]
+
+
+def test_weights_match_transformers(weights, smollm_path):
+    """transformers' own GGUF path: its torch dequantizer and its llama q/k reverse permutation."""
+    pytest.importorskip("transformers")
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+    from transformers.integrations.gguf.reader import GgufHeader, load_gguf_state_dict
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    header = GgufHeader.from_file(smollm_path)
+    infos = {info.name: info for info in header.tensors}
+    raw = load_gguf_state_dict(header)
+    processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
+    hf_to_gguf = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)  # gguf-py's own name table
+    ours = {hf_to_gguf.get_name(name.removesuffix(".weight")) + ".weight": w for name, w in weights.items()}
+    for gguf_name in REFERENCE_TENSORS:
+        info, data = infos[gguf_name], raw[gguf_name][...]
+        ref = data.float() if data.is_floating_point() else hf_dequantize(data.reshape(-1), info.ggml_type)
+        ref = processor.process(ref.reshape(info.shape).numpy(), gguf_name).weights
+        torch.testing.assert_close(ours[gguf_name], torch.as_tensor(ref), rtol=0, atol=0, msg=gguf_name)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PAGODA_SLOW_TESTS"), reason="~30 s; set PAGODA_SLOW_TESTS=1")
+def test_all_weights_match_transformers_loader(weights, smollm_path):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    config = transformers.AutoConfig.from_pretrained(os.path.dirname(smollm_path),
+                                                     gguf_file=os.path.basename(smollm_path))
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(config)
+    ref = load_gguf_checkpoint(smollm_path, return_tensors=True, model_to_load=hf)["tensors"]
+    assert set(weights) == set(ref)
+    for name, w in weights.items():
+        assert torch.equal(w, ref[name].float()), name
+
+
+# ---- synthetic files --------------------------------------------------------------------------
+
+def _write(path, arch, tensors, n_head=4, n_kv=2, hidden=64):
+    """A GGUF with `tensors` = {gguf_name: np array (F32/F16) or (raw uint8 rows, qtype)}."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(128)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    for name, t in tensors.items():
+        if isinstance(t, tuple):
+            data, qtype = t  # raw bytes, one row per output feature
+            w.add_tensor(name, data, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py LlamaModel.permute
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_llama_unpermute_inverts_converter(tmp_path):
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((64, 64), np.float32), rng.standard_normal((32, 64), np.float32)
+    bq = rng.standard_normal(64).astype(np.float32)
+    path = _write(tmp_path / "l.gguf", "llama", {
+        "blk.0.attn_q.weight": _llama_cpp_permute(q, 4), "blk.0.attn_k.weight": _llama_cpp_permute(k, 2),
+        "blk.0.attn_q.bias": _llama_cpp_permute(bq, 4), "blk.0.attn_v.weight": k})
+    m = GGUFModel(path)
+    w = dict(m.iter_weights())
+    assert torch.equal(w["model.layers.0.self_attn.q_proj.weight"], torch.from_numpy(q))
+    assert torch.equal(w["model.layers.0.self_attn.k_proj.weight"], torch.from_numpy(k))
+    assert torch.equal(w["model.layers.0.self_attn.q_proj.bias"], torch.from_numpy(bq))
+    assert torch.equal(w["model.layers.0.self_attn.v_proj.weight"], torch.from_numpy(k))
+    assert m.hf_config["attention_bias"] is True and m.hf_config["tie_word_embeddings"] is True
+
+
+def test_qwen3_names_no_permute(tmp_path):
+    rng = np.random.default_rng(1)
+    q, qn = rng.standard_normal((64, 64), np.float32), rng.standard_normal(16).astype(np.float32)
+    path = _write(tmp_path / "q.gguf", "qwen3", {
+        "blk.0.attn_q.weight": q, "blk.0.attn_q_norm.weight": qn, "blk.0.attn_k_norm.weight": qn,
+        "output.weight": q, "rope_freqs.weight": qn})
+    m = GGUFModel(path)
+    w = dict(m.iter_weights())
+    assert torch.equal(w["model.layers.0.self_attn.q_proj.weight"], torch.from_numpy(q))
+    assert set(w) == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_norm.weight",
+                      "model.layers.0.self_attn.k_norm.weight", "lm_head.weight"}
+    cfg = m.hf_config
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["tie_word_embeddings"] is False
+    assert cfg["rope_theta"] == 1e6 and cfg["num_key_value_heads"] == 2
+
+
+K_AND_LEGACY = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+
+
+def _random_quantized(rng, qtype, rows, cols):
+    """Random blocks with every fp16 scale field replaced by a small finite value."""
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, type_size), dtype=np.uint8)
+    half = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    # fp16 scales sit at the block start (legacy quants) or end (K-quants: d, dmin / d)
+    offsets = {QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
+    for off in offsets.get(qtype, [0, 2] if qtype == QT.Q4_1 else [0]):
+        data[..., off:off + 2] = half
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", K_AND_LEGACY, ids=lambda q: q.name)
+def test_dequantize_matches_transformers(tmp_path, qtype):
+    pytest.importorskip("transformers")
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+    rng = np.random.default_rng(int(qtype))
+    data = _random_quantized(rng, qtype, 8, 512)
+    path = _write(tmp_path / "t.gguf", "qwen2", {"blk.0.ffn_up.weight": (data, qtype)})
+    ours = GGUFModel(path).tensor("blk.0.ffn_up.weight")
+    ref = hf_dequantize(torch.from_numpy(data.copy()).reshape(-1), int(qtype)).reshape(8, 512)
+    assert ours.shape == (8, 512) and torch.isfinite(ours).all()
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_float_types(tmp_path):
+    x = np.random.default_rng(2).standard_normal((4, 32)).astype(np.float32)
+    bf16 = (x.view(np.uint32) >> 16).astype(np.uint16)
+    path = _write(tmp_path / "f.gguf", "qwen2", {
+        "blk.0.ffn_up.weight": x, "blk.0.ffn_gate.weight": x.astype(np.float16),
+        "blk.0.ffn_down.weight": (bf16.view(np.uint8), QT.BF16)})
+    m = GGUFModel(path)
+    assert torch.equal(m.tensor("blk.0.ffn_up.weight"), torch.from_numpy(x))
+    assert torch.equal(m.tensor("blk.0.ffn_gate.weight"), torch.from_numpy(x.astype(np.float16).astype(np.float32)))
+    truncated = (bf16.astype(np.uint32) << 16).view(np.float32)
+    assert torch.equal(m.tensor("blk.0.ffn_down.weight"), torch.from_numpy(truncated))
+
+
+def test_unsupported_type_names_tensor(tmp_path):
+    block, type_size = gguf.GGML_QUANT_SIZES[QT.IQ4_NL]
+    data = np.zeros((2, 64 // block * type_size), np.uint8)
+    path = _write(tmp_path / "u.gguf", "llama", {"blk.0.ffn_up.weight": (data, QT.IQ4_NL)})
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*IQ4_NL"):
+        list(GGUFModel(path).iter_weights())
+
+
+@pytest.mark.parametrize("size", [0, 3, 100, 1 << 20, 3 << 20])
+def test_truncated_file_raises_value_error(smollm_path, tmp_path, size):
+    bad = tmp_path / f"cut_{size}.gguf"
+    with open(smollm_path, "rb") as f:
+        bad.write_bytes(f.read(size))
+    with pytest.raises(ValueError, match=str(bad)):
+        GGUFModel(bad)
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"PK\x03\x04 definitely not gguf" * 10)
+    with pytest.raises(ValueError, match="x.gguf"):
+        GGUFModel(bad)
+
+
+def test_tokenizer_metadata(model):
+    md = model.tokenizer_metadata
+    assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.ggml.pre"] == "smollm"
+    assert len(md["tokenizer.ggml.tokens"]) == 49152 and md["tokenizer.ggml.tokens"][1] == "<|im_start|>"

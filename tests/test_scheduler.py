@@ -1,0 +1,118 @@
+"""The scheduler on its own, with a fake model that always samples token 7."""
+from pagoda.config import SchedulerConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request, RequestStatus
+from pagoda.core.scheduler import Scheduler
+from pagoda.core.sched_output import ModelRunnerOutput
+from pagoda.sampling_params import SamplingParams
+
+
+def make(budget=64, max_seqs=8, num_blocks=64, block_size=4, max_len=256):
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len)
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size))
+
+
+def req(i, n, max_tokens=4, **kw):
+    return Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, **kw),
+                   eos_token_id=2, max_tokens=max_tokens)
+
+
+def run_step(s: Scheduler, token=7):
+    out = s.schedule()
+    sampled = {}
+    for rid, n in out.num_scheduled_tokens.items():
+        r = s.requests[rid]
+        if r.num_computed_tokens == r.num_tokens:
+            sampled[rid] = token
+    return out, s.update_from_output(out, ModelRunnerOutput(sampled))
+
+
+def test_budget_running_first_and_chunked_prefill():
+    s = make(budget=10)
+    s.add_request(req(0, 6))
+    s.add_request(req(1, 9))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"r0": 6, "r1": 4}          # r1 chunked to fit
+    assert out.total_num_scheduled_tokens == 10
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens.items()) == [("r0", 1), ("r1", 5)]   # running first
+
+
+def test_max_num_seqs_limits_admission():
+    s = make(max_seqs=2)
+    for i in range(3):
+        s.add_request(req(i, 3))
+    out, _ = run_step(s)
+    assert set(out.num_scheduled_tokens) == {"r0", "r1"}
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_finished_requests_leave_and_waiting_join():
+    s = make(max_seqs=1)
+    s.add_request(req(0, 3, max_tokens=2))
+    s.add_request(req(1, 3, max_tokens=2))
+    steps = []
+    while s.has_unfinished_requests():
+        out, updated = run_step(s)
+        steps.append(list(out.num_scheduled_tokens))
+    assert steps == [["r0"], ["r0"], ["r1"], ["r1"]]
+    assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks
+
+
+def test_preempts_newest_when_blocks_run_out_and_recomputes():
+    # 4 usable blocks of 4 tokens: two requests of 7 prompt tokens fit, but not their growth.
+    s = make(num_blocks=5, block_size=4)
+    a, b = req(0, 7, max_tokens=8), req(1, 7, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    seen_preempt = False
+    while s.has_unfinished_requests():
+        out, _ = run_step(s)
+        if b.status == RequestStatus.PREEMPTED or b.num_preemptions:
+            seen_preempt = True
+            assert a.status != RequestStatus.PREEMPTED or a.num_preemptions == 0
+    assert seen_preempt and s.num_preemptions >= 1
+    assert a.num_preemptions == 0, "the oldest request is never the victim while a newer one runs"
+    assert a.output_token_ids == [7] * 8 and b.output_token_ids == [7] * 8
+    assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks
+
+
+def test_stop_rules():
+    s = make()
+    r_eos = req(0, 3, max_tokens=10)
+    r_ignore = req(1, 3, max_tokens=3, ignore_eos=True)
+    r_stop_id = req(2, 3, max_tokens=10, stop_token_ids=[2, 9])
+    r_min = req(3, 3, max_tokens=10, min_tokens=2)
+    for r in (r_eos, r_ignore, r_stop_id, r_min):
+        s.add_request(r)
+    run_step(s, token=2)
+    assert r_eos.status == RequestStatus.FINISHED_STOPPED and r_eos.stop_reason is None
+    assert r_stop_id.status == RequestStatus.FINISHED_STOPPED and r_stop_id.stop_reason is None  # EOS first
+    assert r_ignore.status == RequestStatus.RUNNING
+    assert r_min.status == RequestStatus.RUNNING       # min_tokens holds the stop back
+    run_step(s, token=9)
+    run_step(s, token=2)
+    assert r_min.status == RequestStatus.FINISHED_STOPPED
+    assert r_ignore.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert r_ignore.num_output_tokens == 3
+
+
+def test_max_model_len_caps_generation():
+    s = make(max_len=10)
+    r = req(0, 8, max_tokens=100)
+    s.add_request(r)
+    while s.has_unfinished_requests():
+        run_step(s)
+    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED and r.num_tokens == 10
+
+
+def test_abort_frees_blocks_of_running_and_waiting():
+    s = make(max_seqs=1)
+    s.add_request(req(0, 5))
+    s.add_request(req(1, 5))
+    run_step(s)
+    s.finish_requests(["r0", "r1"], RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished_requests()
+    assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks
+    out = s.schedule()
+    assert out.is_empty and out.finished_req_ids == {"r0", "r1"}
