@@ -10,6 +10,7 @@ are the *last* positions of its ``seq_lens[i]`` context tokens (the ones before 
 in the cache). Decode is the case of one query token; prefill and chunked prefill are longer.
 """
 import torch
+import torch.nn.functional as F
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -39,8 +40,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     each request's paged context. GQA: query head ``h`` reads KV head ``h // (num_heads //
     num_kv_heads)``. Returns ``(num_tokens, num_heads, head_dim)`` in the query's dtype.
 
-    All requests are padded to the longest query and context and computed in one batched
-    softmax in float32, so the Python work is O(1) per call whatever the batch holds.
+    All requests are padded to the longest query and context and computed by one masked
+    scaled_dot_product_attention in float32, so the Python work is O(1) whatever the batch.
+    Padding reads slots that belong to no one or to other requests: they are masked out, but
+    must hold finite numbers (0 * NaN is NaN), so the runner zeroes blocks when it gets them.
     """
     num_tokens, num_heads, head_dim = query.shape
     batch = seq_lens.shape[0]
@@ -48,8 +51,6 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     max_seq_len = max_seq_len or int(seq_lens.max())
     max_query_len = max_query_len or int(q_lens.max())
     k, v = gather_context(kv_cache, block_tables, max_seq_len)
-    num_kv_heads = k.shape[2]
-    group = num_heads // num_kv_heads
 
     # Pad the varlen queries into (batch, max_query_len): row j of request i sits at
     # context position seq_len - q_len + j.
@@ -57,18 +58,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     j = torch.arange(max_query_len, device=device)
     q_valid = j[None, :] < q_lens[:, None]                                   # (B, Q)
     q_index = (query_start_loc[:-1, None] + j[None, :]).clamp(max=num_tokens - 1)
-    q = query[q_index.flatten()].view(batch, max_query_len, num_kv_heads, group, head_dim)
+    q = query[q_index.flatten()].view(batch, max_query_len, num_heads, head_dim)
 
     q_pos = (seq_lens - q_lens)[:, None] + j[None, :]                        # (B, Q)
     k_pos = torch.arange(max_seq_len, device=device)
-    allowed = k_pos[None, None, :] <= q_pos[:, :, None]                      # causal, and
-    allowed &= k_pos[None, None, :] < seq_lens[:, None, None]                # inside context
-
-    scores = torch.einsum("bqkgd,bskd->bkgqs", q.float(), k.float()) * scale
-    scores.masked_fill_(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)   # fully masked padded rows -> 0
-    # Slots past a request's length may hold garbage (even NaN): zero them, as 0 * NaN = NaN.
-    v = v.float().masked_fill_((k_pos[None, :] >= seq_lens[:, None])[:, :, None, None], 0.0)
-    out = torch.einsum("bkgqs,bskd->bqkgd", probs, v)
-    out = out.reshape(batch, max_query_len, num_heads, head_dim)[q_valid]
-    return out.to(query.dtype)
+    in_context = k_pos[None, :] < seq_lens[:, None]                          # (B, S)
+    allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & in_context[:, None, :]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+        attn_mask=allowed[:, None], scale=scale, enable_gqa=True)              # (B, H, Q, D)
+    return out.transpose(1, 2)[q_valid].to(query.dtype)

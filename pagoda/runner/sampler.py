@@ -67,6 +67,18 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     return logits.scatter(-1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
 
 
+def draw(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row by inverting the CDF: a single uniform number per row, so a seeded row
+    takes its number from its own generator. (The first index whose cumulative mass exceeds
+    u * total always has mass, so a masked token is never drawn.)"""
+    u = torch.rand(probs.shape[0], device=probs.device)
+    for row, gen in generators.items():
+        u[row] = torch.rand(1, generator=gen, device=probs.device)[0]
+    cdf = probs.cumsum(-1)
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = logits.float()
     raw_logprobs = logits.log_softmax(-1)
@@ -82,12 +94,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     else:
         temp = torch.where(md.temperature > 0, md.temperature, 1.0)
         probs = apply_top_k_top_p_min_p(logits / temp[:, None], md).softmax(-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets each seeded
-        # row take its noise from its own generator.
-        noise = torch.empty_like(probs).exponential_()
-        for row, gen in md.generators.items():
-            noise[row].exponential_(generator=gen)
-        tokens = torch.where(md.temperature > 0, (probs / noise).argmax(-1), greedy)
+        tokens = torch.where(md.temperature > 0, draw(probs, md.generators), greedy)
     token_logprobs = raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     ranks = topk_ids = topk_lp = None
     if md.max_num_logprobs > 0 or md.max_num_logprobs == -1:

@@ -1,0 +1,110 @@
+"""W1 offline throughput (DESIGN.md), and the CPU workload of issue 2.
+
+  python benchmarks/throughput.py --cpu-workload                 # SmolLM2 bf16 on this CPU
+  python benchmarks/throughput.py --model-config ../shared/models/qwen3-0.6b.json   # W1, GPU
+
+Random token-id prompts, ignore_eos, one seed. Prints a table and writes JSON (and a plot of
+the per-step batch composition) to --out.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def make_requests(n, prompt_range, output_range, vocab, seed):
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(prompt_range[0], prompt_range[1] + 1, n)
+    output_lens = rng.integers(output_range[0], output_range[1] + 1, n)
+    prompts = [rng.integers(0, vocab, int(p)).tolist() for p in prompt_lens]
+    return prompts, output_lens.tolist()
+
+
+def dummy_model_dir(config_path: str) -> str:
+    """A folder holding just the config, for load_format="dummy"."""
+    folder = tempfile.mkdtemp(prefix="pagoda-dummy-")
+    with open(config_path) as f:
+        cfg = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return folder
+
+
+def run_pagoda(args, prompts, output_lens):
+    from pagoda import LLM, SamplingParams
+    kwargs = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.kv_cache_gib:
+        kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    model = args.model
+    if args.model_config:
+        model, kwargs["load_format"] = dummy_model_dir(args.model_config), "dummy"
+    t0 = time.perf_counter()
+    llm = LLM(model, **kwargs)
+    startup = time.perf_counter() - t0
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=int(o), seed=None)
+              for o in output_lens]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=not args.no_tqdm)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(p) for p in prompts)
+    assert n_out == sum(output_lens), "every request must produce exactly max_tokens tokens"
+    engine = llm.llm_engine
+    return {"engine": "pagoda", "startup_s": startup, "elapsed_s": elapsed,
+            "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed,
+            "requests": len(prompts), "prompt_tokens": n_in, "output_tokens": n_out,
+            "steps": engine.stats.num_steps, "preemptions": engine.scheduler.num_preemptions,
+            "kv_blocks": engine.config.cache.num_blocks - 1}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cpu-workload", action="store_true",
+                   help="issue 2's CPU workload: SmolLM2 bf16, prompts 64-256, outputs 32-128")
+    p.add_argument("--model", default=None)
+    p.add_argument("--model-config", default=None, help="config.json for dummy weights")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[100, 1024])
+    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-tqdm", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "results"))
+    args = p.parse_args()
+    if args.cpu_workload:
+        args.prompt_len, args.output_len = [64, 256], [32, 128]
+        args.max_model_len = args.max_model_len or 512
+    vocab = 49152
+    if args.model_config:
+        with open(args.model_config) as f:
+            vocab = json.load(f)["vocab_size"]
+    prompts, output_lens = make_requests(args.num_requests, args.prompt_len, args.output_len, vocab, args.seed)
+    result = run_pagoda(args, prompts, output_lens)
+    result["workload"] = {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
+                          "output_len": args.output_len, "temperature": args.temperature,
+                          "dtype": args.dtype, "model": args.model_config or args.model or "SmolLM2-135M"}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "throughput.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"{'engine':8} {'startup s':>9} {'run s':>8} {'out tok/s':>10} {'total tok/s':>11} {'steps':>6} {'preempt':>7}")
+    print(f"{result['engine']:8} {result['startup_s']:9.1f} {result['elapsed_s']:8.1f} "
+          f"{result['output_tok_s']:10.1f} {result['total_tok_s']:11.1f} {result['steps']:6d} {result['preemptions']:7d}")
+
+
+if __name__ == "__main__":
+    main()

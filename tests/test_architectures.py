@@ -1,0 +1,65 @@
+"""Llama (with Llama-3 rope scaling), Qwen2 and Qwen3 from HF safetensors folders, against HF
+transformers on tiny random models; and dummy weights from a config alone."""
+import json
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+
+CASES = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=10000.0, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1000000.0,
+                                                      tie_word_embeddings=True)),
+}
+
+
+def save_tiny(tmp_path, case, seed=0) -> tuple[str, torch.nn.Module]:
+    cfg_cls, model_cls, extra = CASES[case]
+    cfg = getattr(transformers, cfg_cls)(**BASE, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():   # larger weights than the init gives, so the logits are not flat
+        for p in model.parameters():
+            p.mul_(8.0) if p.dim() > 1 else p.normal_(1.0, 0.1)
+    folder = tmp_path / case
+    model.save_pretrained(folder, safe_serialization=True)
+    return str(folder), model
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tiny_model_matches_hf(tmp_path, case):
+    folder, hf = save_tiny(tmp_path, case)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 17, 40)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1),
+                        use_tqdm=False)
+    with torch.no_grad():
+        for p, out in zip(prompts, outs):
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))
+            assert out.outputs[0].token_ids == ref[0, len(p):].tolist()
+            lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
+            for pos in range(1, len(p)):
+                assert abs(out.prompt_logprobs[pos][p[pos]].logprob - lp[pos - 1, p[pos]].item()) < 1e-3
+
+
+def test_dummy_weights_from_config_alone(tmp_path):
+    cfg = dict(BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+    assert all(0 <= t < 512 for t in out.outputs[0].token_ids)
