@@ -10,12 +10,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Timer, dummy_model_dir, hf_model, measure_ceilings, param_counts  # noqa: E402
 
 
 def make_requests(n, prompt_range, output_range, vocab, seed):
@@ -24,16 +25,6 @@ def make_requests(n, prompt_range, output_range, vocab, seed):
     output_lens = rng.integers(output_range[0], output_range[1] + 1, n)
     prompts = [rng.integers(0, vocab, int(p)).tolist() for p in prompt_lens]
     return prompts, output_lens.tolist()
-
-
-def dummy_model_dir(config_path: str) -> str:
-    """A folder holding just the config, for load_format="dummy"."""
-    folder = tempfile.mkdtemp(prefix="pagoda-dummy-")
-    with open(config_path) as f:
-        cfg = json.load(f)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return folder
 
 
 def run_pagoda(args, prompts, output_lens):
@@ -47,6 +38,7 @@ def run_pagoda(args, prompts, output_lens):
     model = args.model
     if args.model_config:
         model, kwargs["load_format"] = dummy_model_dir(args.model_config), "dummy"
+        kwargs["skip_tokenizer_init"] = True
     t0 = time.perf_counter()
     llm = LLM(model, **kwargs)
     startup = time.perf_counter() - t0
@@ -67,6 +59,36 @@ def run_pagoda(args, prompts, output_lens):
             "kv_blocks": engine.config.cache.num_blocks - 1}
 
 
+def run_hf(args, prompts, output_lens):
+    """HF transformers' continuous batching (generate_batch) on the same GPU: the first
+    --hf-requests requests with a fixed number of output tokens (it takes one max_new_tokens)."""
+    import torch
+    from transformers import GenerationConfig
+    model = hf_model(args.model_config)
+    n, out_len = args.hf_requests, args.hf_output_len
+    gen = GenerationConfig(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=True,
+                           temperature=args.temperature, eos_token_id=-1, pad_token_id=0)
+    with Timer() as t:
+        res = model.generate_batch(inputs=prompts[:n], generation_config=gen)
+    n_out = sum(len(r.generated_tokens) for r in res.values())
+    del model
+    torch.cuda.empty_cache()
+    return {"engine": "hf-generate_batch", "elapsed_s": t.s, "output_tok_s": n_out / t.s,
+            "total_tok_s": (n_out + sum(len(p) for p in prompts[:n])) / t.s, "requests": n,
+            "output_tokens": n_out}
+
+
+def compute_floor(cfg: dict, prompts, output_lens, ceilings) -> float:
+    """Seconds the matmuls alone need at the measured bf16 rate: every token through the decoder
+    layers, every output token through the LM head, plus causal attention scores."""
+    layers, head = param_counts(cfg)
+    n_in, n_out = sum(len(p) for p in prompts), sum(output_lens)
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    attn = sum(2 * 2 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * hd * ((len(p) + o) ** 2) / 2
+               for p, o in zip(prompts, output_lens))
+    return (2 * layers * (n_in + n_out) + 2 * head * n_out + attn) / ceilings["bf16_flops_per_s"]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cpu-workload", action="store_true",
@@ -83,6 +105,9 @@ def main():
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf", action="store_true", help="also run HF transformers' generate_batch (GPU)")
+    p.add_argument("--hf-requests", type=int, default=64)
+    p.add_argument("--hf-output-len", type=int, default=256)
     p.add_argument("--no-tqdm", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
@@ -95,15 +120,33 @@ def main():
             vocab = json.load(f)["vocab_size"]
     prompts, output_lens = make_requests(args.num_requests, args.prompt_len, args.output_len, vocab, args.seed)
     result = run_pagoda(args, prompts, output_lens)
+    rows = [result]
+    import torch
+    if torch.cuda.is_available() and args.model_config:
+        with open(args.model_config) as f:
+            cfg = json.load(f)
+        result["ceilings"] = measure_ceilings()
+        result["compute_floor_s"] = compute_floor(cfg, prompts, output_lens, result["ceilings"])
+        if args.hf:
+            try:
+                result["hf"] = run_hf(args, prompts, output_lens)
+                rows.append(result["hf"])
+                result["speedup_vs_hf_output_tok_s"] = result["output_tok_s"] / result["hf"]["output_tok_s"]
+            except Exception as e:     # a baseline failure must not lose our own figures
+                result["hf_error"] = repr(e)
     result["workload"] = {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                           "output_len": args.output_len, "temperature": args.temperature,
                           "dtype": args.dtype, "model": args.model_config or args.model or "SmolLM2-135M"}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "throughput.json"), "w") as f:
         json.dump(result, f, indent=2)
-    print(f"{'engine':8} {'startup s':>9} {'run s':>8} {'out tok/s':>10} {'total tok/s':>11} {'steps':>6} {'preempt':>7}")
-    print(f"{result['engine']:8} {result['startup_s']:9.1f} {result['elapsed_s']:8.1f} "
-          f"{result['output_tok_s']:10.1f} {result['total_tok_s']:11.1f} {result['steps']:6d} {result['preemptions']:7d}")
+    print(json.dumps({k: v for k, v in result.items() if k != "hf"}, default=str))
+    print(f"{'engine':18} {'requests':>8} {'startup s':>9} {'run s':>8} {'out tok/s':>10} {'total tok/s':>11}")
+    for r in rows:
+        print(f"{r['engine']:18} {r['requests']:8d} {r.get('startup_s', float('nan')):9.1f} {r['elapsed_s']:8.1f} "
+              f"{r['output_tok_s']:10.1f} {r['total_tok_s']:11.1f}")
+    if "compute_floor_s" in result:
+        print(f"compute floor {result['compute_floor_s']:.1f} s; pagoda at {result['elapsed_s'] / result['compute_floor_s']:.2f}x")
 
 
 if __name__ == "__main__":

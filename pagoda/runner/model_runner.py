@@ -9,7 +9,8 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pagoda.model.layers.attention import AttentionMetadata, TorchAttentionBackend, set_forward_context
+from pagoda.model.layers.attention import (AttentionMetadata, TorchAttentionBackend, get_attention_backend,
+                                           set_forward_context)
 from pagoda.model.loader import get_model
 from pagoda.runner.sampler import SamplingMetadata, logprobs_of, sample
 from pagoda.sampling_params import SamplingParams
@@ -60,7 +61,7 @@ class ModelRunner:
         self.arch = mc.arch
         self.block_size = config.cache.block_size
         self.kv_dtype = mc.compute_dtype
-        self.backend = TorchAttentionBackend
+        self.backend = get_attention_backend(self.device)
         self.max_num_reqs = sc.max_num_seqs
         self.max_model_len = sc.max_model_len
         max_blocks = cdiv(sc.max_model_len, self.block_size)
@@ -87,10 +88,44 @@ class ModelRunner:
         cc = self.config.cache
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
-        budget = cc.kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+        if cc.kv_cache_memory_bytes:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_free_gpu_memory()
+        else:
+            budget = CPU_DEFAULT_KV_CACHE_BYTES
         # Never more than every sequence at full length could use (+1: the null block).
         need = self.max_num_reqs * cdiv(self.max_model_len, self.block_size) + 1
         return min(budget // self.kv_bytes_per_block(), need)
+
+    @torch.inference_mode()
+    def _profile_free_gpu_memory(self) -> int:
+        """Run the largest step the scheduler can produce (without attention) and return what
+        gpu_memory_utilization leaves for the KV cache after the weights and that peak."""
+        sc = self.config.scheduler
+        n = sc.max_num_batched_tokens
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device) % self.max_model_len
+        with set_forward_context(None, self.backend):
+            hidden = self.model(ids, pos)
+        logits = self.model.compute_logits(hidden[:self.max_num_reqs]).float()
+        logits.log_softmax(-1).sort(-1)          # the sampler's biggest temporaries
+        del hidden, logits
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_allocated()
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - used_by_others
+        if budget <= 0:
+            raise ValueError(
+                f"No GPU memory left for the KV cache: the weights and a {n}-token step peak at "
+                f"{peak / GiB:.1f} GiB of {total / GiB:.1f} GiB (gpu_memory_utilization="
+                f"{self.config.cache.gpu_memory_utilization}). Raise gpu_memory_utilization, lower "
+                "max_num_batched_tokens / max_num_seqs, or use a smaller or quantized model.")
+        return budget
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.model.layers

@@ -50,6 +50,24 @@ class TorchAttentionBackend:
         return out
 
 
+class TritonAttentionBackend:
+    """The GPU path: Triton kernels that read K/V straight from the paged cache."""
+
+    @staticmethod
+    def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        from pagoda.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
+        n = md.num_actual_tokens
+        write_kv_cache_triton(k, v, kv_cache, md.slot_mapping)
+        out = torch.empty_like(q)
+        paged_attention_triton(q[:n], kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
+                               md.max_seq_len, md.max_query_len, out=out[:n])
+        return out
+
+
+def get_attention_backend(device: torch.device):
+    return TritonAttentionBackend if device.type == "cuda" else TorchAttentionBackend
+
+
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
@@ -78,6 +96,8 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = _FORWARD_CONTEXT
+        if ctx.attn_metadata is None:      # memory-profiling run: no cache yet
+            return torch.empty_like(q)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

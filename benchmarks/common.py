@@ -1,0 +1,65 @@
+"""Shared benchmark helpers: dummy-model folders, the device's measured ceilings, HF baselines."""
+import json
+import os
+import tempfile
+import time
+
+
+def dummy_model_dir(config_path: str) -> str:
+    """A folder holding just the config, for load_format="dummy"."""
+    folder = tempfile.mkdtemp(prefix="pagoda-dummy-")
+    with open(config_path) as f:
+        cfg = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return folder
+
+
+def measure_ceilings() -> dict:
+    """Device copy bandwidth (bytes read + written) and bf16 8192^3 matmul rate, measured now."""
+    import torch
+    import triton.testing
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=200, return_mode="median")
+    bw = 2 * x.numel() / (ms * 1e-3)
+    del x, y
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return {"copy_bytes_per_s": bw, "bf16_flops_per_s": 2 * 8192 ** 3 / (ms * 1e-3)}
+
+
+def param_counts(cfg: dict) -> tuple[int, int]:
+    """(parameters of the decoder layers, parameters of the LM head)."""
+    h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    return n * layer, h * cfg["vocab_size"]
+
+
+def hf_model(config_path: str, dtype="bfloat16"):
+    import torch
+    import transformers
+    cfg = transformers.AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(config_path))
+                                                  if os.path.basename(config_path) == "config.json"
+                                                  else dummy_model_dir(config_path))
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+class Timer:
+    def __enter__(self):
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.s = time.perf_counter() - self.t0

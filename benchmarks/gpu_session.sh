@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The H200 runs of one session, in phases that each fit one device call (see BENCHMARKS.md).
+#   bash benchmarks/gpu_session.sh kernels   # Triton kernel tests at full shapes + attention micro-benchmark
+#   bash benchmarks/gpu_session.sh engine    # GPU-vs-CPU greedy, W1 and W2 for Qwen3-0.6B
+#   bash benchmarks/gpu_session.sh llama     # W1 and W2 for Llama-3-8B
+# Missing wheels (gguf) travel in .whl; results go to $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-results}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+M=../shared/models; [ -d "$M" ] || M=shared/models; [ -d "$M" ] || M=benchmarks/models
+case "${1:-}" in
+  kernels)
+    # SmolLM2's GGUF is over one call's 64 MiB: its first half rides with this call.
+    [ -f .gpu_model/smollm2.part00 ] && cp .gpu_model/smollm2.part00 /root/
+    python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -15 | tee "$OUT/kernel_tests.txt"
+    python3 benchmarks/attention_kernels.py 2>&1 | tail -40
+    ;;
+  engine)
+    if [ -f /root/smollm2.part00 ] && [ -f .gpu_model/smollm2.part01 ]; then
+      cat /root/smollm2.part00 .gpu_model/smollm2.part01 > /tmp/smollm2.gguf && export SMOLLM2_GGUF=/tmp/smollm2.gguf
+      md5sum /tmp/smollm2.gguf
+    fi
+    python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
+    python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --hf --no-tqdm 2>&1 | tail -6
+    python3 benchmarks/latency.py --model-config $M/qwen3-0.6b.json --batch 1 8 64 --hf 2>&1 | tail -8
+    ;;
+  llama)
+    python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 --hf 2>&1 | tail -8
+    python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --hf --hf-requests 32 --no-tqdm 2>&1 | tail -6
+    ;;
+  *) echo "usage: $0 kernels|engine|llama"; exit 2 ;;
+esac

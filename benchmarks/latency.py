@@ -1,0 +1,107 @@
+"""W2 decode latency (DESIGN.md): batch B of 512-token random prompts, 256 output tokens, dummy
+weights. ms per decode step = (time for 256 tokens - time for 1 token) / 255, beside HF
+transformers' generate on the same GPU and the bandwidth floor (weights + KV read per step).
+
+  python benchmarks/latency.py --model-config ../shared/models/llama3-8b.json --batch 1 8 64 --hf
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Timer, dummy_model_dir, hf_model, measure_ceilings, param_counts  # noqa: E402
+
+
+def prompts_for(batch, length, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length).tolist() for _ in range(batch)]
+
+
+def pagoda_latency(llm, prompts, out_len):
+    from pagoda import SamplingParams
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+
+    def run(n):
+        with Timer() as t:
+            llm.generate(inputs, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return t.s
+    run(4)                                    # warm-up (Triton compiles, allocator)
+    t1, tn = run(1), run(out_len)
+    return {"ttft_ms": t1 * 1e3, "ms_per_step": (tn - t1) / (out_len - 1) * 1e3}
+
+
+def hf_latency(model, prompts, out_len):
+    import torch
+    ids = torch.tensor(prompts, device="cuda")
+
+    def run(n):
+        with Timer() as t, torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                           attention_mask=torch.ones_like(ids))
+        return t.s
+    run(2)
+    t1, tn = run(1), run(out_len)
+    return {"ttft_ms": t1 * 1e3, "ms_per_step": (tn - t1) / (out_len - 1) * 1e3}
+
+
+def floor_ms(cfg, batch, context, ceilings) -> float:
+    """Bytes one decode step must read (bf16 weights once, each sequence's KV) / copy bandwidth.
+    The copy bandwidth counts read + write, so reading alone is credited at that rate."""
+    layers, head = param_counts(cfg)
+    weight_bytes = 2 * (layers + head)    # the LM head is read once per step, tied or not
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_bytes = 2 * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * context * batch
+    return (weight_bytes + kv_bytes) / ceilings["copy_bytes_per_s"] * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-config", required=True)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--hf", action="store_true", help="HF generate baseline at batch 1")
+    p.add_argument("--out", default=os.environ.get("OUT", "results"))
+    args = p.parse_args()
+    from pagoda import LLM, SamplingParams
+    with open(args.model_config) as f:
+        cfg = json.load(f)
+    name = os.path.splitext(os.path.basename(args.model_config))[0]
+    ceilings = measure_ceilings()
+    t0 = time.perf_counter()
+    llm = LLM(dummy_model_dir(args.model_config), load_format="dummy", dtype="bfloat16",
+              max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True)
+    llm.generate({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=1), use_tqdm=False)
+    startup = time.perf_counter() - t0
+    rows = []
+    for b in args.batch:
+        r = pagoda_latency(llm, prompts_for(b, args.prompt_len, cfg["vocab_size"]), args.output_len)
+        r.update(engine="pagoda", batch=b,
+                 floor_ms=floor_ms(cfg, b, args.prompt_len + args.output_len // 2, ceilings))
+        rows.append(r)
+    del llm
+    if args.hf:
+        import torch
+        torch.cuda.empty_cache()
+        model = hf_model(args.model_config)
+        r = hf_latency(model, prompts_for(1, args.prompt_len, cfg["vocab_size"]), args.output_len)
+        r.update(engine="hf-generate", batch=1, floor_ms=rows[0]["floor_ms"])
+        rows.append(r)
+    result = {"model": name, "startup_to_first_token_s": startup, "ceilings": ceilings, "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"latency_{name}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"{name}: start-up to first token {startup:.1f} s")
+    print(f"{'engine':12} {'batch':>5} {'TTFT ms':>8} {'ms/step':>8} {'floor ms':>8} {'x floor':>7}")
+    for r in rows:
+        print(f"{r['engine']:12} {r['batch']:5d} {r['ttft_ms']:8.1f} {r['ms_per_step']:8.2f} "
+              f"{r['floor_ms']:8.2f} {r['ms_per_step'] / r['floor_ms']:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
