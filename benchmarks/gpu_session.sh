@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The H200 runs of one session, in phases that each fit one device call (see BENCHMARKS.md).
 #   bash benchmarks/gpu_session.sh kernels   # Triton kernel tests at full shapes + attention micro-benchmark
-#   bash benchmarks/gpu_session.sh engine    # GPU-vs-CPU greedy, W1 and W2 for Qwen3-0.6B
+#   bash benchmarks/gpu_session.sh ops       # fused-op tests + benchmark, step overhead, W2 Qwen3-0.6B
+#   bash benchmarks/gpu_session.sh engine    # GPU-vs-CPU greedy, W1 Qwen3-0.6B, W1 + W2 Llama-3-8B
 #   bash benchmarks/gpu_session.sh llama     # W1 and W2 for Llama-3-8B
+#   bash benchmarks/gpu_session.sh profile   # where one decode step's time goes
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -20,6 +22,13 @@ case "${1:-}" in
     python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -15 | tee "$OUT/kernel_tests.txt"
     python3 benchmarks/attention_kernels.py 2>&1 | tail -40
     ;;
+  ops)
+    [ -f .gpu_model/smollm2.part00 ] && cp .gpu_model/smollm2.part00 /root/
+    python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -4 | tee "$OUT/kernel_tests.txt"
+    python3 benchmarks/ops_kernels.py 2>&1 | tail -30
+    python3 benchmarks/step_overhead.py --model-config $M/qwen3-0.6b.json --num-requests 256 2>&1 | tail -9
+    python3 benchmarks/latency.py --model-config $M/qwen3-0.6b.json --batch 1 8 64 --hf 2>&1 | tail -8
+    ;;
   engine)
     if [ -f /root/smollm2.part00 ] && [ -f .gpu_model/smollm2.part01 ]; then
       cat /root/smollm2.part00 .gpu_model/smollm2.part01 > /tmp/smollm2.gguf && export SMOLLM2_GGUF=/tmp/smollm2.gguf
@@ -27,11 +36,15 @@ case "${1:-}" in
     fi
     python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
     python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --hf --no-tqdm 2>&1 | tail -6
-    python3 benchmarks/latency.py --model-config $M/qwen3-0.6b.json --batch 1 8 64 --hf 2>&1 | tail -8
+    python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 --hf 2>&1 | tail -8
+    python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --hf --hf-requests 32 --no-tqdm 2>&1 | tail -6
+    ;;
+  profile)
+    python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 2>&1 | tail -70
     ;;
   llama)
     python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 --hf 2>&1 | tail -8
     python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --hf --hf-requests 32 --no-tqdm 2>&1 | tail -6
     ;;
-  *) echo "usage: $0 kernels|engine|llama"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile"; exit 2 ;;
 esac

@@ -110,6 +110,8 @@ class OutputProcessor:
                 state.finish_reason, state.stop_reason = req.status.finish_reason, req.stop_reason
             if state.detok is not None:
                 delta = state.detok.push([token])
+                if req.is_finished:            # nothing follows: emit any held-back bytes too
+                    delta += state.detok.flush()
                 state.text += delta
                 if delta and state.max_stop_len:
                     if self._check_stop_strings(state, len(delta)):

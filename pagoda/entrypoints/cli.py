@@ -101,7 +101,12 @@ def main(argv=None) -> int:
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        # Bad input is the user's to fix: say what, without a traceback.
+        print(f"pagoda: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -68,3 +68,48 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
         attn_mask=allowed[:, None], scale=scale, enable_gqa=True)              # (B, H, Q, D)
     return out.transpose(1, 2)[q_valid].to(query.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Elementwise ops of the decoder layer (the torch path of pagoda.model.layers; the oracle of
+# pagoda.kernels.triton_ops, which has the same functions with the same signatures).
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, as HF computes it: normalise in float32, cast back to the
+    input dtype, then multiply by ``weight`` (in the promoted dtype of the two)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x.to(dtype) * weight
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``: a decoder layer's residual add and norm; the
+    sum (in the inputs' dtype) is the next residual. The inputs are left unchanged."""
+    x = x + residual
+    return rms_norm(x, weight, eps), x
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half (NeoX) rotary embedding of ``q (tokens, heads * head_dim)`` and
+    ``k (tokens, kv_heads * head_dim)`` at ``positions``; ``cos_sin_cache (max_position,
+    head_dim)`` float32 holds cos in its first half and sin in its second. Math in float32,
+    results in the inputs' dtype, as new tensors (q and k are left unchanged)."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x1, x2 = x.view(shape[0], -1, head_dim).float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype).view(shape)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x = [gate, up]`` (tokens, 2 * d) -> (tokens, d), in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

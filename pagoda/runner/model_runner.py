@@ -2,6 +2,8 @@
 samples. Per-request state lives in preallocated rows (token ids, block table, sampling
 parameters), so building a step's inputs is a handful of vectorized numpy gathers: the Python
 work per step is O(requests), not O(tokens)."""
+import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,9 +14,11 @@ from pagoda.core.sched_output import ModelRunnerOutput, NewRequestData, Schedule
 from pagoda.model.layers.attention import (AttentionMetadata, TorchAttentionBackend, get_attention_backend,
                                            set_forward_context)
 from pagoda.model.loader import get_model
+from pagoda.runner.cuda_graph import CUDAGraphRunner
 from pagoda.runner.sampler import SamplingMetadata, logprobs_of, sample
 from pagoda.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 GiB = 1 << 30
 CPU_DEFAULT_KV_CACHE_BYTES = 4 * GiB
 
@@ -76,6 +80,7 @@ class ModelRunner:
         self.free_rows = list(range(self.max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs: CUDAGraphRunner | None = None
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
@@ -139,6 +144,13 @@ class ModelRunner:
             cache[:, 0] = 0.0      # the null block, read by padding
             layer.self_attn.attn.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            t0 = time.perf_counter()
+            self.cuda_graphs = CUDAGraphRunner(self.model, self.backend, self.max_num_reqs,
+                                               self.block_table.shape[1], self.max_model_len, self.device)
+            self.cuda_graphs.capture()
+            logger.info("Captured CUDA graphs for %d batch sizes in %.1f s.", len(self.cuda_graphs.sizes),
+                        time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ request state
     def _add_request(self, r: NewRequestData) -> None:
@@ -196,10 +208,7 @@ class ModelRunner:
         q_lens, computed = q_lens[order], computed[order]
         states = [self.requests[r] for r in req_ids]
         rows = np.array([s.row for s in states], dtype=np.int64)
-        batch = self._prepare_inputs(rows, q_lens, computed)
-
-        with set_forward_context(batch["attn_metadata"], self.backend):
-            hidden = self.model(batch["input_ids"], batch["positions"])
+        hidden = self._forward(self._prepare_inputs(rows, q_lens, computed))
 
         known = np.array([s.num_tokens for s in states], dtype=np.int64)
         seq_lens = computed + q_lens
@@ -213,8 +222,9 @@ class ModelRunner:
         s_states = [states[i] for i in sampling]
         s_rows = rows[sampling]
         result = sample(logits, self._sampling_metadata(s_states, s_rows))
-        tokens = result.token_ids.cpu().numpy()
-        token_lp = result.logprobs.cpu().tolist()
+        # One device-to-host transfer (one sync) for tokens and their logprobs.
+        both = torch.stack([result.token_ids.double(), result.logprobs.double()]).cpu().numpy()
+        tokens, token_lp = both[0].astype(np.int64), both[1].tolist()
         self.token_ids[s_rows, known[sampling]] = tokens
         topk = None
         if result.topk_ids is not None:
@@ -241,34 +251,42 @@ class ModelRunner:
                 cache.index_fill_(1, ids, 0.0)
 
     def _prepare_inputs(self, rows, q_lens, computed) -> dict:
+        """The flat batch as numpy arrays: O(requests) Python, the rest vectorized."""
         bs = self.block_size
         total = int(q_lens.sum())
         cu = np.cumsum(q_lens)
-        starts = cu - q_lens
         req_idx = np.repeat(np.arange(len(rows)), q_lens)
-        positions = computed[req_idx] + (np.arange(total) - starts[req_idx])
+        positions = computed[req_idx] + (np.arange(total) - (cu - q_lens)[req_idx])
         tok_rows = rows[req_idx]
-        input_ids = self.token_ids[tok_rows, positions]
-        slot_mapping = self.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = computed + q_lens
+        seq_lens = (computed + q_lens).astype(np.int32)
         max_seq_len = int(seq_lens.max())
-        block_tables = self.block_table[rows, :cdiv(max_seq_len, bs)]
         num_decodes = int((q_lens == 1).sum())
+        return {
+            "input_ids": self.token_ids[tok_rows, positions].astype(np.int64),
+            "positions": positions,
+            "slot_mapping": self.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs,
+            "query_start_loc": np.concatenate([[0], cu]).astype(np.int32),
+            "seq_lens": seq_lens,
+            "block_tables": np.ascontiguousarray(self.block_table[rows, :cdiv(max_seq_len, bs)]),
+            "num_decodes": num_decodes,
+            "max_query_len": int(q_lens.max()),
+            "max_seq_len": max_seq_len,
+            "max_decode_seq_len": int(seq_lens[:num_decodes].max()) if num_decodes else 0,
+        }
+
+    def _forward(self, b: dict) -> torch.Tensor:
+        num_tokens, num_reqs = len(b["input_ids"]), len(b["seq_lens"])
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(num_reqs, num_tokens):
+            return self.cuda_graphs.run(b["input_ids"], b["positions"], b["slot_mapping"], b["seq_lens"],
+                                        b["block_tables"])
         dev = self.device
-        md = AttentionMetadata(
-            num_actual_tokens=total,
-            num_decodes=num_decodes,
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(np.concatenate([[0], cu]).astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=max_seq_len,
-            max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
-        )
-        return {"input_ids": torch.from_numpy(input_ids.astype(np.int64)).to(dev),
-                "positions": torch.from_numpy(positions).to(dev),
-                "attn_metadata": md}
+        t = {k: torch.from_numpy(b[k]).to(dev, non_blocking=True) for k in
+             ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")}
+        md = AttentionMetadata(num_tokens, b["num_decodes"], t["slot_mapping"], t["query_start_loc"],
+                               t["seq_lens"], t["block_tables"], b["max_query_len"], b["max_seq_len"],
+                               b["max_decode_seq_len"])
+        with set_forward_context(md, self.backend):
+            return self.model(t["input_ids"], t["positions"])
 
     def _sampling_metadata(self, states: list[CachedRequestState], rows: np.ndarray) -> SamplingMetadata:
         dev = self.device

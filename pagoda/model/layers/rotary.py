@@ -5,6 +5,8 @@ import math
 import torch
 from torch import nn
 
+from pagoda.model.layers.layernorm import kernels_for
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
@@ -36,17 +38,10 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: (tokens, heads * head_dim), k: (tokens, kv_heads * head_dim)."""
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
-        x = x.view(shape[0], -1, self.head_dim).float()
-        x1, x2 = x.chunk(2, dim=-1)
-        cos, sin = cos[:, None], sin[:, None]
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return out.to(dtype).view(shape)
+        """q: (tokens, heads * head_dim), k: (tokens, kv_heads * head_dim), possibly strided
+        column slices of one qkv output. Returns the rotated (q, k): on CUDA rotated in place
+        by a Triton kernel, elsewhere new tensors."""
+        return kernels_for(q).rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
 
 
 _ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}

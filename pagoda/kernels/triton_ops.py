@@ -1,0 +1,210 @@
+"""Triton kernels for the elementwise ops of a decoder layer: RMSNorm (alone, and fused with the
+residual add), rotary embedding, SiLU-and-mul. Same functions, (positional) signatures and
+semantics as their torch versions in ``pagoda.kernels.reference`` (the CPU path and the tests'
+oracle), except that ``rotary_embedding`` works in place; the others also take ``out=`` tensors.
+
+Why: in eager torch each of these is 5-10 tiny kernels (RMSNorm alone is float, pow, mean, add,
+rsqrt, mul, to, mul); at decode they cost far more in launches and Python than in bytes. Here
+each is one launch that reads its inputs once and writes its outputs once.
+
+All of them are CUDA-graph capturable: launch parameters come from tensor shapes only, no
+host sync, outputs allocated from shapes. Math in float32; the roundings to the input dtype
+are the ones the torch code (i.e. HF's modelling code) does, so that bf16 results agree with
+the torch path to the last bit in nearly every element.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+def _num_warps(tile: int) -> int:
+    """About 8-16 elements per thread, up to 16 warps."""
+    return max(1, min(16, tile // 512))
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+                     num_rows, n_inner, stride_x0, stride_x1, stride_r, N, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # BLOCK_M rows of BLOCK_N (>= N) columns per program. Row r of x sits at
+    # (r // n_inner) * stride_x0 + (r % n_inner) * stride_x1, which covers 2-D inputs with a row
+    # stride (n_inner = 1) and 3-D (tokens, heads, head_dim) views of a fused qkv output.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < num_rows)[:, None] & (cols < N)[None, :]
+    rows = rows.to(tl.int64)
+    x_off = (rows // n_inner) * stride_x0 + (rows % n_inner) * stride_x1
+    x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=mask, other=0.0)
+    out_off = rows[:, None] * N + cols[None, :]             # outputs are contiguous
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + (rows * stride_r)[:, None] + cols[None, :], mask=mask, other=0.0)
+        # The sum in the inputs' dtype is the new residual, and what is normalised.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + out_off, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
+    y = (xf * rstd[:, None]).to(x.dtype)                    # HF: back to the input dtype ...
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+    out = y.to(tl.float32) * w.to(tl.float32)[None, :]      # ... then times the weight
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _output(out, shape, dtype, device):
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    assert out.shape == shape and out.dtype == dtype and out.is_contiguous(), \
+        f"out must be a contiguous {dtype} tensor of shape {tuple(shape)}"
+    return out
+
+
+def _launch_rms_norm(x, residual, weight, eps, out, residual_out):
+    N = x.shape[-1]
+    assert weight.shape == (N,) and weight.is_contiguous(), "weight must be a contiguous (N,) vector"
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if residual is None and x.dim() == 3:                    # (tokens, heads, head_dim) view
+        num_rows, n_inner, sx0, sx1 = x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
+    else:
+        x2 = x.reshape(-1, N)                                # a view wherever one exists
+        num_rows, n_inner, sx0, sx1 = x2.shape[0], 1, x2.stride(0), 0
+    res_dtype = x.dtype
+    if residual is not None:
+        assert residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
+        res_dtype = torch.promote_types(x.dtype, residual.dtype)
+        residual_out = _output(residual_out, x.shape, res_dtype, x.device)
+        residual = residual.reshape(-1, N)
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+    out = _output(out, x.shape, torch.promote_types(res_dtype, weight.dtype), x.device)
+    if num_rows == 0:
+        return out, residual_out
+    BLOCK_N = triton.next_power_of_2(N)
+    BLOCK_M = min(max(1, 2048 // BLOCK_N), triton.next_power_of_2(num_rows))
+    has_res = residual is not None
+    _rms_norm_kernel[(triton.cdiv(num_rows, BLOCK_M),)](
+        x, residual if has_res else x, weight, out, residual_out if has_res else out,
+        num_rows, n_inner, sx0, sx1, residual.stride(0) if has_res else 0, N, eps,
+        HAS_RESIDUAL=has_res, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        num_warps=_num_warps(BLOCK_M * BLOCK_N))
+    return out, residual_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x`` (any shape; rows may be strided, e.g. a 3-D
+    ``(tokens, heads, head_dim)`` view of a qkv output). Returns ``out``: by default a new
+    contiguous tensor; a given one must be contiguous (it may be ``x`` itself, if contiguous)."""
+    return _launch_rms_norm(x, None, weight, eps, out, None)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)`` in one pass. By default into new tensors,
+    the inputs unchanged (what the torch version does; in place would move the same bytes).
+    ``out=x, residual_out=residual`` (both contiguous) makes it in place, vLLM style: each
+    program reads its whole row before it writes it."""
+    return _launch_rms_norm(x, residual, weight, eps, out, residual_out)
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary embedding
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+                   num_q_heads, num_k_heads, q_chunks,
+                   HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    # Grid (tokens, q_chunks + k_chunks): a program rotates BLOCK_H heads of q or of k of one
+    # token, in place (loop-free, and at decode still several programs per token).
+    t = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    if chunk < q_chunks:
+        base, stride_h, num_heads = q_ptr + t * stride_qt, stride_qh, num_q_heads
+    else:
+        base, stride_h, num_heads = k_ptr + t * stride_kt, stride_kh, num_k_heads
+        chunk -= q_chunks
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    cos = tl.load(cache_ptr + pos * stride_cache + d, mask=d < HALF, other=0.0)[None, :]
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + d, mask=d < HALF, other=0.0)[None, :]
+    h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (h < num_heads)[:, None] & (d < HALF)[None, :]
+    p1 = base + (h.to(tl.int64) * stride_h)[:, None] + d[None, :]   # first halves; + HALF: second
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(p1, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+    tl.store(p1 + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+
+
+def _heads_layout(x: torch.Tensor, head_dim: int):
+    """(token stride, head stride, heads) of x: (tokens, heads * head_dim) or (tokens, heads,
+    head_dim), each head's head_dim elements contiguous; rows may be strided (qkv slices)."""
+    assert x.stride(-1) == 1, "the last dim must be contiguous"
+    if x.dim() == 3:
+        assert x.shape[2] == head_dim
+        return x.stride(0), x.stride(1), x.shape[1]
+    assert x.dim() == 2 and x.shape[1] % head_dim == 0
+    return x.stride(0), head_dim, x.shape[1] // head_dim
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding of q and k IN PLACE (unlike the torch version; q and k
+    may be strided column slices of one qkv buffer). Returns ``(q, k)``."""
+    num_tokens = q.shape[0]
+    assert positions.shape == (num_tokens,) and k.shape[0] == num_tokens
+    assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1
+    stride_qt, stride_qh, num_q_heads = _heads_layout(q, head_dim)
+    stride_kt, stride_kh, num_k_heads = _heads_layout(k, head_dim)
+    if num_tokens == 0:
+        return q, k
+    assert q.dtype == k.dtype, "q and k must share a dtype"
+    positions = positions.contiguous()
+    half = head_dim // 2
+    BLOCK_D = triton.next_power_of_2(half)
+    BLOCK_H = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, 1024 // BLOCK_D))
+    q_chunks = triton.cdiv(num_q_heads, BLOCK_H)
+    _rotary_kernel[(num_tokens, q_chunks + triton.cdiv(num_k_heads, BLOCK_H))](
+        positions, q, k, cos_sin_cache, stride_qt, stride_qh, stride_kt, stride_kh,
+        cos_sin_cache.stride(0), num_q_heads, num_k_heads, q_chunks,
+        HALF=half, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, num_warps=_num_warps(2 * BLOCK_H * BLOCK_D))
+    return q, k
+
+
+# --------------------------------------------------------------------------------------------
+# SiLU and mul
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, d, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    # As torch does in the input dtype: silu rounded to it, then the product rounded to it.
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + t * d + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x = [gate, up]`` (..., 2 * d) -> ``out`` (..., d), by default
+    a new tensor (rows of x may be strided)."""
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = _output(out, (*x.shape[:-1], d), x.dtype, x.device)
+    if x2.shape[0] == 0 or d == 0:
+        return out
+    BLOCK = min(1024, triton.next_power_of_2(d))
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, BLOCK))](
+        x2, out, x2.stride(0), d, BLOCK=BLOCK, num_warps=_num_warps(2 * BLOCK))
+    return out
