@@ -42,7 +42,7 @@ def main():
     from pagoda import LLM, SamplingParams
     kw = dict(max_model_len=1024, dtype="bfloat16")
     if args.model_config:
-        llm = LLM(dummy_model_dir(args.model_config), load_format="dummy", **kw)
+        llm = LLM(dummy_model_dir(args.model_config), load_format="dummy", skip_tokenizer_init=True, **kw)
     else:
         llm = LLM(**kw)       # the embedded SmolLM2, with its tokenizer (detokenization is timed)
     engine = llm.llm_engine
