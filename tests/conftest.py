@@ -4,7 +4,12 @@ import os
 import pytest
 import torch
 
-from pagoda.model.hub import default_model_path
+if not torch.cuda.is_available():
+    # Triton kernels then run in its CPU interpreter. Triton reads this when a kernel is
+    # decorated, so it is set here, before any test module imports one.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagoda.model.hub import default_model_path  # noqa: E402
 
 # Small KV budgets keep several engines in 24 GiB; tests that need a tight cache set their own.
 TEST_KV_BYTES = 1 << 28

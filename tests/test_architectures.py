@@ -23,7 +23,7 @@ CASES = {
 }
 
 
-def save_tiny(tmp_path, case, seed=0) -> tuple[str, torch.nn.Module]:
+def save_tiny(tmp_path, case, seed=0, max_shard_size="5GB") -> tuple[str, torch.nn.Module]:
     cfg_cls, model_cls, extra = CASES[case]
     cfg = getattr(transformers, cfg_cls)(**BASE, **extra)
     torch.manual_seed(seed)
@@ -32,7 +32,7 @@ def save_tiny(tmp_path, case, seed=0) -> tuple[str, torch.nn.Module]:
         for p in model.parameters():
             p.mul_(8.0) if p.dim() > 1 else p.normal_(1.0, 0.1)
     folder = tmp_path / case
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
     return str(folder), model
 
 
@@ -63,3 +63,20 @@ def test_dummy_weights_from_config_alone(tmp_path):
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
     assert all(0 <= t < 512 for t in out.outputs[0].token_ids)
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    folder, hf = save_tiny(tmp_path, "llama3", max_shard_size="200KB")
+    shards = sorted(p.name for p in (tmp_path / "llama3").glob("*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "llama3" / "model.safetensors.index.json").is_file()
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    prompt = [5, 9, 200, 17, 3, 44]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    (tmp_path / "llama3" / shards[-1]).unlink()
+    with pytest.raises(ValueError, match="missing weight files listed in its index"):
+        LLM(folder, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)

@@ -6,28 +6,15 @@ once over the cases). Bounds: ||out - ref|| / ||ref|| < 1e-3 (fp32), < 1e-2 (bf1
 reference computed in fp32 from the same inputs.
 On the GPU: ``pytest tests/kernels/test_triton_attention.py -q``.
 """
-import os
+import zlib
 
+import pytest
 import torch
 
+from pagoda.kernels import reference
+from pagoda.kernels import triton_attention as ta
+
 ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    # Must be set before the kernels are decorated, i.e. before the kernel module is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import importlib  # noqa: E402
-import sys  # noqa: E402
-import zlib  # noqa: E402
-
-import pytest  # noqa: E402
-
-from pagoda.kernels import reference  # noqa: E402
-
-if not ON_GPU and "pagoda.kernels.triton_attention" in sys.modules:
-    # Imported earlier in this process before TRITON_INTERPRET was set: re-decorate its kernels.
-    importlib.reload(sys.modules["pagoda.kernels.triton_attention"])
-from pagoda.kernels import triton_attention as ta  # noqa: E402
-
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32]  # the shape matrix
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}

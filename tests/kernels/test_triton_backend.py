@@ -1,16 +1,10 @@
 """The engine with the Triton attention backend gives the torch backend's greedy tokens (a tiny
 random Qwen3; on CPU the kernels run under TRITON_INTERPRET=1)."""
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from pagoda import LLM, SamplingParams  # noqa: E402
-from pagoda.model.layers.attention import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
+from pagoda import LLM, SamplingParams
+from pagoda.model.layers.attention import TorchAttentionBackend, TritonAttentionBackend
 
 pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")

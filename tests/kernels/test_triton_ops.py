@@ -9,33 +9,19 @@ fresh are poisoned with NaN first. Bounds: ||out - ref|| / ||ref|| < 1e-5 (fp32)
 (fp16, bf16), the reference computed by the torch code from the same inputs in the same dtype.
 On the GPU: ``pytest tests/kernels/test_triton_ops.py -q``.
 """
-import os
+import itertools
+import zlib
 
+import pytest
 import torch
 
+from pagoda.kernels import reference
+from pagoda.kernels import triton_ops as ops
+from pagoda.model.layers.activation import SiluAndMul
+from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.rotary import RotaryEmbedding
+
 ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    # Must be set before the kernels are decorated, i.e. before the kernel module is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import importlib  # noqa: E402
-import itertools  # noqa: E402
-import sys  # noqa: E402
-import zlib  # noqa: E402
-
-import pytest  # noqa: E402
-
-from pagoda.kernels import reference  # noqa: E402
-
-if not ON_GPU and "pagoda.kernels.triton_ops" in sys.modules:
-    # Imported earlier in this process before TRITON_INTERPRET was set: re-decorate its kernels
-    # (the reload updates the module object in place, which is the one the layers use).
-    importlib.reload(sys.modules["pagoda.kernels.triton_ops"])
-from pagoda.kernels import triton_ops as ops  # noqa: E402
-from pagoda.model.layers.activation import SiluAndMul  # noqa: E402
-from pagoda.model.layers.layernorm import RMSNorm  # noqa: E402
-from pagoda.model.layers.rotary import RotaryEmbedding  # noqa: E402
-
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
