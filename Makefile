@@ -28,7 +28,7 @@ setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
 
 run: setup
-	$(BIN)/pagoda generate "$(PROMPT)" "请解释量子纠缠" --max-tokens 64 --temperature 0
+	$(BIN)/pagoda generate --chat "$(PROMPT)" "写一首关于秋天的诗" --max-tokens 128 --temperature 0
 
 test: setup-test
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -50,8 +50,8 @@ def cmd_generate(args) -> int:
     params = _params(args)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if args.chat \
         else llm.generate(prompts, params)
-    for out in outputs:
-        print(f"### Prompt: {out.prompt!r}")
+    for prompt, out in zip(prompts, outputs):
+        print(f"### Prompt: {prompt!r}")
         print(out.outputs[0].text)
         print(f"### ({len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason})\n")
     return 0
