@@ -40,7 +40,8 @@ case "${1:-}" in
     python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --hf --hf-requests 32 --no-tqdm 2>&1 | tail -6
     ;;
   profile)
-    python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 2>&1 | tail -70
+    python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 256 2>&1 | tail -16
+    python3 benchmarks/profile_step.py --model-config $M/llama3-8b.json --batch 1 64 2>&1 | tail -16
     ;;
   llama)
     python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 --hf 2>&1 | tail -8

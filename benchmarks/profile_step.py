@@ -1,13 +1,11 @@
-"""Where a decode step's time goes: cProfile of the Python side and torch.profiler's GPU kernel
-time, for one batch size.
+"""Where a decode step's time goes on the GPU: wall time per step against the GPU kernel time
+per step (torch.profiler, CUDA graphs included), and the largest kernels.
 
-  python benchmarks/profile_step.py --model-config benchmarks/models/qwen3-0.6b.json --batch 1
+  python benchmarks/profile_step.py --model-config benchmarks/models/qwen3-0.6b.json --batch 1 256
 """
 import argparse
-import cProfile
-import io
+import json
 import os
-import pstats
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -18,32 +16,49 @@ from common import Timer, dummy_model_dir  # noqa: E402
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model-config", required=True)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
-    import torch
+    from torch.profiler import ProfilerActivity, profile
+
     from pagoda import LLM, SamplingParams
     llm = LLM(dummy_model_dir(args.model_config), load_format="dummy", dtype="bfloat16", max_model_len=1024,
-              skip_tokenizer_init=True)
-    inputs = [{"prompt_token_ids": [i + 1] * 512} for i in range(args.batch)]
-    params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
-    llm.generate(inputs, params, use_tqdm=False)
-    prof = cProfile.Profile()
-    with Timer() as t:
-        prof.enable()
-        llm.generate(inputs, params, use_tqdm=False)
-        prof.disable()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
-    print(s.getvalue()[-6000:])
-    print(f"wall per step (with cProfile on): {t.s / args.steps * 1e3:.2f} ms")
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
-        llm.generate(inputs, params, use_tqdm=False)
-    print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
-    with Timer() as t:
-        llm.generate(inputs, params, use_tqdm=False)
-    print(f"wall per step: {t.s / args.steps * 1e3:.2f} ms")
+              skip_tokenizer_init=True, enforce_eager=args.enforce_eager)
+    name = os.path.splitext(os.path.basename(args.model_config))[0]
+    rows = []
+    for b in args.batch:
+        inputs = [{"prompt_token_ids": [i + 1] * 512} for i in range(b)]
+        long = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        llm.generate(inputs, long, use_tqdm=False)
+        with Timer() as t1:
+            llm.generate(inputs, one, use_tqdm=False)
+        with Timer() as tn:
+            llm.generate(inputs, long, use_tqdm=False)
+        wall = (tn.s - t1.s) / args.steps * 1e3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(inputs, long, use_tqdm=False)
+        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        total_us = sum(e.self_device_time_total for e in events)
+        # The profiled run also holds the prefill step: take it out with a max_tokens=1 run.
+        with profile(activities=[ProfilerActivity.CUDA]) as prof1:
+            llm.generate(inputs, one, use_tqdm=False)
+        prefill_us = sum(e.self_device_time_total for e in prof1.key_averages() if e.self_device_time_total > 0)
+        gpu = (total_us - prefill_us) / args.steps / 1e3
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:6]
+        rows.append({"batch": b, "wall_ms_per_step": wall, "gpu_kernel_ms_per_step": gpu,
+                     "gpu_idle_fraction": max(0.0, 1 - gpu / wall),
+                     "top_kernels": [(e.key[:70], e.self_device_time_total / (args.steps + 1) / 1e3) for e in top]})
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"profile_{name}.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    for r in rows:
+        print(f"{name} batch {r['batch']}: wall {r['wall_ms_per_step']:.2f} ms/step, GPU kernels "
+              f"{r['gpu_kernel_ms_per_step']:.2f} ms/step, GPU idle {r['gpu_idle_fraction']:.0%}")
+        for k, ms in r["top_kernels"]:
+            print(f"    {ms:7.3f} ms  {k}")
 
 
 if __name__ == "__main__":
