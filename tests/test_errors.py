@@ -143,6 +143,10 @@ def test_hub_name_resolves_from_local_cache(tmp_path, monkeypatch, smollm_path):
 def test_bad_engine_arguments(smollm_path):
     with pytest.raises(ValueError, match="Unknown quantization"):
         LLM(smollm_path, quantization="int3", kv_cache_memory_bytes=1 << 24, max_model_len=256)
+    with pytest.raises(NotImplementedError, match="'awq' is not implemented yet"):
+        LLM(smollm_path, quantization="awq")
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=4"):
+        LLM(smollm_path, tensor_parallel_size=4, max_model_len=256)
     with pytest.raises(ValueError, match="Unknown dtype"):
         LLM(smollm_path, dtype="int8")
     with pytest.raises(TypeError, match="unexpected keyword"):

@@ -7,6 +7,7 @@ import torch
 from pagoda.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagoda.model.hub import default_model_path, resolve_model_path
 from pagoda.model.loader import read_arch_config, read_generation_config
+from pagoda.quant.base import get_quant_method
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class EngineArgs:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        get_quant_method(self.quantization)     # fail on a bad name before loading anything
         path = resolve_model_path(self.model or default_model_path(), self.revision)
         arch = read_arch_config(path)
         dtype, compute_dtype = _resolve_dtype(self.dtype, arch.torch_dtype, device)

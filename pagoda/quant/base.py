@@ -27,8 +27,13 @@ class UnquantizedLinearMethod(QuantMethod):
         return F.linear(x, layer.weight, bias)
 
 
+PLANNED_METHODS = ("fp8", "w8a8", "gptq", "awq")
+
+
 def get_quant_method(quantization: str | None) -> QuantMethod:
     if quantization is None:
         return UnquantizedLinearMethod()
-    raise ValueError(f"Unknown quantization method {quantization!r}; supported: None "
-                     "(more methods arrive with the quantization work).")
+    if quantization in PLANNED_METHODS:
+        raise NotImplementedError(f"quantization={quantization!r} is not implemented yet; "
+                                  "load unquantized (bf16/fp16) weights or a GGUF file.")
+    raise ValueError(f"Unknown quantization method {quantization!r}; known: {list(PLANNED_METHODS)}.")
