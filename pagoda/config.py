@@ -72,7 +72,6 @@ class ModelConfig:
     arch: ArchConfig
     dtype: torch.dtype            # dtype the weights are stored in
     compute_dtype: torch.dtype    # dtype the math runs in (float32 on CPUs without bf16 units)
-    max_model_len: int
     seed: int = 0
     load_format: str = "auto"     # auto | safetensors | gguf | dummy
     quantization: str | None = None

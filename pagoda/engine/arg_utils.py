@@ -79,7 +79,7 @@ class EngineArgs:
                              f">= max_model_len ({max_model_len}) or long prompts could never run.")
         model = ModelConfig(
             model=self.model or path, path=path, arch=arch, dtype=dtype, compute_dtype=compute_dtype,
-            max_model_len=max_model_len, seed=self.seed, load_format=self.load_format,
+            seed=self.seed, load_format=self.load_format,
             quantization=self.quantization, tokenizer=self.tokenizer, revision=self.revision,
             generation_config=read_generation_config(path))
         cache = CacheConfig(

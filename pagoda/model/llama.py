@@ -114,6 +114,3 @@ class LlamaForCausalLM(nn.Module):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
-
-
-

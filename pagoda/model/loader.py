@@ -130,6 +130,3 @@ def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
         # Weights keep the values of the requested dtype; the math runs in compute_dtype.
         model.to(config.compute_dtype)
     return model.eval()
-
-
-
