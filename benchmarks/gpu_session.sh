@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh engine    # GPU-vs-CPU greedy, W1 Qwen3-0.6B, W1 + W2 Llama-3-8B
 #   bash benchmarks/gpu_session.sh llama     # W1 and W2 for Llama-3-8B
 #   bash benchmarks/gpu_session.sh profile   # where one decode step's time goes
+#   bash benchmarks/gpu_session.sh prefix    # block-copy kernel tests, W4 prefix reuse (fp32 check + Llama-3-8B)
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -43,9 +44,16 @@ case "${1:-}" in
     python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 256 2>&1 | tail -16
     python3 benchmarks/profile_step.py --model-config $M/llama3-8b.json --batch 1 64 2>&1 | tail -16
     ;;
+  prefix)
+    python3 -m pytest -q -p no:cacheprovider tests/kernels -k "copy_blocks or write_kv or backend" 2>&1 | tail -4 | tee "$OUT/kernel_tests.txt"
+    # float32, so greedy answers with caching on must equal those with it off exactly
+    python3 benchmarks/prefix_cache.py --model-config $M/qwen3-0.6b.json --dtype float32 --conversations 16 \
+      --system-len 600 --out "$OUT/fp32" 2>&1 | tail -4
+    python3 benchmarks/prefix_cache.py --model-config $M/llama3-8b.json 2>&1 | tail -5
+    ;;
   llama)
     python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 --hf 2>&1 | tail -8
     python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --hf --hf-requests 32 --no-tqdm 2>&1 | tail -6
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix"; exit 2 ;;
 esac

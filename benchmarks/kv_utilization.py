@@ -54,7 +54,7 @@ def main():
     result = {"steps": steps, "mean_step_utilization": float(np.mean(live / slots)),
               "min_step_utilization": float(np.min(live / slots)),
               "token_weighted_utilization": float(live.sum() / slots.sum()),
-              "preemptions": sched.num_preemptions, "num_blocks": args.num_blocks}
+              "preemptions": sched.stats.num_preemptions, "num_blocks": args.num_blocks}
     print(json.dumps(result, indent=2))
 
 

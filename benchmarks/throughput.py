@@ -55,7 +55,7 @@ def run_pagoda(args, prompts, output_lens):
     return {"engine": "pagoda", "startup_s": startup, "elapsed_s": elapsed,
             "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed,
             "requests": len(prompts), "prompt_tokens": n_in, "output_tokens": n_out,
-            "steps": engine.stats.num_steps, "preemptions": engine.scheduler.num_preemptions,
+            "steps": engine.stats.num_steps, "preemptions": engine.scheduler.stats.num_preemptions,
             "kv_blocks": engine.config.cache.num_blocks - 1}
 
 

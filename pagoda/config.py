@@ -122,3 +122,4 @@ class EngineConfig:
     parallel: ParallelConfig
     device: str = "cpu"
     enforce_eager: bool = False
+    log_stats: bool = False

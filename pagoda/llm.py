@@ -4,10 +4,11 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from pagoda.beam_search import beam_search
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.outputs import BeamSearchOutput, RequestOutput
+from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -50,8 +51,18 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self._run(prompts, self._params_list(sampling_params, len(prompts)), use_tqdm)
 
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False, **_ignored) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (strings, or dicts with ``prompt`` / ``prompt_token_ids``);
+        returns the best ``params.beam_width`` sequences of each, best first."""
+        return beam_search(self, self._as_list(prompts), params, use_tqdm)
+
     def reset_prefix_cache(self) -> bool:
-        return True   # nothing is cached across requests yet
+        """Forget every cached prefix block. Returns False (and keeps them) while requests run."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_stats(self):
+        """Counters and gauges of the engine: tokens, prefix-cache hits, KV blocks (EngineStats)."""
+        return self.llm_engine.stats
 
     # ------------------------------------------------------------------ internals
     @staticmethod

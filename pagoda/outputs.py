@@ -53,3 +53,21 @@ class RequestOutput:
     encoder_prompt: None = None
     encoder_prompt_token_ids: None = None
     kv_transfer_params: dict = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: the prompt and its continuation (``tokens`` holds both, as in vLLM)."""
+    tokens: list[int]
+    logprobs: SampleLogprobs
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best ``beam_width`` beams of one prompt, best first."""
+    sequences: list[BeamSearchSequence]

@@ -1,17 +1,19 @@
 """Property-based tests of the block pool and the KV cache manager: random allocate / append /
-free / preempt sequences keep the pool's invariants."""
+free / preempt / fork / prefix-hit / reset sequences keep the pool's invariants, and every
+request reads back exactly its own tokens."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagoda.core.block_pool import BlockPool
-from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
+from pagoda.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
 from pagoda.core.request import Request
 from pagoda.sampling_params import SamplingParams
 
 
 def check_invariants(kv: KVCacheManager) -> None:
     pool = kv.pool
-    free_ids = [b.block_id for b in pool.free_queue]
+    free_ids = list(pool.free_queue)
+    assert all(pool.free_queue[i].block_id == i for i in free_ids)
     assert len(free_ids) == len(set(free_ids)), "a block is twice in the free list"
     held: dict[int, int] = {}
     for blocks in kv.req_to_blocks.values():
@@ -21,49 +23,112 @@ def check_invariants(kv: KVCacheManager) -> None:
         assert b.ref_cnt >= 0
         assert b.ref_cnt == held.get(b.block_id, 0), f"ref count of {b} != holders"
         assert (b.ref_cnt == 0) == (b.block_id in set(free_ids)), f"{b} free-ness disagrees"
+        if b.block_hash is not None:
+            assert pool.cached_blocks[b.block_hash] is b, "a hashed block missing from the index"
+    assert all(b.block_hash == h for h, b in pool.cached_blocks.items()), "the index names a reused block"
     assert 0 not in free_ids and pool.null_block.ref_cnt == 1
     assert len(free_ids) + len(held) == pool.num_usable_blocks, "a block leaked"
 
 
-def make_request(i: int, n: int) -> Request:
-    return Request(str(i), list(range(n)), SamplingParams(), eos_token_id=None, max_tokens=1000)
+# Prompts share prefixes: a request's tokens are one of three base sequences cut at a random
+# length, plus a random tail, so the prefix cache gets hits, partial hits and misses.
+BASES = [[(7 * k + j) % 50 for k in range(200)] for j in range(3)]
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "preempt"]),
-                         st.integers(0, 7), st.integers(1, 70)), max_size=80)
+def make_request(i: int, n: int, base: int = 0, cut: int | None = None, tail: int = 0) -> Request:
+    cut = n if cut is None else min(cut, n)
+    tokens = (BASES[base][:cut] + [100 + (i * 13 + k) % 37 for k in range(tail)])[:n] or [1]
+    return Request(str(i), tokens, SamplingParams(), eos_token_id=None, max_tokens=1000)
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "preempt", "fork", "reset"]),
+                         st.integers(0, 7), st.integers(1, 70), st.integers(0, 2), st.integers(0, 70)),
+               max_size=80)
+
+
+class Simulation:
+    """Drives a KVCacheManager the way the scheduler does and keeps what each block would hold,
+    to check that a cache hit or a fork only ever yields the request's own tokens, and that no
+    one writes into a block someone else holds."""
+
+    def __init__(self, num_blocks: int, block_size: int, caching: bool):
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+        self.bs = block_size
+        self.content: dict[int, dict[int, int]] = {}      # block id -> {offset: token}
+        self.live: dict[int, Request] = {}
+
+    def admit(self, req: Request, hit: PrefixHit) -> bool:
+        n = req.num_tokens - hit.num_tokens
+        before = self.kv.num_free_blocks
+        got = self.kv.allocate_slots(req, n, hit)
+        if got is None:
+            assert self.kv.num_free_blocks == before, "a failed allocation must allocate nothing"
+            assert req.request_id not in self.kv.req_to_blocks
+            return False
+        req.num_computed_tokens = hit.num_tokens
+        self.run_step(req, n)
+        return True
+
+    def run_step(self, req: Request, n: int) -> None:
+        """Do the pending copies, then write the tokens the step computes into their slots."""
+        for src, dst in self.kv.take_pending_copies():
+            self.content[dst] = dict(self.content.get(src, {}))
+        blocks = self.kv.req_to_blocks[req.request_id]
+        for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
+            b = blocks[pos // self.bs]
+            assert b.ref_cnt == 1, f"writing position {pos} into shared {b}"
+            self.content.setdefault(b.block_id, {})[pos % self.bs] = req.all_token_ids[pos]
+        req.num_computed_tokens += n
+
+    def check_contents(self, req: Request) -> None:
+        blocks = self.kv.req_to_blocks[req.request_id]
+        for pos in range(req.num_computed_tokens):
+            got = self.content.get(blocks[pos // self.bs].block_id, {}).get(pos % self.bs)
+            assert got == req.all_token_ids[pos], f"request {req.request_id} reads a wrong token at {pos}"
 
 
 @settings(max_examples=300, deadline=None)
-@given(num_blocks=st.integers(2, 24), block_size=st.sampled_from([1, 4, 16]), ops=ops)
-def test_random_allocation_sequences_keep_invariants(num_blocks, block_size, ops):
-    kv = KVCacheManager(num_blocks, block_size)
-    live: dict[int, Request] = {}
-    for op, i, n in ops:
+@given(num_blocks=st.integers(2, 24), block_size=st.sampled_from([1, 4, 16]), caching=st.booleans(), ops=ops)
+def test_random_allocation_sequences_keep_invariants(num_blocks, block_size, caching, ops):
+    sim = Simulation(num_blocks, block_size, caching)
+    kv, live = sim.kv, sim.live
+    for op, i, n, base, cut in ops:
         req = live.get(i)
+        referenced = {b.block_id: b.block_hash for b in kv.pool.blocks[1:] if b.ref_cnt and b.block_hash}
         if op == "add" and req is None:
-            req = make_request(i, n)
-            before = kv.num_free_blocks
-            got = kv.allocate_slots(req, n)
-            if got is None:
-                assert kv.num_free_blocks == before, "a failed allocation must allocate nothing"
-                kv.req_to_blocks.pop(req.request_id, None)
-            else:
-                assert len(got) == cdiv(n, block_size)
-                req.num_computed_tokens = n
+            req = make_request(i, n, base, cut, tail=n)
+            if sim.admit(req, kv.get_computed_blocks(req)):
                 live[i] = req
+        elif op == "fork" and req is None and live:
+            parent = live[min(live)]
+            child = Request(str(i), parent.all_token_ids, SamplingParams(), None, 1000)
+            at = min(cut, parent.num_computed_tokens - 1)
+            if at > 0 and sim.admit(child, kv.fork_blocks(parent, at)):
+                live[i] = child
         elif op == "grow" and req is not None:
-            got = kv.allocate_slots(req, n)
-            if got is not None:
-                req.num_computed_tokens += n
+            req.all_token_ids += [200 + k % 5 for k in range(n)]
+            if kv.allocate_slots(req, n) is not None:
+                sim.run_step(req, n)
                 assert len(kv.req_to_blocks[req.request_id]) == cdiv(req.num_computed_tokens, block_size)
+            else:
+                del req.all_token_ids[-n:]
         elif op in ("free", "preempt") and req is not None:
             kv.free(req)
             del live[i]
+        elif op == "reset":
+            assert kv.reset_prefix_cache() == (not live)
         check_invariants(kv)
+        for b in kv.pool.blocks[1:]:
+            if b.block_id in referenced and b.ref_cnt:
+                assert b.block_hash == referenced[b.block_id], "a referenced block was evicted"
+        for r in live.values():
+            sim.check_contents(r)
     for req in live.values():
         kv.free(req)
     check_invariants(kv)
     assert kv.num_free_blocks == num_blocks - 1
+    if not caching:
+        assert kv.pool.num_cached_blocks == 0
 
 
 @settings(max_examples=100, deadline=None)
@@ -77,7 +142,7 @@ def test_shared_blocks_return_to_pool_only_when_last_reference_drops(counts):
         for k in range(c):
             assert b not in pool.free_queue
             pool.free_blocks([b])
-        assert b.ref_cnt == 0 and b in pool.free_queue
+        assert b.ref_cnt == 0 and b.block_id in pool.free_queue
     assert pool.num_free_blocks == 39
 
 
@@ -90,3 +155,44 @@ def test_pool_rejects_over_allocation_and_double_free():
     pool.free_blocks(b)
     with pytest.raises(AssertionError, match="double free"):
         pool.free_blocks(b)
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first_and_revived_on_hit():
+    kv = KVCacheManager(num_blocks=7, block_size=4)          # 6 usable blocks
+    a = make_request(0, 12, base=0)                          # 3 full blocks
+    b = make_request(1, 12, base=1)
+    for r in (a, b):
+        assert kv.allocate_slots(r, 12) is not None
+        r.num_computed_tokens = 12
+    assert kv.pool.num_cached_blocks == 6
+    a_ids, b_ids = kv.get_block_ids(a), kv.get_block_ids(b)
+    kv.free(a)
+    kv.free(b)                                               # a's blocks were freed first
+    # A request with a's prompt (plus one token) finds all three of a's blocks, and taking them
+    # back from the free queue leaves them cached.
+    a2 = make_request(2, 13, base=0)
+    hit = kv.get_computed_blocks(a2)
+    assert hit.num_tokens == 12 and [x.block_id for x in hit.blocks] == a_ids
+    assert kv.allocate_slots(a2, 1, hit) is not None
+    assert all(x.ref_cnt == 1 and x.block_hash is not None for x in hit.blocks)
+    # One new block needed: the least recently freed unreferenced block is b's last (freed
+    # tail first), so b's first two blocks stay cached.
+    assert kv.pool.num_cached_blocks == 5 and kv.get_block_ids(a2)[3] == b_ids[2]
+    b2 = make_request(3, 9, base=1)
+    assert kv.get_computed_blocks(b2).num_tokens == 8
+
+
+def test_a_whole_cached_prompt_still_computes_its_last_token():
+    kv = KVCacheManager(num_blocks=9, block_size=4)
+    a = make_request(0, 8)
+    kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    again = make_request(1, 8)
+    assert kv.get_computed_blocks(again).num_tokens == 4     # not 8: the last block is recomputed
+    salted = make_request(2, 8)
+    salted.cache_salt = "tenant-b"
+    assert kv.get_computed_blocks(salted).num_tokens == 0
+    assert kv.reset_prefix_cache() is False                  # a is still running
+    kv.free(a)
+    assert kv.reset_prefix_cache() is True
+    assert kv.get_computed_blocks(again).num_tokens == 0 and kv.pool.num_cached_blocks == 0

@@ -80,6 +80,32 @@ def test_failure_mid_run_frees_everything(llm, monkeypatch):
     still_works(llm)
 
 
+def test_failed_step_leaves_no_cached_garbage(llm, monkeypatch):
+    """A step that fails before its forward has already indexed the blocks it was to fill:
+    no later request may take them as a cached prefix."""
+    prompt = {"prompt_token_ids": list(range(200, 260))}                # 3 full blocks
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.reset_prefix_cache()
+    expected = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.reset_prefix_cache()
+    runner = llm.llm_engine.executor.runner
+    real = runner.execute_model
+
+    def fails_before_forward(sched):
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(runner, "execute_model", fails_before_forward)
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate(prompt, greedy, use_tqdm=False)
+    monkeypatch.setattr(runner, "execute_model", real)
+    assert llm.llm_engine.kv_cache_manager.pool.num_cached_blocks == 0
+    hits = llm.get_stats().prefix_cache_hits
+    out = llm.generate(prompt, greedy, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected and out.num_cached_tokens == 0
+    assert llm.get_stats().prefix_cache_hits == hits
+    assert_no_leaks(llm)
+
+
 def test_abort_running_request_frees_blocks(llm):
     engine = llm.llm_engine
     rid = engine.add_request(None, "Tell me a long story", SamplingParams(max_tokens=200, ignore_eos=True))

@@ -7,13 +7,14 @@ from pagoda.core.sched_output import ModelRunnerOutput
 from pagoda.sampling_params import SamplingParams
 
 
-def make(budget=64, max_seqs=8, num_blocks=64, block_size=4, max_len=256):
+def make(budget=64, max_seqs=8, num_blocks=64, block_size=4, max_len=256, caching=True):
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len)
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size))
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_caching=caching))
 
 
 def req(i, n, max_tokens=4, **kw):
-    return Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, **kw),
+    # Distinct prompts, so the prefix cache stays out of these tests (it has its own below).
+    return Request(f"r{i}", list(range(1000 * i + 10, 1000 * i + 10 + n)), SamplingParams(max_tokens=max_tokens, **kw),
                    eos_token_id=2, max_tokens=max_tokens)
 
 
@@ -71,7 +72,7 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes():
         if b.status == RequestStatus.PREEMPTED or b.num_preemptions:
             seen_preempt = True
             assert a.status != RequestStatus.PREEMPTED or a.num_preemptions == 0
-    assert seen_preempt and s.num_preemptions >= 1
+    assert seen_preempt and s.stats.num_preemptions >= 1
     assert a.num_preemptions == 0, "the oldest request is never the victim while a newer one runs"
     assert a.output_token_ids == [7] * 8 and b.output_token_ids == [7] * 8
     assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks
@@ -116,3 +117,85 @@ def test_abort_frees_blocks_of_running_and_waiting():
     assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks
     out = s.schedule()
     assert out.is_empty and out.finished_req_ids == {"r0", "r1"}
+
+
+def shared(i, n, max_tokens=4, **kw):
+    """Requests whose prompts are the same tokens: the prefix cache's case."""
+    return Request(f"s{i}", list(range(10, 10 + n)), SamplingParams(max_tokens=max_tokens, **kw),
+                   eos_token_id=2, max_tokens=max_tokens)
+
+
+def test_prefix_cache_hit_computes_only_the_rest():
+    s = make(block_size=4)
+    first = shared(0, 18, max_tokens=1)
+    s.add_request(first)
+    while s.has_unfinished_requests():
+        run_step(s)
+    again = shared(1, 18)
+    s.add_request(again)
+    out, _ = run_step(s)
+    # 4 full blocks (16 tokens) cached; the last 2 prompt tokens are computed.
+    assert out.num_scheduled_tokens == {"s1": 2} and out.new_reqs[0].num_computed_tokens == 16
+    assert out.new_reqs[0].block_ids[:4] == [b for b in s.kv.get_block_ids(again)[:4]]
+    assert s.stats.prefix_cache_queries == 36 and s.stats.prefix_cache_hits == 16
+    assert s.stats.num_prompt_tokens_computed == 18 + 2
+
+
+def test_same_step_requests_share_the_prefix_being_computed():
+    s = make(block_size=4)
+    a, b = shared(0, 10), shared(1, 10)
+    s.add_request(a)
+    s.add_request(b)
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"s0": 10, "s1": 2}          # b reads a's two full blocks
+    assert s.kv.get_block_ids(a)[:2] == s.kv.get_block_ids(b)[:2]
+    assert s.kv.get_block_ids(a)[2] != s.kv.get_block_ids(b)[2]
+
+
+def test_prefix_caching_off_shares_nothing():
+    s = make(caching=False)
+    s.add_request(shared(0, 10))
+    s.add_request(shared(1, 10))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"s0": 10, "s1": 10}
+    assert s.stats.prefix_cache_queries == 0 and s.kv.pool.num_cached_blocks == 0
+
+
+def test_parallel_samples_fork_the_first_and_copy_the_partial_block():
+    for caching in (True, False):
+        s = make(caching=caching)
+        lead = shared(0, 10, max_tokens=3)
+        kids = [Request(f"k{i}", lead.prompt_token_ids, lead.sampling_params, 2, 3, fork_parent=lead)
+                for i in range(3)]
+        for r in [lead] + kids:
+            s.add_request(r)
+        out, _ = run_step(s)
+        assert out.num_scheduled_tokens == {"s0": 10}                 # samples wait for the prompt
+        out, _ = run_step(s)
+        # The lead decodes; each sample computes only the prompt's last token (position 9).
+        assert out.num_scheduled_tokens == {"s0": 1, "k0": 1, "k1": 1, "k2": 1}
+        assert all(r.num_computed_tokens == 9 for r in out.new_reqs)
+        lead_blocks = s.kv.get_block_ids(lead)
+        for k in kids:
+            assert s.kv.get_block_ids(k)[:2] == lead_blocks[:2]        # full blocks shared
+        # Position 9 lies in the lead's third block: each sample gets a copy of it.
+        copies = out.block_copies
+        assert [src for src, _ in copies] == [lead_blocks[2]] * 3
+        assert sorted(dst for _, dst in copies) == sorted(s.kv.get_block_ids(k)[2] for k in kids)
+        assert s.stats.num_forked_tokens == 27 and s.stats.num_prompt_tokens_computed == 10 + 3
+        while s.has_unfinished_requests():
+            run_step(s)
+        assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks
+
+
+def test_preempted_request_resumes_from_its_own_cached_blocks():
+    s = make(num_blocks=7, block_size=4)          # 6 usable blocks
+    a, b = req(0, 8, max_tokens=12), req(1, 8, max_tokens=12)
+    s.add_request(a)
+    s.add_request(b)
+    resumed = []
+    while s.has_unfinished_requests():
+        out, _ = run_step(s)
+        resumed += [r.num_computed_tokens for r in out.new_reqs if r.req_id == "r1" and b.num_preemptions]
+    assert b.num_preemptions >= 1 and resumed and resumed[0] > 0
+    assert a.output_token_ids == [7] * 12 and b.output_token_ids == [7] * 12

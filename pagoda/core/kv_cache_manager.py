@@ -1,4 +1,15 @@
-"""Per-request block tables on top of the block pool."""
+"""Per-request block tables on top of the block pool, and the prefix cache.
+
+A full block is named by a hash chain: hash(parent block's hash, its token ids, extra keys),
+so equal hashes mean equal prefixes, not just equal blocks. SHA-256 makes a collision (two
+prefixes taking each other's KV) practically impossible. A request admitted with a cached
+prefix shares those blocks by reference count and computes only the rest.
+"""
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
 from pagoda.core.block_pool import BlockPool, KVCacheBlock
 from pagoda.core.request import Request
 
@@ -7,29 +18,114 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def hash_block_tokens(parent_hash: bytes | None, token_ids, extra_keys: tuple = ()) -> bytes:
+    h = hashlib.sha256(parent_hash or b"")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+@dataclass
+class PrefixHit:
+    """KV a request can start from instead of computing it: ``blocks`` to share as they are,
+    and optionally a partly filled block to copy (a fork of a running request, whose last
+    shared block it will write into)."""
+    blocks: list[KVCacheBlock]
+    num_tokens: int
+    copy_src: KVCacheBlock | None = None
+    forked: bool = False
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already in the prefix-cache index.
+        self.num_cached_blocks: dict[str, int] = {}
+        # (src, dst) block copies the runner must do before the next forward.
+        self.pending_copies: list[tuple[int, int]] = []
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for ``num_new_tokens`` more tokens of KV. Returns the ids of the blocks
-        added to the request's table (possibly none), or None when the pool is too short,
-        in which case nothing was allocated."""
+    # ------------------------------------------------------------------ prefix cache
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the request's full blocks of known tokens, extended as it grows."""
+        hashes, bs = request.block_hashes, self.block_size
+        for i in range(len(hashes), request.num_tokens // bs):
+            extra = (request.cache_salt,) if i == 0 and request.cache_salt else ()
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
+                                            request.all_token_ids[i * bs:(i + 1) * bs], extra))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
+        """The longest chain of cached blocks the request starts with. At least its last token
+        is left to compute: the model must run on it to sample the next one."""
+        if not self.enable_caching or request.skip_prefix_cache:
+            return PrefixHit([], 0)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit = []
+        for h in self.block_hashes(request)[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hit.append(block)
+        return PrefixHit(hit, len(hit) * self.block_size)
+
+    def fork_blocks(self, parent: Request, num_tokens: int) -> PrefixHit:
+        """Start from the first ``num_tokens`` of a running request's KV: share its blocks
+        that lie wholly inside, copy the one that does not (the child writes into it)."""
+        blocks, bs = self.req_to_blocks[parent.request_id], self.block_size
+        copy_src = blocks[num_tokens // bs] if num_tokens % bs else None
+        return PrefixHit(blocks[:num_tokens // bs], num_tokens, copy_src, forked=True)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Index the request's blocks that are full once ``num_tokens`` are computed. They are
+        indexed before the step that fills them runs: a request that hits one in the same step
+        reads it in the same forward, after every layer has written its new K/V."""
+        start, end = self.num_cached_blocks.get(request.request_id, 0), num_tokens // self.block_size
+        if end <= start:
+            return
+        hashes = self.block_hashes(request)
+        for i in range(start, min(end, len(hashes))):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = end
+
+    # ------------------------------------------------------------------ block tables
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens of KV after the request's computed ones
+        (and after ``hit``, a prefix it takes over at admission). Returns the ids of the blocks
+        added to its table (possibly none), or None when the pool is too short, in which case
+        nothing changed."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
-        if needed <= 0:
-            return []
-        if needed > self.pool.num_free_blocks:
+        shared = hit.blocks if hit else []
+        num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
+        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(shared)
+        revived = sum(b.ref_cnt == 0 for b in shared)      # cached blocks now in the free queue
+        if needed + revived > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
             return None
-        new_blocks = self.pool.get_new_blocks(needed)
-        blocks.extend(new_blocks)
-        return [b.block_id for b in new_blocks]
+        self.pool.touch(shared)
+        new_blocks = self.pool.get_new_blocks(needed) if needed > 0 else []
+        if hit and hit.copy_src is not None:
+            self.pending_copies.append((hit.copy_src.block_id, new_blocks[0].block_id))
+        blocks += shared + new_blocks
+        if self.enable_caching and not request.skip_prefix_cache:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return [b.block_id for b in shared + new_blocks]
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def get_block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]

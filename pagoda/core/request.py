@@ -26,7 +26,8 @@ class RequestStatus(enum.IntEnum):
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_id: int | None, max_tokens: int, arrival_time: float | None = None):
+                 eos_token_id: int | None, max_tokens: int, arrival_time: float | None = None,
+                 cache_salt: str | None = None, fork_parent: "Request | None" = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -39,6 +40,15 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Prefix caching: hashes of the full blocks of all_token_ids (see KVCacheManager), and a
+        # salt that keeps this request's prefix apart from everyone else's.
+        self.block_hashes: list[bytes] = []
+        self.cache_salt = cache_salt
+        self.num_cached_tokens = 0       # prompt tokens reused at first admission (vLLM's field)
+        # Prompt logprobs need every prompt position computed, so no cached prefix.
+        self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
+        # Parallel sampling (n > 1): the sample that computes the prompt, which this one forks.
+        self.fork_parent = fork_parent
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]      # batch order: running first, then new
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)   # runner may drop their state
+    # (src, dst) KV blocks to copy before the forward: forked samples' copy-on-write.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -2,15 +2,28 @@
 requests first (a decode token each, or their next prefill chunk), then admits waiting ones.
 Prefill and decode tokens share the step; a prompt longer than the budget is chunked. When the
 KV cache runs out, the newest running request is preempted: its blocks are freed and it goes
-back to the front of the queue, to be recomputed from its tokens later."""
+back to the front of the queue, to be recomputed from its tokens later.
+
+At admission a request starts from the longest cached prefix of its tokens (prefix caching),
+or, for the samples of one prompt (n > 1), from the KV of the sample that computed the prompt."""
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from pagoda.config import SchedulerConfig
-from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.kv_cache_manager import KVCacheManager, PrefixHit
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                       SchedulerOutput)
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0        # tokens of admitted requests looked up in the cache
+    prefix_cache_hits: int = 0           # of which were found there
+    num_forked_tokens: int = 0           # prompt tokens parallel samples took from their parent
+    num_prompt_tokens_computed: int = 0  # prompt positions the model actually ran on
 
 
 class Scheduler:
@@ -21,7 +34,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
-        self.num_preemptions = 0
+        self.stats = SchedulerStats()
         self.first_scheduled_time: dict[str, float] = {}
 
     # ------------------------------------------------------------------ requests in and out
@@ -58,7 +71,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        self.num_preemptions += 1
+        self.stats.num_preemptions += 1
         # The runner must forget it: on resumption it is sent again as a new request.
         self.finished_req_ids.add(req.request_id)
         self.waiting.appendleft(req)
@@ -91,15 +104,23 @@ class Scheduler:
             i += 1
 
         # Admit waiting requests only if nobody had to be preempted: the cache is tight.
+        skipped = []
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.config.enable_chunked_prefill and n < req.num_tokens:
+            req = self.waiting.popleft()
+            hit = self._prefix_hit(req)
+            if hit is None:              # a parallel sample waiting for its parent's prompt
+                skipped.append(req)
+                continue
+            n = min(req.num_tokens - hit.num_tokens, budget)
+            if ((not self.config.enable_chunked_prefill and n < req.num_tokens - hit.num_tokens)
+                    or self.kv.allocate_slots(req, n, hit) is None):
+                self.waiting.appendleft(req)
                 break
-            if self.kv.allocate_slots(req, n) is None:
-                break
-            self.waiting.popleft()
+            self._count_hit(req, hit)
+            if not req.num_preemptions:
+                req.num_cached_tokens = hit.num_tokens
+            req.num_computed_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self.first_scheduled_time.setdefault(req.request_id, time.time())
@@ -108,13 +129,41 @@ class Scheduler:
                 self.kv.get_block_ids(req), req.num_computed_tokens, req.sampling_params))
             num_scheduled[req.request_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
         out = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
-                              self.config.max_num_batched_tokens - budget, self.finished_req_ids)
+                              self.config.max_num_batched_tokens - budget, self.finished_req_ids,
+                              self.kv.take_pending_copies())
         self.finished_req_ids = set()
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            req = self.requests[req_id]
+            start = req.num_computed_tokens
+            self.stats.num_prompt_tokens_computed += max(0, min(start + n, req.num_prompt_tokens) - start)
+            req.num_computed_tokens += n
         return out
+
+    def _prefix_hit(self, req: Request) -> PrefixHit | None:
+        """What the request can start from; None if it should wait a step."""
+        cached = self.kv.get_computed_blocks(req)
+        parent = req.fork_parent
+        if parent is None or parent.status != RequestStatus.RUNNING:
+            return cached
+        # Fork the sample computing the prompt once it has all but the prompt's last token:
+        # each sample computes that one itself, into its own copy of the last block.
+        fork_at = req.num_prompt_tokens - 1
+        if parent.num_computed_tokens < fork_at:
+            return None
+        return self.kv.fork_blocks(parent, fork_at) if fork_at > cached.num_tokens else cached
+
+    def _count_hit(self, req: Request, hit: PrefixHit) -> None:
+        if hit.forked:
+            self.stats.num_forked_tokens += hit.num_tokens
+        elif self.kv.enable_caching and not req.skip_prefix_cache:
+            self.stats.prefix_cache_queries += req.num_tokens
+            self.stats.prefix_cache_hits += hit.num_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
         """Append sampled tokens and apply the token-level stop rules. Returns the requests that

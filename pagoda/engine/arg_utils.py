@@ -91,7 +91,8 @@ class EngineArgs:
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.data_parallel_size, self.distributed_executor_backend)
-        return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager)
+        return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager,
+                             log_stats=not self.disable_log_stats)
 
 
 def cpu_has_native_bf16() -> bool:

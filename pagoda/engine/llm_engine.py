@@ -3,7 +3,7 @@ update, detokenize."""
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict
 
 from pagoda.config import EngineConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
@@ -12,18 +12,12 @@ from pagoda.core.scheduler import Scheduler
 from pagoda.distributed.executor import get_executor
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.output_processor import OutputProcessor, ParentState
+from pagoda.engine.stats import EngineStats, StatLogger
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_prompt_tokens: int = 0          # prompt tokens admitted
-    num_generation_tokens: int = 0
-    num_steps: int = 0
 
 
 class LLMEngine:
@@ -36,10 +30,12 @@ class LLMEngine:
         self._check_kv_cache_fits(num_blocks)
         self.executor.initialize_kv_cache(num_blocks)
         config.cache.num_blocks = num_blocks
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
+                                               config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.output_processor = OutputProcessor(tokenizer)
-        self.stats = EngineStats()
+        self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.stat_logger = StatLogger() if config.log_stats else None
         self._ids = itertools.count()
         self.eos_token_id = self._eos_token_id()
         logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens.", time.time() - t0,
@@ -92,6 +88,7 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(token_ids)
         arrival = arrival_time or time.time()
         parent = ParentState(request_id, text, token_ids, params, arrival)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         children = []
         for i in range(params.n):
             child_params = params
@@ -100,13 +97,18 @@ class LLMEngine:
                 child_params.n = 1
                 if params.seed is not None:
                     child_params.seed = params.seed + i
+            # Samples after the first fork its KV once it has computed the prompt.
             children.append(Request(f"{i}_{request_id}" if params.n > 1 else request_id, token_ids,
-                                    child_params, self.eos_token_id, max(1, max_tokens), arrival))
+                                    child_params, self.eos_token_id, max(1, max_tokens), arrival,
+                                    cache_salt, fork_parent=children[0] if children else None))
         self.output_processor.add(parent, children)
         for req in children:
             self.scheduler.add_request(req)
-        self.stats.num_prompt_tokens += len(token_ids) * params.n
+        self.num_prompt_tokens += len(token_ids) * params.n
         return request_id
+
+    def prompt_token_ids(self, prompt) -> list[int]:
+        return self._tokenize(prompt)[1]
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -149,13 +151,34 @@ class LLMEngine:
         return len(self.output_processor.parents)
 
     # ------------------------------------------------------------------ one step
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        runner_out = self.executor.execute_model(sched)
+        try:
+            runner_out = self.executor.execute_model(sched)
+        except BaseException:
+            # The blocks this step was to fill are already indexed: forget the index, so no
+            # later request reads what was never written.
+            self.kv_cache_manager.pool.forget_cached_blocks()
+            raise
         updated = self.scheduler.update_from_output(sched, runner_out)
         outputs, stopped = self.output_processor.process(updated, runner_out)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self.stats.num_steps += 1
-        self.stats.num_generation_tokens += len(runner_out.sampled_token_ids)
+        self.num_steps += 1
+        self.num_generation_tokens += len(runner_out.sampled_token_ids)
+        if self.stat_logger is not None:
+            self.stat_logger.maybe_log(self.stats)
         return outputs
+
+    @property
+    def stats(self) -> EngineStats:
+        pool = self.kv_cache_manager.pool
+        return EngineStats(
+            num_steps=self.num_steps, num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens, **asdict(self.scheduler.stats),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=pool.num_usable_blocks, kv_blocks_in_use=pool.num_usable_blocks - pool.num_free_blocks,
+            kv_blocks_cached=pool.num_cached_blocks, kv_blocks_free=pool.num_free_blocks)

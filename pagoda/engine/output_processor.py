@@ -62,7 +62,8 @@ class ParentState:
     def output(self) -> RequestOutput:
         kind = self.params.output_kind
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
-                             [c.completion(kind) for c in self.children], self.finished, self.metrics)
+                             [c.completion(kind) for c in self.children], self.finished, self.metrics,
+                             num_cached_tokens=self.children[0].req.num_cached_tokens)
 
 
 class OutputProcessor:

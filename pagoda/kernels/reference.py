@@ -21,6 +21,12 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = value.to(kv_cache.dtype)
 
 
+def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks ``src[i] -> dst[i]`` (K and V) in every layer's cache."""
+    for cache in kv_caches:
+        cache.index_copy_(1, dst, cache.index_select(1, src))
+
+
 def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int):
     """Keys and values of every request's first ``max_len`` positions, read through its block
     table: two tensors ``(batch, max_len, num_kv_heads, head_dim)`` (positions past a request's

@@ -141,6 +141,33 @@ def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
         num_warps=4)
 
 
+@triton.jit
+def _copy_blocks_kernel(cache_ptr, src_ptr, dst_ptr, num_blocks, block_numel, BLOCK: tl.constexpr):
+    # Program (pair, k-or-v, chunk): one BLOCK-element chunk of one block of K or V.
+    pair, kv, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    base = kv * num_blocks
+    src = (tl.load(src_ptr + pair).to(tl.int64) + base) * block_numel
+    dst = (tl.load(dst_ptr + pair).to(tl.int64) + base) * block_numel
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < block_numel
+    tl.store(cache_ptr + dst + offs, tl.load(cache_ptr + src + offs, mask=mask), mask=mask)
+
+
+def copy_blocks_triton(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks ``src[i] -> dst[i]`` (K and V) in every layer's cache: one launch per
+    layer, no temporary."""
+    if src.numel() == 0:
+        return
+    src, dst = src.contiguous(), dst.contiguous()      # the kernel indexes them densely
+    _, num_blocks, *block_shape = kv_caches[0].shape
+    block_numel = math.prod(block_shape)
+    BLOCK = min(4096, triton.next_power_of_2(block_numel))
+    grid = (src.numel(), 2, triton.cdiv(block_numel, BLOCK))
+    for cache in kv_caches:
+        assert cache.is_contiguous()
+        _copy_blocks_kernel[grid](cache, src, dst, num_blocks, block_numel, BLOCK=BLOCK)
+
+
 # --------------------------------------------------------------------------------------------
 # Attention
 # --------------------------------------------------------------------------------------------

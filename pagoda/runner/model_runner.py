@@ -137,6 +137,7 @@ class ModelRunner:
         attn0 = layers[0].self_attn.attn
         shape = (2, num_blocks, self.block_size, attn0.num_kv_heads, attn0.head_dim)
         self.kv_caches = []
+        self.block_used = np.zeros(num_blocks, dtype=bool)
         for layer in layers:
             # Uninitialised, so untouched pages of a large CPU cache are never committed; blocks
             # are zeroed as they are handed out (see _zero_new_blocks).
@@ -196,6 +197,9 @@ class ModelRunner:
                 new_blocks += r.new_block_ids
             num_computed[r.req_id] = r.num_computed_tokens
         self._zero_new_blocks(new_blocks)
+        if sched.block_copies:
+            src, dst = torch.tensor(sched.block_copies, device=self.device).T.contiguous()
+            self.backend.copy_blocks(self.kv_caches, src, dst)
         if sched.is_empty:
             return ModelRunnerOutput({})
 
@@ -243,12 +247,18 @@ class ModelRunner:
 
     def _zero_new_blocks(self, block_ids: list[int]) -> None:
         """The torch reference reads whole padded blocks (masking what lies past a request's
-        length), so a block's stale contents must at least be finite. The Triton kernels mask
-        their loads instead and skip this."""
-        if block_ids and self.backend is TorchAttentionBackend:
-            ids = torch.tensor(block_ids, device=self.device)
+        length), so a block's stale contents must at least be finite. The cache is allocated
+        uninitialised, so each block is zeroed the first time it is handed out; after that it
+        only ever holds K/V. The Triton kernels mask their loads instead and skip this."""
+        if not block_ids or self.backend is not TorchAttentionBackend:
+            return
+        ids = np.unique(np.asarray(block_ids))
+        ids = ids[~self.block_used[ids]]
+        if len(ids):
+            self.block_used[ids] = True
+            t = torch.from_numpy(ids).to(self.device)
             for cache in self.kv_caches:
-                cache.index_fill_(1, ids, 0.0)
+                cache.index_fill_(1, t, 0.0)
 
     def _prepare_inputs(self, rows, q_lens, computed) -> dict:
         """The flat batch as numpy arrays: O(requests) Python, the rest vectorized."""

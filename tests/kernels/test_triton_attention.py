@@ -212,6 +212,24 @@ def test_write_kv_cache(num_kv_heads, head_dim, block_size, slot_dtype, dtype, r
     assert torch.equal(kv_cache, expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 64, 16), (8, 128, 32)])
+def test_copy_blocks(num_kv_heads, head_dim, block_size, dtype, request):
+    gen = seed_for(request)
+    num_blocks = 64 if ON_GPU else 12
+    caches = [torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+              for _ in range(3)]
+    # Distinct blocks, as the engine's are; strided views, as a transposed (src, dst) list gives.
+    pairs = torch.randperm(num_blocks, generator=gen)[:10].view(5, 2).to(DEVICE)
+    src, dst = pairs.T
+    expected = [c.clone() for c in caches]
+    reference.copy_blocks(expected, src, dst)
+    ta.copy_blocks_triton(caches, src, dst)
+    for got, exp in zip(caches, expected):
+        assert torch.equal(got, exp)
+    assert torch.equal(caches[0][:, dst[0]], caches[0][:, src[0]])
+
+
 # --------------------------------------------------------------------------------------------
 # GPU only: no host sync, CUDA-graph capture of a decode batch
 

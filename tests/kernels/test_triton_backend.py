@@ -19,9 +19,19 @@ def test_triton_backend_matches_torch_backend(tmp_path):
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in (3, 20, 37)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # Parallel samples fork the first one's blocks and copy the partly filled last one
+    # (36 % 16 = 4 tokens): the backend's copy_blocks.
+    forked = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
     runner = llm.llm_engine.executor.runner
     tokens = {}
     for backend in (TorchAttentionBackend, TritonAttentionBackend):
         runner.backend = backend
+        llm.reset_prefix_cache()
         tokens[backend.__name__] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        # Again: now every prompt's full blocks come from the prefix cache.
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert again == tokens[backend.__name__]
+        out = llm.generate(prompts[2], forked, use_tqdm=False)[0]
+        tokens[backend.__name__].append([c.token_ids for c in out.outputs])
+    assert llm.get_stats().num_forked_tokens == 2 * 2 * 36
     assert tokens["TritonAttentionBackend"] == tokens["TorchAttentionBackend"]

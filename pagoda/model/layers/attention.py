@@ -3,7 +3,8 @@
 The model runner describes the batch once per step in an ``AttentionMetadata`` and installs it
 with ``set_forward_context``; every attention layer then writes its new K/V into its own
 paged cache at ``slot_mapping`` and attends through the block tables. Backends are the one
-plug-in point: ``forward(q, k, v, kv_cache, metadata) -> out``.
+plug-in point: ``forward(q, k, v, kv_cache, metadata) -> out``, plus ``copy_blocks`` for the
+copy-on-write of forked sequences.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ class TorchAttentionBackend:
                 scale, max_seq_len=md.max_seq_len, max_query_len=md.max_query_len)
         return out
 
+    copy_blocks = staticmethod(reference.copy_blocks)
+
 
 class TritonAttentionBackend:
     """The GPU path: Triton kernels that read K/V straight from the paged cache."""
@@ -62,6 +65,11 @@ class TritonAttentionBackend:
         paged_attention_triton(q[:n], kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
                                md.max_seq_len, md.max_query_len, out=out[:n])
         return out
+
+    @staticmethod
+    def copy_blocks(kv_caches, src, dst) -> None:
+        from pagoda.kernels.triton_attention import copy_blocks_triton
+        copy_blocks_triton(kv_caches, src, dst)
 
 
 def get_attention_backend(device: torch.device):
