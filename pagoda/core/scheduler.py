@@ -2,7 +2,12 @@
 requests first (a decode token each, or their next prefill chunk), then admits waiting ones.
 Prefill and decode tokens share the step; a prompt longer than the budget is chunked. When the
 KV cache runs out, the newest running request is preempted: its blocks are freed and it goes
-back to the front of the queue, to be recomputed from its tokens later."""
+back to the front of the queue, to be recomputed from its tokens later.
+
+With async scheduling the engine schedules step N+1 before step N's sampled tokens reach the
+host. A request that samples in step N carries one output placeholder until then: it is
+scheduled as if that token were known (the runner feeds it from the device), and never past
+max_tokens / max_model_len."""
 import time
 from collections import deque
 
@@ -74,7 +79,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._last_token_in_flight(req):
+                i += 1
+                continue
+            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
             new_block_ids = self.kv.allocate_slots(req, n)
             while new_block_ids is None:
                 victim = self.running.pop()
@@ -113,8 +121,17 @@ class Scheduler:
                               self.config.max_num_batched_tokens - budget, self.finished_req_ids)
         self.finished_req_ids = set()
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1       # this step samples its next token
         return out
+
+    def _last_token_in_flight(self, req: Request) -> bool:
+        """The token still on the device will end the request by length: schedule nothing more."""
+        pending = req.num_output_placeholders
+        return pending > 0 and (req.num_output_tokens + pending >= req.max_tokens
+                                or req.num_tokens + pending >= self.config.max_model_len)
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
         """Append sampled tokens and apply the token-level stop rules. Returns the requests that
@@ -123,10 +140,12 @@ class Scheduler:
         for req_id, token in out.sampled_token_ids.items():
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
-                continue
+                continue          # it finished while this step ran (async): the token is dropped
+            req.num_output_placeholders -= 1
             req.append_output_token(token)
+            queue = self.running if req.status == RequestStatus.RUNNING else self.waiting  # preempted
             if self._check_stop(req, token):
-                self.running.remove(req)
+                queue.remove(req)
                 self._free(req)
             updated.append(req)
         return updated

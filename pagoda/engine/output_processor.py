@@ -25,7 +25,8 @@ class RequestState:
         self.sent_text = 0
         self.token_ids: list[int] = []
         self.logprobs = [] if p.logprobs is not None else None
-        self.cumulative_logprob = 0.0
+        # As in vLLM, only requests that ask for logprobs get one (the sampler skips the rest).
+        self.cumulative_logprob = 0.0 if p.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.max_stop_len = max((len(s) for s in p.stop), default=0)
@@ -103,8 +104,8 @@ class OutputProcessor:
                 continue
             token = req.all_token_ids[-1]
             state.token_ids.append(token)
-            state.cumulative_logprob += runner_out.cumulative.get(req.request_id, 0.0)
-            if state.logprobs is not None and req.request_id in runner_out.logprobs:
+            if state.logprobs is not None:
+                state.cumulative_logprob += runner_out.cumulative[req.request_id]
                 state.logprobs.append(self._logprob_dict(*runner_out.logprobs[req.request_id]))
             if req.is_finished:
                 state.finish_reason, state.stop_reason = req.status.finish_reason, req.stop_reason
