@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh engine    # GPU-vs-CPU greedy, W1 Qwen3-0.6B, W1 + W2 Llama-3-8B
 #   bash benchmarks/gpu_session.sh llama     # W1 and W2 for Llama-3-8B
 #   bash benchmarks/gpu_session.sh profile   # where one decode step's time goes
+#   bash benchmarks/gpu_session.sh async     # async scheduling off vs on: sampler, step time, W1, W2
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -47,5 +48,17 @@ case "${1:-}" in
     python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 --hf 2>&1 | tail -8
     python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --hf --hf-requests 32 --no-tqdm 2>&1 | tail -6
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile"; exit 2 ;;
+  async)
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k async 2>&1 | tail -3 | tee "$OUT/async_test.txt"
+    # --old: main's sampler.py, when this tree runs beside a checkout of main (../pagoda).
+    python3 benchmarks/sampler_bench.py --old ../pagoda/runner/sampler.py 2>&1 | tail -32
+    for a in off on; do
+      python3 benchmarks/step_overhead.py --model-config $M/qwen3-0.6b.json --async-scheduling $a 2>&1 | tail -8
+      python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 256 --async-scheduling $a 2>&1 | grep batch
+      python3 benchmarks/latency.py --model-config $M/qwen3-0.6b.json --batch 1 64 --async-scheduling $a 2>&1 | tail -3
+      python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --async-scheduling $a 2>&1 | tail -2
+      python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 --async-scheduling $a 2>&1 | tail -3
+    done
+    ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|async"; exit 2 ;;
 esac
