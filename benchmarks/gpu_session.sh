@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh llama     # W1 and W2 for Llama-3-8B
 #   bash benchmarks/gpu_session.sh profile   # where one decode step's time goes
 #   bash benchmarks/gpu_session.sh async     # async scheduling off vs on: sampler, step time, W1, W2
+#   bash benchmarks/gpu_session.sh final     # W1 + W2 for both models, GPU idle, host time per step;
+#                                            # with BASE=dir (an older checkout), its W1/W2 Qwen3 first
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -60,5 +62,20 @@ case "${1:-}" in
       python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 --async-scheduling $a 2>&1 | tail -3
     done
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|async"; exit 2 ;;
+  final)
+    R=/tmp/results; mkdir -p $R
+    if [ -n "${BASE:-}" ]; then
+      (cd "$BASE" && OUT=$R/base python3 benchmarks/throughput.py --model-config ../$M/qwen3-0.6b.json --no-tqdm 2>&1 | tail -2
+       OUT=$R/base python3 benchmarks/latency.py --model-config ../$M/qwen3-0.6b.json --batch 1 64 2>&1 | tail -3)
+    fi
+    OUT=$R python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm 2>&1 | tail -2
+    OUT=$R python3 benchmarks/latency.py --model-config $M/qwen3-0.6b.json --batch 1 8 64 2>&1 | tail -4
+    OUT=$R python3 benchmarks/step_overhead.py --model-config $M/qwen3-0.6b.json 2>&1 | tail -8
+    OUT=$R python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 256 2>&1 | grep batch
+    OUT=$R python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 2>&1 | tail -3
+    OUT=$R python3 benchmarks/profile_step.py --model-config $M/llama3-8b.json --batch 1 64 2>&1 | grep batch
+    OUT=$R python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --no-tqdm 2>&1 | tail -2
+    tar czf "$OUT/results.tgz" -C $R .
+    ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|async|final"; exit 2 ;;
 esac

@@ -79,7 +79,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._last_token_in_flight(req):
+            if req.num_output_placeholders and self._last_token_in_flight(req):
                 i += 1
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
@@ -129,9 +129,8 @@ class Scheduler:
 
     def _last_token_in_flight(self, req: Request) -> bool:
         """The token still on the device will end the request by length: schedule nothing more."""
-        pending = req.num_output_placeholders
-        return pending > 0 and (req.num_output_tokens + pending >= req.max_tokens
-                                or req.num_tokens + pending >= self.config.max_model_len)
+        n = req.num_tokens + req.num_output_placeholders
+        return n - req.num_prompt_tokens >= req.max_tokens or n >= self.config.max_model_len
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
         """Append sampled tokens and apply the token-level stop rules. Returns the requests that

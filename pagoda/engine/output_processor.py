@@ -93,6 +93,7 @@ class OutputProcessor:
         scheduler must free them)."""
         now = time.time()
         touched: dict[str, ParentState] = {}
+        ended: set[str] = set()          # parents with a sequence that ended this step
         stopped: list[str] = []
         for req_id, first, *rest in ((k, *v) for k, v in runner_out.prompt_logprobs.items()):
             state = self.states.get(req_id)
@@ -107,24 +108,28 @@ class OutputProcessor:
             if state.logprobs is not None:
                 state.cumulative_logprob += runner_out.cumulative[req.request_id]
                 state.logprobs.append(self._logprob_dict(*runner_out.logprobs[req.request_id]))
-            if req.is_finished:
+            finished = req.is_finished
+            if finished:
                 state.finish_reason, state.stop_reason = req.status.finish_reason, req.stop_reason
             if state.detok is not None:
                 delta = state.detok.push([token])
-                if req.is_finished:            # nothing follows: emit any held-back bytes too
+                if finished:            # nothing follows: emit any held-back bytes too
                     delta += state.detok.flush()
                 state.text += delta
                 if delta and state.max_stop_len:
                     if self._check_stop_strings(state, len(delta)):
                         stopped.append(req.request_id)
+                        finished = True
             parent = state.parent
             m = parent.metrics
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
             touched[parent.request_id] = parent
+            if finished:
+                ended.add(parent.request_id)
         outputs = []
-        for parent in touched.values():
-            if parent.finished:
+        for parent_id, parent in touched.items():
+            if parent_id in ended and parent.finished:
                 parent.metrics.finished_time = now
                 self.remove(parent.request_id)
                 outputs.append(parent.output())

@@ -118,14 +118,14 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         tokens = torch.where(md.temperature > 0, draw(probs, md.generators), greedy)
     if md.max_num_logprobs is None:
         return SamplerOutput(tokens, None, None, None, None)
-    # Logprobs of the raw logits without materializing a log_softmax: logit - logsumexp, and
-    # ranks and top-k read straight off the logits (the shift does not change the order).
-    lse = raw.logsumexp(-1, keepdim=True)
-    token_logits = raw.gather(-1, tokens[:, None])
-    ranks = (raw > token_logits).sum(-1) + 1
+    # One log_softmax of the raw logits (measured faster on the H200 than logit - logsumexp,
+    # which torch runs in several passes).
+    raw_logprobs = raw.log_softmax(-1)
+    token_logprobs = raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    ranks = (raw_logprobs > token_logprobs[:, None]).sum(-1) + 1
     k = raw.shape[-1] if md.max_num_logprobs == -1 else md.max_num_logprobs
-    topk_logits, topk_ids = raw.topk(k, dim=-1)
-    return SamplerOutput(tokens, (token_logits - lse).squeeze(-1), ranks, topk_ids, topk_logits - lse)
+    topk_lp, topk_ids = raw_logprobs.topk(k, dim=-1)
+    return SamplerOutput(tokens, token_logprobs, ranks, topk_ids, topk_lp)
 
 
 def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, k: int):
