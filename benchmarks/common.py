@@ -15,6 +15,13 @@ def dummy_model_dir(config_path: str) -> str:
     return folder
 
 
+def on_off(value: str) -> bool:
+    """argparse type for on/off switches such as --async-scheduling."""
+    if value not in ("on", "off"):
+        raise ValueError(f"expected on or off, got {value!r}")
+    return value == "on"
+
+
 def measure_ceilings() -> dict:
     """Device copy bandwidth (bytes read + written) and bf16 8192^3 matmul rate, measured now."""
     import torch

@@ -6,6 +6,9 @@
 #   bash benchmarks/gpu_session.sh llama     # W1 and W2 for Llama-3-8B
 #   bash benchmarks/gpu_session.sh profile   # where one decode step's time goes
 #   bash benchmarks/gpu_session.sh prefix    # block-copy kernel tests, W4 prefix reuse (fp32 check + Llama-3-8B)
+#   bash benchmarks/gpu_session.sh async     # async scheduling off vs on: sampler, step time, W1, W2
+#   bash benchmarks/gpu_session.sh final     # W1 + W2 for both models, GPU idle, host time per step;
+#                                            # with BASE=dir (an older checkout), its W1/W2 Qwen3 first
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -55,5 +58,5 @@ case "${1:-}" in
     python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 --hf 2>&1 | tail -8
     python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --hf --hf-requests 32 --no-tqdm 2>&1 | tail -6
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final"; exit 2 ;;
 esac

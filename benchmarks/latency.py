@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, dummy_model_dir, hf_model, measure_ceilings, param_counts  # noqa: E402
+from common import Timer, dummy_model_dir, hf_model, measure_ceilings, on_off, param_counts  # noqa: E402
 
 
 def prompts_for(batch, length, vocab, seed=0):
@@ -27,6 +27,7 @@ def pagoda_latency(llm, prompts, out_len):
     inputs = [{"prompt_token_ids": p} for p in prompts]
 
     def run(n):
+        llm.reset_prefix_cache()              # every run prefills its prompts, as W2 defines
         with Timer() as t:
             llm.generate(inputs, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
         return t.s
@@ -66,6 +67,7 @@ def main():
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--hf", action="store_true", help="HF generate baseline at batch 1")
+    p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
     from pagoda import LLM, SamplingParams
@@ -75,7 +77,9 @@ def main():
     ceilings = measure_ceilings()
     t0 = time.perf_counter()
     llm = LLM(dummy_model_dir(args.model_config), load_format="dummy", dtype="bfloat16",
-              max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True)
+              max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
+              async_scheduling=args.async_scheduling)
+    tag = "async" if llm.llm_engine.async_scheduling else "sync"
     llm.generate({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=1), use_tqdm=False)
     startup = time.perf_counter() - t0
     rows = []
@@ -92,11 +96,12 @@ def main():
         r = hf_latency(model, prompts_for(1, args.prompt_len, cfg["vocab_size"]), args.output_len)
         r.update(engine="hf-generate", batch=1, floor_ms=rows[0]["floor_ms"])
         rows.append(r)
-    result = {"model": name, "startup_to_first_token_s": startup, "ceilings": ceilings, "rows": rows}
+    result = {"model": name, "async_scheduling": tag == "async", "startup_to_first_token_s": startup,
+              "ceilings": ceilings, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"latency_{name}.json"), "w") as f:
+    with open(os.path.join(args.out, f"latency_{name}_{tag}.json"), "w") as f:
         json.dump(result, f, indent=2)
-    print(f"{name}: start-up to first token {startup:.1f} s")
+    print(f"{name} ({tag} scheduling): start-up to first token {startup:.1f} s")
     print(f"{'engine':12} {'batch':>5} {'TTFT ms':>8} {'ms/step':>8} {'floor ms':>8} {'x floor':>7}")
     for r in rows:
         print(f"{r['engine']:12} {r['batch']:5d} {r['ttft_ms']:8.1f} {r['ms_per_step']:8.2f} "

@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, dummy_model_dir  # noqa: E402
+from common import Timer, dummy_model_dir, on_off  # noqa: E402
 
 
 def main():
@@ -19,14 +19,16 @@ def main():
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     from pagoda import LLM, SamplingParams
     llm = LLM(dummy_model_dir(args.model_config), load_format="dummy", dtype="bfloat16", max_model_len=1024,
-              skip_tokenizer_init=True, enforce_eager=args.enforce_eager)
+              skip_tokenizer_init=True, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     name = os.path.splitext(os.path.basename(args.model_config))[0]
+    name += "_async" if llm.llm_engine.async_scheduling else "_sync"
     rows = []
     for b in args.batch:
         inputs = [{"prompt_token_ids": [i + 1] * 512} for i in range(b)]

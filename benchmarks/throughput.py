@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, dummy_model_dir, hf_model, measure_ceilings, param_counts  # noqa: E402
+from common import Timer, dummy_model_dir, hf_model, measure_ceilings, on_off, param_counts  # noqa: E402
 
 
 def make_requests(n, prompt_range, output_range, vocab, seed):
@@ -30,7 +30,8 @@ def make_requests(n, prompt_range, output_range, vocab, seed):
 def run_pagoda(args, prompts, output_lens):
     from pagoda import LLM, SamplingParams
     kwargs = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
+                  max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
+                  async_scheduling=args.async_scheduling, enable_prefix_caching=args.prefix_caching)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     if args.kv_cache_gib:
@@ -55,7 +56,9 @@ def run_pagoda(args, prompts, output_lens):
     return {"engine": "pagoda", "startup_s": startup, "elapsed_s": elapsed,
             "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed,
             "requests": len(prompts), "prompt_tokens": n_in, "output_tokens": n_out,
-            "steps": engine.stats.num_steps, "preemptions": engine.scheduler.stats.num_preemptions,
+            "async_scheduling": engine.async_scheduling, "prefix_caching": args.prefix_caching,
+            "steps": engine.stats.num_steps,
+            "preemptions": engine.stats.num_preemptions,
             "kv_blocks": engine.config.cache.num_blocks - 1}
 
 
@@ -109,6 +112,8 @@ def main():
     p.add_argument("--hf-requests", type=int, default=64)
     p.add_argument("--hf-output-len", type=int, default=256)
     p.add_argument("--no-tqdm", action="store_true")
+    p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
+    p.add_argument("--prefix-caching", type=on_off, default=True, help="on / off (default: on, as in vLLM)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
     if args.cpu_workload:
@@ -138,7 +143,9 @@ def main():
                           "output_len": args.output_len, "temperature": args.temperature,
                           "dtype": args.dtype, "model": args.model_config or args.model or "SmolLM2-135M"}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "throughput.json"), "w") as f:
+    name = os.path.splitext(os.path.basename(args.model_config or args.model or "smollm2"))[0]
+    tag = ("async" if result["async_scheduling"] else "sync") + ("" if args.prefix_caching else "_nocache")
+    with open(os.path.join(args.out, f"throughput_{name}_{tag}.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k != "hf"}, default=str))
     print(f"{'engine':18} {'requests':>8} {'startup s':>9} {'run s':>8} {'out tok/s':>10} {'total tok/s':>11}")

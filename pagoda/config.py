@@ -100,6 +100,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    # Schedule step N+1 while the device runs step N (see LLMEngine.step).
+    async_scheduling: bool = False
 
 
 @dataclass

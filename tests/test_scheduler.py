@@ -199,3 +199,71 @@ def test_preempted_request_resumes_from_its_own_cached_blocks():
         resumed += [r.num_computed_tokens for r in out.new_reqs if r.req_id == "r1" and b.num_preemptions]
     assert b.num_preemptions >= 1 and resumed and resumed[0] > 0
     assert a.output_token_ids == [7] * 12 and b.output_token_ids == [7] * 12
+class FakeRunner:
+    """Samples like the model runner: when a request's computed tokens reach the tokens it
+    knows of (the prompt plus what it sampled, in flight or not)."""
+
+    def __init__(self):
+        self.known: dict[str, int] = {}
+
+    def execute(self, out, tokens: dict[str, list[int]]) -> ModelRunnerOutput:
+        for r in out.new_reqs:
+            self.known[r.req_id] = len(r.token_ids)
+        computed = {r.req_id: r.num_computed_tokens for r in out.new_reqs + out.cached_reqs}
+        sampled = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            if computed[rid] + n == self.known[rid]:
+                self.known[rid] += 1
+                sampled[rid] = tokens[rid].pop(0) if tokens.get(rid) else 7
+        return ModelRunnerOutput(sampled)
+
+
+def run_async(s: Scheduler, tokens=None) -> dict[str, int]:
+    """The async engine's order: schedule and run step N+1, then update from step N. Returns
+    the tokens scheduled per request."""
+    runner, in_flight, scheduled = FakeRunner(), None, {}
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        res = runner.execute(out, tokens or {})
+        for rid, n in out.num_scheduled_tokens.items():
+            scheduled[rid] = scheduled.get(rid, 0) + n
+        if in_flight:
+            s.update_from_output(*in_flight)
+        in_flight = (out, res)
+    return scheduled
+
+
+def test_async_placeholders_stop_at_max_tokens_and_max_model_len():
+    s = make(max_len=12)
+    reqs = [req(0, 3, max_tokens=5), req(1, 6, max_tokens=1), req(2, 8, max_tokens=100)]
+    for r in reqs:
+        s.add_request(r)
+    scheduled = run_async(s)
+    assert [r.num_output_tokens for r in reqs] == [5, 1, 4]          # r2 capped by max_model_len
+    # Nothing computed past the end: the last sampled token is never fed back.
+    assert scheduled == {"r0": 3 + 5 - 1, "r1": 6, "r2": 11}
+    assert all(r.num_output_placeholders == 0 for r in reqs)
+    assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks
+
+
+def test_async_eos_drops_the_token_of_the_extra_step():
+    s = make()
+    a, b = req(0, 3, max_tokens=10), req(1, 3, max_tokens=4)
+    s.add_request(a)
+    s.add_request(b)
+    scheduled = run_async(s, tokens={"r0": [5, 2, 9, 9]})             # EOS (2) as r0's 2nd token
+    assert a.output_token_ids == [5, 2] and a.status == RequestStatus.FINISHED_STOPPED
+    assert scheduled["r0"] == 3 + 2          # one step past the EOS, whose token was dropped
+    assert b.output_token_ids == [7] * 4
+    assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks
+
+
+def test_async_preemption_with_a_token_in_flight():
+    s = make(num_blocks=5, block_size=4)
+    a, b = req(0, 7, max_tokens=8), req(1, 7, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    run_async(s)
+    assert s.stats.num_preemptions >= 1 and a.num_preemptions == 0
+    assert a.output_token_ids == [7] * 8 and b.output_token_ids == [7] * 8
+    assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks

@@ -89,9 +89,11 @@ class KVCacheManager:
         start, end = self.num_cached_blocks.get(request.request_id, 0), num_tokens // self.block_size
         if end <= start:
             return
-        hashes = self.block_hashes(request)
-        for i in range(start, min(end, len(hashes))):
-            self.pool.cache_block(blocks[i], hashes[i])
+        # With async scheduling a block can be full of tokens one of which is still on the
+        # device: no hash for it yet, so it is indexed on a later call.
+        end = min(end, len(self.block_hashes(request)))
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = end
 
     # ------------------------------------------------------------------ block tables

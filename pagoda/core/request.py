@@ -37,6 +37,8 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by a step still on the device (async scheduling): counted, not yet known.
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

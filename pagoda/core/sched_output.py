@@ -45,6 +45,6 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     # req_id -> (token ids (k+1 each), logprobs, rank of the sampled token) for the sampled token
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
-    cumulative: dict[str, float] = field(default_factory=dict)     # logprob of the sampled token
+    cumulative: dict[str, float] = field(default_factory=dict)     # logprob of the sampled token (same rows)
     # req_id -> (first position, token ids (P, k+1), logprobs (P, k+1), ranks (P,))
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)

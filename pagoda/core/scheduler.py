@@ -5,7 +5,12 @@ KV cache runs out, the newest running request is preempted: its blocks are freed
 back to the front of the queue, to be recomputed from its tokens later.
 
 At admission a request starts from the longest cached prefix of its tokens (prefix caching),
-or, for the samples of one prompt (n > 1), from the KV of the sample that computed the prompt."""
+or, for the samples of one prompt (n > 1), from the KV of the sample that computed the prompt.
+
+With async scheduling the engine schedules step N+1 before step N's sampled tokens reach the
+host. A request that samples in step N carries one output placeholder until then: it is
+scheduled as if that token were known (the runner feeds it from the device), and never past
+max_tokens / max_model_len."""
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -87,7 +92,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_output_placeholders and self._last_token_in_flight(req):
+                i += 1
+                continue
+            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
             new_block_ids = self.kv.allocate_slots(req, n)
             while new_block_ids is None:
                 victim = self.running.pop()
@@ -140,7 +148,14 @@ class Scheduler:
             start = req.num_computed_tokens
             self.stats.num_prompt_tokens_computed += max(0, min(start + n, req.num_prompt_tokens) - start)
             req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1       # this step samples its next token
         return out
+
+    def _last_token_in_flight(self, req: Request) -> bool:
+        """The token still on the device will end the request by length: schedule nothing more."""
+        n = req.num_tokens + req.num_output_placeholders
+        return n - req.num_prompt_tokens >= req.max_tokens or n >= self.config.max_model_len
 
     def _prefix_hit(self, req: Request) -> PrefixHit | None:
         """What the request can start from; None if it should wait a step."""
@@ -149,7 +164,8 @@ class Scheduler:
         if parent is None or parent.status != RequestStatus.RUNNING:
             return cached
         # Fork the sample computing the prompt once it has all but the prompt's last token:
-        # each sample computes that one itself, into its own copy of the last block.
+        # each sample computes that one itself, into its own copy of the last block. (Blocks
+        # of a step still on the device are read by later steps only: stream order.)
         fork_at = req.num_prompt_tokens - 1
         if parent.num_computed_tokens < fork_at:
             return None
@@ -172,10 +188,12 @@ class Scheduler:
         for req_id, token in out.sampled_token_ids.items():
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
-                continue
+                continue          # it finished while this step ran (async): the token is dropped
+            req.num_output_placeholders -= 1
             req.append_output_token(token)
+            queue = self.running if req.status == RequestStatus.RUNNING else self.waiting  # preempted
             if self._check_stop(req, token):
-                self.running.remove(req)
+                queue.remove(req)
                 self._free(req)
             updated.append(req)
         return updated

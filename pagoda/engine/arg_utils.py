@@ -30,6 +30,7 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
+    async_scheduling: bool | None = None       # None: on for CUDA, off on the CPU
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -88,7 +89,10 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching)
         sched = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len, enable_chunked_prefill=chunked)
+                                max_model_len=max_model_len, enable_chunked_prefill=chunked,
+                                # On the CPU the forward runs as it is called: nothing to overlap.
+                                async_scheduling=(device == "cuda" if self.async_scheduling is None
+                                                  else self.async_scheduling))
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.data_parallel_size, self.distributed_executor_backend)
         return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager,

@@ -1,5 +1,6 @@
-"""The synchronous engine: add requests, then step until done. One step = schedule, execute,
-update, detokenize."""
+"""The engine: add requests, then step until done. One step = schedule, execute, update,
+detokenize; with async scheduling the update and detokenization of step N run while the device
+runs step N+1."""
 import itertools
 import logging
 import time
@@ -38,6 +39,8 @@ class LLMEngine:
         self.stat_logger = StatLogger() if config.log_stats else None
         self._ids = itertools.count()
         self.eos_token_id = self._eos_token_id()
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight = None         # (SchedulerOutput, AsyncRunnerOutput) of the step on the device
         logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens.", time.time() - t0,
                     num_blocks - 1, config.cache.block_size)
 
@@ -155,20 +158,37 @@ class LLMEngine:
         return self.scheduler.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and queue step N+1, then finish step N while the device runs N+1: its tokens
+        reach the host, stop checks, detokenization, outputs. Without async scheduling (or
+        when nothing is left to run) the step just queued is finished at once, so the two
+        modes share this code. Step N+1 needs none of step N's tokens on the host: the
+        scheduler counts them as placeholders and the runner reads them on the device."""
         sched = self.scheduler.schedule()
         try:
-            runner_out = self.executor.execute_model(sched)
+            launched = self.executor.execute_model(sched)
+            outputs = []
+            if self._in_flight is not None:
+                outputs = self._finish_step(*self._in_flight)
         except BaseException:
-            # The blocks this step was to fill are already indexed: forget the index, so no
-            # later request reads what was never written.
+            # The caller aborts the requests. The blocks the failed steps were to fill are
+            # already indexed: forget the index, so no later request reads what was never written.
+            self._in_flight = None
             self.kv_cache_manager.pool.forget_cached_blocks()
             raise
+        self._in_flight = sched, launched
+        if not self.async_scheduling or not self.scheduler.has_unfinished_requests():
+            outputs += self._finish_step(sched, launched)
+            self._in_flight = None
+        return outputs
+
+    def _finish_step(self, sched, launched) -> list[RequestOutput]:
+        runner_out = launched.get_output()
         updated = self.scheduler.update_from_output(sched, runner_out)
         outputs, stopped = self.output_processor.process(updated, runner_out)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.num_steps += 1
-        self.num_generation_tokens += len(runner_out.sampled_token_ids)
+        self.num_generation_tokens += len(updated)
         if self.stat_logger is not None:
             self.stat_logger.maybe_log(self.stats)
         return outputs

@@ -25,7 +25,8 @@ class RequestState:
         self.sent_text = 0
         self.token_ids: list[int] = []
         self.logprobs = [] if p.logprobs is not None else None
-        self.cumulative_logprob = 0.0
+        # As in vLLM, only requests that ask for logprobs get one (the sampler skips the rest).
+        self.cumulative_logprob = 0.0 if p.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.max_stop_len = max((len(s) for s in p.stop), default=0)
@@ -93,6 +94,7 @@ class OutputProcessor:
         scheduler must free them)."""
         now = time.time()
         touched: dict[str, ParentState] = {}
+        ended: set[str] = set()          # parents with a sequence that ended this step
         stopped: list[str] = []
         for req_id, first, *rest in ((k, *v) for k, v in runner_out.prompt_logprobs.items()):
             state = self.states.get(req_id)
@@ -104,27 +106,31 @@ class OutputProcessor:
                 continue
             token = req.all_token_ids[-1]
             state.token_ids.append(token)
-            state.cumulative_logprob += runner_out.cumulative.get(req.request_id, 0.0)
-            if state.logprobs is not None and req.request_id in runner_out.logprobs:
+            if state.logprobs is not None:
+                state.cumulative_logprob += runner_out.cumulative[req.request_id]
                 state.logprobs.append(self._logprob_dict(*runner_out.logprobs[req.request_id]))
-            if req.is_finished:
+            finished = req.is_finished
+            if finished:
                 state.finish_reason, state.stop_reason = req.status.finish_reason, req.stop_reason
             if state.detok is not None:
                 delta = state.detok.push([token])
-                if req.is_finished:            # nothing follows: emit any held-back bytes too
+                if finished:            # nothing follows: emit any held-back bytes too
                     delta += state.detok.flush()
                 state.text += delta
                 if delta and state.max_stop_len:
                     if self._check_stop_strings(state, len(delta)):
                         stopped.append(req.request_id)
+                        finished = True
             parent = state.parent
             m = parent.metrics
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
             touched[parent.request_id] = parent
+            if finished:
+                ended.add(parent.request_id)
         outputs = []
-        for parent in touched.values():
-            if parent.finished:
+        for parent_id, parent in touched.items():
+            if parent_id in ended and parent.finished:
                 parent.metrics.finished_time = now
                 self.remove(parent.request_id)
                 outputs.append(parent.output())

@@ -4,7 +4,6 @@ whose launch cost dwarfs their run time; replaying a captured graph launches the
 Graphs are captured for a ladder of batch sizes over persistent input buffers. A pure-decode
 batch of B requests is padded to the next captured size: padding rows write no KV (slot -1),
 read one slot of the null block, and their outputs are dropped."""
-import numpy as np
 import torch
 
 from pagoda.model.layers.attention import AttentionMetadata, set_forward_context
@@ -60,15 +59,18 @@ class CUDAGraphRunner:
     def can_run(self, num_reqs: int, num_tokens: int) -> bool:
         return bool(self.graphs) and num_reqs == num_tokens and num_reqs <= self.sizes[-1]
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-            seq_lens: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
-        b = len(input_ids)
+    def run(self, inputs: dict[str, torch.Tensor], pending: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:
+        """inputs: the flat batch as host tensors (pinned); pending: (positions, token ids on the
+        device) replacing input ids that the host does not know yet."""
+        b = len(inputs["input_ids"])
         bs = next(s for s in self.sizes if s >= b)
-        self.input_ids[:b].copy_(torch.from_numpy(input_ids), non_blocking=True)
-        self.positions[:b].copy_(torch.from_numpy(positions), non_blocking=True)
-        self.slot_mapping[:b].copy_(torch.from_numpy(slot_mapping), non_blocking=True)
-        self.seq_lens[:b].copy_(torch.from_numpy(seq_lens), non_blocking=True)
-        self.block_tables[:b, :block_tables.shape[1]].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+            getattr(self, name)[:b].copy_(inputs[name], non_blocking=True)
+        block_tables = inputs["block_tables"]
+        self.block_tables[:b, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        if pending is not None:
+            self.input_ids[pending[0]] = pending[1]
         if bs > b:
             self.slot_mapping[b:bs].fill_(-1)
             self.seq_lens[b:bs].fill_(1)

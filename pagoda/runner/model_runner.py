@@ -15,7 +15,7 @@ from pagoda.model.layers.attention import (AttentionMetadata, TorchAttentionBack
                                            set_forward_context)
 from pagoda.model.loader import get_model
 from pagoda.runner.cuda_graph import CUDAGraphRunner
-from pagoda.runner.sampler import SamplingMetadata, logprobs_of, sample
+from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, logprobs_of, sample
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -47,10 +47,40 @@ def keep_freed_memory() -> None:
 @dataclass
 class CachedRequestState:
     row: int
-    num_tokens: int               # tokens known: prompt + sampled so far
+    num_tokens: int               # prompt + sampled so far (the last may still be on the device)
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator | None
+    # When the step that sampled its last token has not reached the host yet: that step's
+    # sampled-token tensor (on the device) and the index in it. The next step reads it there.
+    pending: tuple[torch.Tensor, int] | None = None
+
+
+class AsyncRunnerOutput:
+    """A step's results on their way to the host: the device-to-host copies are queued behind
+    the step and get_output() waits for them alone, so the engine can queue the next step first
+    (async scheduling) and process this one while the device runs that."""
+
+    def __init__(self, runner: "ModelRunner", out: ModelRunnerOutput, req_ids: list[str] = (),
+                 states: list[CachedRequestState] = (), result: SamplerOutput | None = None):
+        self.runner, self.out, self.req_ids, self.states = runner, out, list(req_ids), list(states)
+        self.positions = [s.num_tokens - 1 for s in self.states]     # where each sampled token goes
+        self.token_ids = None if result is None else result.token_ids
+        self.host = None
+        if result is not None:
+            fields = (result.token_ids, result.logprobs, result.ranks, result.topk_ids, result.topk_logprobs)
+            self.host = [None if t is None else t.to("cpu", non_blocking=True) for t in fields]
+            self.copied = torch.cuda.Event() if runner.device.type == "cuda" else None
+            if self.copied is not None:
+                self.copied.record()
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self.host is not None:
+            if self.copied is not None:
+                self.copied.synchronize()
+            self.runner._record_sampled(self)
+            self.host = None
+        return self.out
 
 
 class ModelRunner:
@@ -182,7 +212,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
+        """Queue one step on the device. Nothing here waits for the device (unless prompt
+        logprobs are asked for): the sampled tokens stay there for the next step's inputs, and
+        reach the host through the returned output's get_output()."""
         for req_id in sched.finished_req_ids:
             self._remove_request(req_id)
         num_computed: dict[str, int] = {}
@@ -198,10 +231,10 @@ class ModelRunner:
             num_computed[r.req_id] = r.num_computed_tokens
         self._zero_new_blocks(new_blocks)
         if sched.block_copies:
-            src, dst = torch.tensor(sched.block_copies, device=self.device).T.contiguous()
+            src, dst = self._to_device(np.array(sched.block_copies, dtype=np.int64).T.copy())
             self.backend.copy_blocks(self.kv_caches, src, dst)
         if sched.is_empty:
-            return ModelRunnerOutput({})
+            return AsyncRunnerOutput(self, ModelRunnerOutput({}))
 
         # Decodes first: the backends treat them as one group.
         req_ids = list(sched.num_scheduled_tokens)
@@ -212,38 +245,62 @@ class ModelRunner:
         q_lens, computed = q_lens[order], computed[order]
         states = [self.requests[r] for r in req_ids]
         rows = np.array([s.row for s in states], dtype=np.int64)
-        hidden = self._forward(self._prepare_inputs(rows, q_lens, computed))
+        cu = np.cumsum(q_lens)
+        hidden = self._forward(self._prepare_inputs(rows, q_lens, computed),
+                               self._pending_input_ids(states, computed, cu - q_lens))
 
         known = np.array([s.num_tokens for s in states], dtype=np.int64)
-        seq_lens = computed + q_lens
-        sampling = np.nonzero(seq_lens == known)[0]          # reached their last known token
-        cu = np.cumsum(q_lens)
+        sampling = np.nonzero(computed + q_lens == known)[0]     # reached their last token
         out = ModelRunnerOutput({})
         self._prompt_logprobs(hidden, req_ids, states, rows, computed, q_lens, cu, out)
         if len(sampling) == 0:
-            return out
-        logits = self.model.compute_logits(hidden[torch.from_numpy(cu[sampling] - 1).to(self.device)])
+            return AsyncRunnerOutput(self, out)
+        logits = self.model.compute_logits(hidden[self._to_device(cu[sampling] - 1)])
         s_states = [states[i] for i in sampling]
-        s_rows = rows[sampling]
-        result = sample(logits, self._sampling_metadata(s_states, s_rows))
-        # One device-to-host transfer (one sync) for tokens and their logprobs.
-        both = torch.stack([result.token_ids.double(), result.logprobs.double()]).cpu().numpy()
-        tokens, token_lp = both[0].astype(np.int64), both[1].tolist()
-        self.token_ids[s_rows, known[sampling]] = tokens
-        topk = None
-        if result.topk_ids is not None:
-            topk = (result.topk_ids.cpu().tolist(), result.topk_logprobs.cpu().tolist(),
-                    result.ranks.cpu().tolist())
-        for j, i in enumerate(sampling):
-            s, req_id = states[i], req_ids[i]
+        result = sample(logits, self._sampling_metadata(s_states, rows[sampling]))
+        for j, s in enumerate(s_states):
             s.num_tokens += 1
-            out.sampled_token_ids[req_id] = int(tokens[j])
-            out.cumulative[req_id] = token_lp[j]
+            s.pending = (result.token_ids, j)
+        return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result)
+
+    def _record_sampled(self, step: AsyncRunnerOutput) -> None:
+        """A step's sampled tokens have reached the host: write them into the rows and fill in
+        its ModelRunnerOutput."""
+        tokens, token_lp, ranks, topk_ids, topk_lp = (None if t is None else t.tolist() for t in step.host)
+        out = step.out
+        for j, (req_id, s) in enumerate(zip(step.req_ids, step.states)):
+            out.sampled_token_ids[req_id] = tokens[j]
+            if s.pending is not None and s.pending[0] is step.token_ids:
+                s.pending = None
+            # A request preempted or aborted since has left (its row may serve another now).
+            if self.requests.get(req_id) is s:
+                self.token_ids[s.row, step.positions[j]] = tokens[j]
             k = s.params.logprobs
             if k is not None:
-                ids, lps, ranks = topk[0][j][:k], topk[1][j][:k], topk[2][j]
-                out.logprobs[req_id] = ([int(tokens[j])] + ids, [token_lp[j]] + lps, ranks)
-        return out
+                out.cumulative[req_id] = token_lp[j]
+                out.logprobs[req_id] = ([tokens[j]] + topk_ids[j][:k], [token_lp[j]] + topk_lp[j][:k], ranks[j])
+
+    def _pending_input_ids(self, states, computed, starts) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(positions in the flat batch, token ids) of the inputs that the previous step sampled
+        and that are still on the device only (async scheduling): the device fills them in."""
+        idx = [i for i, s in enumerate(states) if s.pending is not None]
+        if not idx:
+            return None
+        src = states[idx[0]].pending[0]
+        assert all(states[i].pending[0] is src for i in idx), "only the last step's tokens can be pending"
+        dst = np.array([starts[i] + states[i].num_tokens - 1 - computed[i] for i in idx], dtype=np.int64)
+        src_idx = np.array([states[i].pending[1] for i in idx], dtype=np.int64)
+        return self._to_device(dst), src[self._to_device(src_idx)]
+
+    def _pinned(self, x: np.ndarray) -> torch.Tensor:
+        """A host array ready for an asynchronous copy to the device. A copy from pageable
+        memory may make the host wait for the stream, which would stall async scheduling; the
+        caching host allocator keeps a pinned block until the copies reading it have run."""
+        t = torch.from_numpy(x)
+        return t if self.device.type == "cpu" else t.pin_memory()
+
+    def _to_device(self, x: np.ndarray) -> torch.Tensor:
+        return self._pinned(x).to(self.device, non_blocking=True)
 
     def _zero_new_blocks(self, block_ids: list[int]) -> None:
         """The torch reference reads whole padded blocks (masking what lies past a request's
@@ -284,14 +341,16 @@ class ModelRunner:
             "max_decode_seq_len": int(seq_lens[:num_decodes].max()) if num_decodes else 0,
         }
 
-    def _forward(self, b: dict) -> torch.Tensor:
+    def _forward(self, b: dict, pending: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The model over the flat batch; ``pending`` (flat positions, token ids on the device)
+        overrides input ids that only the device knows yet."""
         num_tokens, num_reqs = len(b["input_ids"]), len(b["seq_lens"])
+        names = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(num_reqs, num_tokens):
-            return self.cuda_graphs.run(b["input_ids"], b["positions"], b["slot_mapping"], b["seq_lens"],
-                                        b["block_tables"])
-        dev = self.device
-        t = {k: torch.from_numpy(b[k]).to(dev, non_blocking=True) for k in
-             ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")}
+            return self.cuda_graphs.run({k: self._pinned(b[k]) for k in names}, pending)
+        t = {k: self._to_device(b[k]) for k in names}
+        if pending is not None:
+            t["input_ids"][pending[0]] = pending[1]
         md = AttentionMetadata(num_tokens, b["num_decodes"], t["slot_mapping"], t["query_start_loc"],
                                t["seq_lens"], t["block_tables"], b["max_query_len"], b["max_seq_len"],
                                b["max_decode_seq_len"])
@@ -303,15 +362,17 @@ class ModelRunner:
         temp = self.temperature[rows]
         top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
         md = SamplingMetadata(
-            temperature=torch.from_numpy(temp).to(dev),
+            temperature=self._to_device(temp),
             all_greedy=bool((temp == 0).all()),
-            top_k=torch.from_numpy(top_k).to(dev) if top_k.any() else None,
-            top_p=torch.from_numpy(top_p).to(dev) if (top_p < 1).any() else None,
-            min_p=torch.from_numpy(min_p).to(dev) if min_p.any() else None,
+            top_k=self._to_device(top_k) if top_k.any() else None,
+            top_p=self._to_device(top_p) if (top_p < 1).any() else None,
+            min_p=self._to_device(min_p) if min_p.any() else None,
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            max_top_k=int(top_k.max()) if top_k.all() else 0,
         )
         ks = [s.params.logprobs for s in states if s.params.logprobs is not None]
-        md.max_num_logprobs = max(ks, default=0)
+        if ks:
+            md.max_num_logprobs = -1 if -1 in ks else max(ks)
         # The rare per-request extras: these loops touch only the requests that use them.
         special = [i for i, s in enumerate(states) if s.params.needs_penalties or s.params.logit_bias
                    or s.num_tokens - s.num_prompt_tokens < s.params.min_tokens]
@@ -334,10 +395,10 @@ class ModelRunner:
                 bias_ids += list(p.logit_bias)
                 bias_vals += list(p.logit_bias.values())
         if banned_rows:
-            md.banned = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev))
+            md.banned = (self._to_device(np.array(banned_rows)), self._to_device(np.array(banned_ids)))
         if bias_rows:
-            md.logit_bias = (torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
-                             torch.tensor(bias_vals, dtype=torch.float32, device=dev))
+            md.logit_bias = (self._to_device(np.array(bias_rows)), self._to_device(np.array(bias_ids)),
+                             self._to_device(np.array(bias_vals, dtype=np.float32)))
         if pen:
             b = len(states)
             counts = torch.zeros(b, vocab, device=dev)
@@ -346,14 +407,16 @@ class ModelRunner:
             pp[2] = 1.0
             for i in pen:
                 s = states[i]
-                toks = torch.from_numpy(self.token_ids[rows[i], :s.num_tokens].astype(np.int64)).to(dev)
+                toks = self._to_device(self.token_ids[rows[i], :s.num_tokens].astype(np.int64))
+                if s.pending is not None:      # its last token is still on the device only
+                    toks[-1] = s.pending[0][s.pending[1]]
                 prompt_mask[i, toks[:s.num_prompt_tokens]] = True
                 out_toks = toks[s.num_prompt_tokens:]
                 counts[i].index_add_(0, out_toks, torch.ones(len(out_toks), device=dev))
                 pp[:, i] = (s.params.presence_penalty, s.params.frequency_penalty, s.params.repetition_penalty)
             md.output_counts, md.prompt_mask = counts, prompt_mask
             md.presence_penalty, md.frequency_penalty, md.repetition_penalty = (
-                torch.from_numpy(x).to(dev) for x in pp)
+                self._to_device(x) for x in pp)
 
     def _prompt_logprobs(self, hidden, req_ids, states, rows, computed, q_lens, cu, out) -> None:
         """Logprobs of prompt tokens computed this step (a chunk yields those of its next
@@ -365,7 +428,7 @@ class ModelRunner:
                 continue
             last = min(first + int(q_lens[i]), s.num_prompt_tokens - 1)   # exclusive
             h = hidden[int(cu[i] - q_lens[i]):int(cu[i] - q_lens[i]) + last - first]
-            targets = torch.from_numpy(self.token_ids[rows[i], first + 1:last + 1].astype(np.int64)).to(self.device)
+            targets = self._to_device(self.token_ids[rows[i], first + 1:last + 1].astype(np.int64))
             lp, ranks, topk_ids, topk_lp = logprobs_of(self.model.compute_logits(h), targets, k)
             out.prompt_logprobs[req_ids[i]] = (first + 1, targets.tolist(), lp.tolist(), ranks.tolist(),
                                                topk_ids.tolist(), topk_lp.tolist())
