@@ -14,7 +14,8 @@ Ops, per decoder layer as the model calls them:
 at decode (1, 64, 256 tokens) and prefill (8192 tokens) shapes of Qwen3-0.6B and Llama-3-8B.
 
 Columns: GPU time of one call by ``triton.testing.do_bench`` (median; L2 flushed before each
-run) for torch and Triton, the speed-up, Triton's effective bandwidth (bytes that must be read
+run) for torch, Triton and the torch path under ``torch.compile`` (with the seconds its first
+call at each shape spent compiling), the speed-up, Triton's effective bandwidth (bytes that must be read
 and written at least once, over its time), and host time per call (wall time of back-to-back
 calls: what a launch costs the CPU, which is what eager decode is bound by). Each case is first
 checked against the torch path (relative error < 1e-2).
@@ -24,6 +25,7 @@ Prints a table; writes ``$OUT/ops_kernels.json`` when OUT is set. Under a minute
 """
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -64,8 +66,16 @@ def rel_err(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def cases(model: str, tokens: int):
-    """{op: (torch fn, triton fn, bytes moved, check fn -> relative error)}."""
+def compiled_reference():
+    """The torch path through torch.compile (inductor): the alternative issue 3 asks to measure
+    against hand-written Triton. One compiled function per op; each new shape recompiles."""
+    import types
+    names = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+    return types.SimpleNamespace(**{n: torch.compile(getattr(reference, n)) for n in names})
+
+
+def cases(model: str, tokens: int, compiled):
+    """{op: (torch fn, triton fn, bytes moved, check fn -> relative error, torch.compile fn)}."""
     hidden, nh, nkv, hd, inter, theta, has_qk_norm = MODELS[model]
     dev, g = "cuda", torch.Generator(device="cuda").manual_seed(0)
 
@@ -107,24 +117,29 @@ def cases(model: str, tokens: int):
 
     out = {
         "rms_norm": (lambda: reference.rms_norm(x, w, EPS), lambda: triton_ops.rms_norm(x, w, EPS),
-                     2 * tokens * hidden * el, lambda: check("rms_norm", x, w, EPS)),
+                     2 * tokens * hidden * el, lambda: check("rms_norm", x, w, EPS),
+                     lambda: compiled.rms_norm(x, w, EPS)),
         "fused_add_rms_norm": (
             lambda: reference.fused_add_rms_norm(x, residual, w, EPS),
             lambda: triton_ops.fused_add_rms_norm(x, residual, w, EPS),
-            4 * tokens * hidden * el, lambda: check("fused_add_rms_norm", x, residual, w, EPS)),
+            4 * tokens * hidden * el, lambda: check("fused_add_rms_norm", x, residual, w, EPS),
+            lambda: compiled.fused_add_rms_norm(x, residual, w, EPS)),
         "rotary": (lambda: rotary(reference), lambda: rotary(triton_ops),
-                   2 * tokens * (q_size + kv_size) * el, check_rotary),
+                   2 * tokens * (q_size + kv_size) * el, check_rotary, lambda: rotary(compiled)),
         "silu_and_mul": (lambda: reference.silu_and_mul(gate_up), lambda: triton_ops.silu_and_mul(gate_up),
-                         3 * tokens * inter * el, lambda: check("silu_and_mul", gate_up)),
+                         3 * tokens * inter * el, lambda: check("silu_and_mul", gate_up),
+                         lambda: compiled.silu_and_mul(gate_up)),
     }
     if has_qk_norm:
         out["qk_norm"] = (lambda: qk_norm(reference), lambda: qk_norm(triton_ops),
                           2 * tokens * (q_size + kv_size) * el,
-                          lambda: max(rel_err(o, r) for o, r in zip(qk_norm(triton_ops), qk_norm(reference))))
+                          lambda: max(rel_err(o, r) for o, r in zip(qk_norm(triton_ops), qk_norm(reference))),
+                          lambda: qk_norm(compiled))
         out["qk_norm_3d_view"] = (lambda: qk_norm(reference), lambda: qk_norm_view(triton_ops),
                                   2 * tokens * (q_size + kv_size) * el,
                                   lambda: max(rel_err(o.flatten(0, 1), r) for o, r in
-                                              zip(qk_norm_view(triton_ops), qk_norm(reference))))
+                                              zip(qk_norm_view(triton_ops), qk_norm(reference))),
+                                  lambda: qk_norm_view(compiled))
     return out
 
 
@@ -133,24 +148,37 @@ def main():
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, torch {torch.__version__}, {DTYPE}; times per call", flush=True)
     header = (f"{'model':<11} {'tokens':>6} {'op':<19} {'torch us':>9} {'triton us':>9} {'speedup':>7} "
-              f"{'triton GB/s':>11} {'host us torch':>13} {'host us triton':>14} {'rel err':>8}")
+              f"{'triton GB/s':>11} {'host us torch':>13} {'host us triton':>14} {'rel err':>8} "
+              f"{'compile us':>10} {'host us comp':>12} {'compile s':>9}")
     print(header)
     print("-" * len(header))
     rows, t0 = [], time.time()
+    compiled = compiled_reference()
     for model in MODELS:
         for tokens in TOKENS:
-            for op, (torch_fn, triton_fn, nbytes, check) in cases(model, tokens).items():
+            for op, (torch_fn, triton_fn, nbytes, check, compiled_fn) in cases(model, tokens, compiled).items():
                 err = check()
                 assert err < 1e-2, f"{model} {tokens} {op}: relative error {err:.2e}"
                 t_torch, t_triton = gpu_ms(torch_fn) * 1e3, gpu_ms(triton_fn) * 1e3
                 h_torch, h_triton = host_us(torch_fn), host_us(triton_fn)
+                tc = time.perf_counter()
+                compiled_fn()                       # the first call of a new shape compiles
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - tc
+                t_comp, h_comp = gpu_ms(compiled_fn) * 1e3, host_us(compiled_fn)
                 row = dict(model=model, tokens=tokens, op=op, torch_us=t_torch, triton_us=t_triton,
                            speedup=t_torch / t_triton, triton_gbps=nbytes / (t_triton * 1e-6) / 1e9,
-                           host_us_torch=h_torch, host_us_triton=h_triton, rel_err=err)
+                           host_us_torch=h_torch, host_us_triton=h_triton, rel_err=err,
+                           compiled_us=t_comp, host_us_compiled=h_comp, compile_s=compile_s)
                 rows.append(row)
                 print(f"{model:<11} {tokens:>6} {op:<19} {t_torch:>9.1f} {t_triton:>9.1f} "
                       f"{row['speedup']:>6.1f}x {row['triton_gbps']:>11.0f} {h_torch:>13.1f} "
-                      f"{h_triton:>14.1f} {err:>8.1e}", flush=True)
+                      f"{h_triton:>14.1f} {err:>8.1e} {t_comp:>10.1f} {h_comp:>12.1f} {compile_s:>9.2f}", flush=True)
+    ratio = math.exp(sum(math.log(r["compiled_us"] / r["triton_us"]) for r in rows) / len(rows))
+    print(f"torch.compile against Triton: GPU time {ratio:.2f}x Triton's (geometric mean over {len(rows)} "
+          f"cases), {sum(r['compile_s'] for r in rows):.1f} s compiling, host time per call "
+          f"{sum(r['host_us_compiled'] for r in rows) / len(rows):.1f} us against "
+          f"{sum(r['host_us_triton'] for r in rows) / len(rows):.1f} us")
     print(f"({time.time() - t0:.0f} s)")
     if os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], "ops_kernels.json")

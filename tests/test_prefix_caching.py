@@ -160,3 +160,13 @@ def test_beam_score_penalises_length_and_ignores_final_eos():
     assert beam_score(long, 2, 1.0) == -5.0 / 6
     assert beam_score(short, 2, 0.0) > beam_score(long, 2, 0.0)         # no penalty: raw logprob
     assert beam_score(short, 2, 2.0) < beam_score(long, 2, 2.0)         # strong penalty favours long
+
+
+def test_stat_logger_line(llm, caplog):
+    import logging
+    from pagoda.engine.stats import StatLogger
+    logger = StatLogger(interval=0.0)
+    with caplog.at_level(logging.INFO, logger="pagoda.engine"):
+        logger.maybe_log(llm.get_stats())
+    line = caplog.records[-1].getMessage()
+    assert "Prefix cache hit rate" in line and "blocks in use" in line and "Running: 0 reqs" in line
