@@ -28,11 +28,17 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     max_decode_seq_len: int
+    # Torch backend only: the decodes split by context length, computed by the first layer.
+    decode_groups: list | None = None
 
 
 class TorchAttentionBackend:
-    """Reference kernels; used on CPU. Decodes and prefills are computed as two padded groups
-    so a long prefill does not pad hundreds of decodes to its length."""
+    """Reference kernels; used on CPU. Prefills are one padded group, so a long prefill does
+    not pad hundreds of decodes to its length; decodes are DECODE_GROUPS groups of similar
+    context length, since the reference copies every request's context padded to its group's
+    longest (a quarter of the copying at batch 256 with mixed lengths: 35 -> 22 ms a layer)."""
+
+    DECODE_GROUPS = 4
 
     @staticmethod
     def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -40,15 +46,28 @@ class TorchAttentionBackend:
         reference.write_kv_cache(k[:n], v[:n], kv_cache, md.slot_mapping[:n])
         out = torch.empty_like(q)
         nd = md.num_decodes
-        if nd:
-            out[:nd] = reference.paged_attention(
-                q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd], md.query_start_loc[:nd + 1],
-                scale, max_seq_len=md.max_decode_seq_len, max_query_len=1)
+        for idx, qsl, max_len in TorchAttentionBackend._decode_groups(md):
+            out[idx] = reference.paged_attention(q[idx], kv_cache, md.block_tables[idx], md.seq_lens[idx],
+                                                 qsl, scale, max_seq_len=max_len, max_query_len=1)
         if nd < md.seq_lens.shape[0]:
             out[nd:n] = reference.paged_attention(
                 q[nd:n], kv_cache, md.block_tables[nd:], md.seq_lens[nd:], md.query_start_loc[nd:] - nd,
                 scale, max_seq_len=md.max_seq_len, max_query_len=md.max_query_len)
         return out
+
+    @staticmethod
+    def _decode_groups(md: AttentionMetadata) -> list:
+        """(request indices, query_start_loc, longest context) per group of decodes, sorted by
+        context length; computed once per step (the tensors live on the CPU: no syncs)."""
+        if md.decode_groups is None:
+            nd = md.num_decodes
+            if nd < 4 * TorchAttentionBackend.DECODE_GROUPS:
+                groups = [slice(0, nd)] if nd else []
+            else:
+                groups = torch.argsort(md.seq_lens[:nd]).tensor_split(TorchAttentionBackend.DECODE_GROUPS)
+            md.decode_groups = [(idx, md.query_start_loc[:len(md.seq_lens[idx]) + 1], int(md.seq_lens[idx].max()))
+                                for idx in groups]
+        return md.decode_groups
 
     copy_blocks = staticmethod(reference.copy_blocks)
 
