@@ -103,6 +103,3 @@ class BlockPool:
         for b in self.cached_blocks.values():
             b.block_hash = None
         self.cached_blocks.clear()
-
-    def usage(self) -> float:
-        return 1.0 - len(self.free_queue) / self.num_usable_blocks

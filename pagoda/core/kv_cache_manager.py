@@ -135,7 +135,3 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage()
