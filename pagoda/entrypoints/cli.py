@@ -15,6 +15,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--log-stats", action="store_true",
+                   help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -26,9 +29,13 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _make_llm(args):
     from pagoda.llm import LLM
+    if args.log_stats:
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     return LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               seed=args.seed)
+               seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
+               disable_log_stats=not args.log_stats)
 
 
 def _params(args, **extra) -> SamplingParams:
