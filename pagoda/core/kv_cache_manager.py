@@ -103,6 +103,11 @@ class KVCacheManager:
         added to its table (possibly none), or None when the pool is too short, in which case
         nothing changed."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if hit is None:
+            end = request.num_computed_tokens + num_new_tokens
+            if end <= len(blocks) * self.block_size and (
+                    not self.enable_caching or end // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)):
+                return []          # most decode steps: room in the last block, no block filled
         shared = hit.blocks if hit else []
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(shared)
