@@ -159,16 +159,16 @@ class Scheduler:
 
     def _prefix_hit(self, req: Request) -> PrefixHit | None:
         """What the request can start from; None if it should wait a step."""
-        cached = self.kv.get_computed_blocks(req)
         parent = req.fork_parent
         if parent is None or parent.status != RequestStatus.RUNNING:
-            return cached
+            return self.kv.get_computed_blocks(req)
         # Fork the sample computing the prompt once it has all but the prompt's last token:
         # each sample computes that one itself, into its own copy of the last block. (Blocks
         # of a step still on the device are read by later steps only: stream order.)
         fork_at = req.num_prompt_tokens - 1
         if parent.num_computed_tokens < fork_at:
-            return None
+            return None                  # no cache lookup while waiting: it would be redone
+        cached = self.kv.get_computed_blocks(req)
         return self.kv.fork_blocks(parent, fork_at) if fork_at > cached.num_tokens else cached
 
     def _count_hit(self, req: Request, hit: PrefixHit) -> None:
