@@ -199,10 +199,50 @@ def tune(dtype, gen, log, deadline):
     return results
 
 
+def tune_decode(dtype, gen, log):
+    """Decode tiles at W1's shapes (a full batch, ~1,000-token contexts), where the kernel
+    should stream K/V at copy bandwidth: every (TILE_N, warps, stages) combination."""
+    results = []
+    default = dict(ta.TILES[16])
+    log("\nDecode tiles at W1 shapes (GB/s of KV read)")
+    try:
+        for model, batch, ctx in [("qwen3-0.6b", 256, 1024), ("qwen3-0.6b", 64, 1024), ("llama3-8b", 256, 1024)]:
+            case = Case(batch, 1, ctx, *MODELS[model], dtype, gen)
+            for tile_n in (16, 32, 64, 128):
+                for warps in (2, 4, 8):
+                    for stages in (2, 3, 4, 5):
+                        ta.TILES[16] = dict(TILE_N=tile_n, num_warps=warps, num_stages=stages)
+                        try:
+                            ms = bench(case.triton)
+                        except Exception as e:  # e.g. out of shared memory
+                            log(f"  {model} b={batch}: TILE_N={tile_n} warps={warps} stages={stages}: "
+                                f"{type(e).__name__}")
+                            continue
+                        rate = case.kv_bytes() / 1e9 / (ms / 1e3)
+                        results.append(dict(model=model, batch=batch, ctx=ctx, tile_n=tile_n, warps=warps,
+                                            stages=stages, ms=ms, rate=rate))
+            best = sorted((r for r in results if r["model"] == model and r["batch"] == batch),
+                          key=lambda r: r["ms"])
+            for r in best[:5]:
+                log(f"  {model} b={batch} ctx={ctx}: TILE_N={r['tile_n']:3d} warps={r['warps']} "
+                    f"stages={r['stages']}  {r['ms'] * 1e3:8.1f} us {r['rate']:7.0f}")
+            d = next(r for r in results if r["model"] == model and r["batch"] == batch and
+                     (r["tile_n"], r["warps"], r["stages"]) == tuple(default[k] for k in
+                                                                    ("TILE_N", "num_warps", "num_stages")))
+            log(f"  {model} b={batch} ctx={ctx}: default {d['ms'] * 1e3:8.1f} us {d['rate']:7.0f}")
+            del case
+            torch.cuda.empty_cache()
+    finally:
+        ta.TILES[16] = default
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--no-tune", action="store_true", help="skip the tuning sweep")
+    parser.add_argument("--tune-decode", action="store_true",
+                        help="only sweep the decode tiles at W1 shapes (every TILE_N x warps x stages)")
     args = parser.parse_args()
     assert DEVICE != "cuda" or torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dtype = getattr(torch, args.dtype)
@@ -216,6 +256,13 @@ def main():
 
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
+    if args.tune_decode:
+        log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
+        results = tune_decode(dtype, gen, log)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "attention_tune_decode.json"), "w") as f:
+                json.dump(dict(copy_bandwidth_gbps=bw, results=results), f, indent=1)
+        return
     log(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
         f"triton {triton.__version__}; {args.dtype}; block size {BLOCK_SIZE}; "
         f"copy bandwidth {bw:.0f} GB/s")

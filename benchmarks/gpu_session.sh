@@ -9,6 +9,9 @@
 #   bash benchmarks/gpu_session.sh async     # async scheduling off vs on: sampler, step time, W1, W2
 #   bash benchmarks/gpu_session.sh final     # W1 + W2 for both models, GPU idle, host time per step;
 #                                            # with BASE=dir (an older checkout), its W1/W2 Qwen3 first
+#   bash benchmarks/gpu_session.sh sampler   # sampler kernel tests, decode-tile sweep, W1 Qwen3 (vs BASE) + profile
+#   bash benchmarks/gpu_session.sh host      # W1 Qwen3 vs BASE interleaved, W1 profile by batch size, W1 Llama, W2
+#   BASE=dir bash benchmarks/gpu_session.sh ab  # tests, then BASE vs this tree interleaved: W1 and W2, both models
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -19,6 +22,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 M=../shared/models; [ -d "$M" ] || M=shared/models; [ -d "$M" ] || M=benchmarks/models
+MA=$(realpath "$M")
 case "${1:-}" in
   kernels)
     # SmolLM2's GGUF is over one call's 64 MiB: its first half rides with this call.
@@ -58,5 +62,51 @@ case "${1:-}" in
     python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 --hf 2>&1 | tail -8
     python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --hf --hf-requests 32 --no-tqdm 2>&1 | tail -6
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final"; exit 2 ;;
+  sampler)
+    # The one-kernel sampler's tests, decode-tile sweep at W1 shapes, W1 Qwen3 against BASE (same
+    # call), then where W1's time goes (GPU kernels by kind, host hot spots)
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_sampling.py tests/test_gpu.py 2>&1 | tail -4 | tee "$OUT/sampler_tests.txt"
+    python3 benchmarks/attention_kernels.py --tune-decode 2>&1 | tail -24
+    if [ -n "${BASE:-}" ]; then
+      (cd "$BASE" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config "$MA/qwen3-0.6b.json" \
+        --no-tqdm --out "$OUT/base" 2>&1 | tail -3)
+    fi
+    python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --profile 2>&1 | tail -75
+    ;;
+  host)
+    # After the host-time work: tests, W1 Qwen3 BASE/new interleaved (same call), where W1's
+    # time goes, W1 Llama, W2 both models, host time per step
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_sampling.py tests/test_gpu.py 2>&1 | tail -4 | tee "$OUT/host_tests.txt"
+    for run in 1 2; do
+      if [ -n "${BASE:-}" ]; then
+        (cd "$BASE" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config "$MA/qwen3-0.6b.json" \
+          --no-tqdm --out "$OUT/base" 2>&1 | tail -1 | sed "s/^/base $run: /")
+      fi
+      python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm 2>&1 | tail -2 | sed "s/^/new $run: /"
+    done
+    python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --profile 2>&1 | grep -B2 -A30 "steps by batch" | head -40
+    python3 benchmarks/step_overhead.py --model-config $M/qwen3-0.6b.json --num-requests 256 2>&1 | tail -9
+    python3 benchmarks/latency.py --model-config $M/qwen3-0.6b.json --batch 1 64 2>&1 | tail -4
+    python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 2>&1 | tail -4
+    python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --no-tqdm 2>&1 | tail -2
+    ;;
+  ab)
+    # Kernel + engine tests, then BASE (an older checkout) against this tree, interleaved in one
+    # call: W1 Qwen3 twice, W1 Llama, W2 both models
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_sampling.py tests/kernels/test_triton_ops.py \
+      tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/ab_tests.txt"
+    w1() {  # tree label model
+      (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config "$MA/$3.json" --no-tqdm \
+        --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W1 $3 $2: /")
+    }
+    w2() {
+      (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$3.json" --batch $4 \
+        --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W2 $3 $2: /")
+    }
+    for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
+    w1 "$BASE" base llama3-8b; w1 . new llama3-8b
+    w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
+    w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
+    ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab"; exit 2 ;;
 esac

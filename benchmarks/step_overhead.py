@@ -44,6 +44,7 @@ def main():
     args = p.parse_args()
     from pagoda import LLM, SamplingParams
     from pagoda.runner import model_runner as mr
+    from pagoda.sampling_params import RequestOutputKind
     kw = dict(max_model_len=1024, dtype="bfloat16", async_scheduling=args.async_scheduling)
     if args.model_config:
         llm = LLM(dummy_model_dir(args.model_config), load_format="dummy", skip_tokenizer_init=True, **kw)
@@ -53,7 +54,9 @@ def main():
     runner = engine.executor.runner
     for i in range(args.num_requests):
         engine.add_request(None, {"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(args.prompt_len)]},
-                           SamplingParams(temperature=0.6, max_tokens=10_000, ignore_eos=True))
+                           # FINAL_ONLY as LLM.generate sets it: no RequestOutput until a request ends
+                           SamplingParams(temperature=0.6, max_tokens=10_000, ignore_eos=True,
+                                          output_kind=RequestOutputKind.FINAL_ONLY))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()                       # prefill everything first; then time pure decode steps
     engine.step()

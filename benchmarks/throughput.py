@@ -53,6 +53,8 @@ def run_pagoda(args, prompts, output_lens):
     n_in = sum(len(p) for p in prompts)
     assert n_out == sum(output_lens), "every request must produce exactly max_tokens tokens"
     engine = llm.llm_engine
+    if args.profile:
+        profile_run(llm, inputs, params, args.out)
     return {"engine": "pagoda", "startup_s": startup, "elapsed_s": elapsed,
             "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed,
             "requests": len(prompts), "prompt_tokens": n_in, "output_tokens": n_out,
@@ -60,6 +62,97 @@ def run_pagoda(args, prompts, output_lens):
             "steps": engine.stats.num_steps,
             "preemptions": engine.stats.num_preemptions,
             "kv_blocks": engine.config.cache.num_blocks - 1}
+
+
+KERNEL_KINDS = [("attention", ("paged_attention", "merge_segments")), ("sampling", ("sample", "softmax", "cumsum",
+                 "argmax", "searchsorted", "rand", "topk", "sort")), ("gemm", ("gemm", "gemv", "sm90", "cutlass", "xmma",
+                 "splitk", "nvjet", "cublas")), ("fused ops", ("rms_norm", "rotary", "silu", "write_kv"))]
+
+
+def profile_kernels(llm, inputs, params):
+    """GPU kernel time by kind (torch.profiler) against the wall time of the same run."""
+    from torch.profiler import ProfilerActivity, profile
+    llm.reset_prefix_cache()
+    with Timer() as t, profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(inputs, params, use_tqdm=False)
+    kinds: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.self_device_time_total <= 0:
+            continue
+        name = e.key.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(w in name for w in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e6
+    total = sum(kinds.values())
+    print(f"profiled run: wall {t.s:.2f} s, GPU kernels {total:.2f} s ({total / t.s:.0%} busy)")
+    for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:12} {v:7.3f} s  {v / total:6.1%}")
+    top = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                 key=lambda e: -e.self_device_time_total)[:12]
+    for e in top:
+        print(f"    {e.self_device_time_total / 1e6:7.3f} s {e.count:8d}x  {e.key[:90]}")
+
+
+def profile_steps(llm, inputs, params):
+    """Per engine step: wall time, and how much of it the host spent waiting for the device's
+    results, by batch size. Where the wait is near zero the host is the bottleneck (the GPU
+    idles between steps); where it is large the GPU is."""
+    from pagoda.runner import model_runner as mr
+    engine = llm.llm_engine
+    waits, steps = [0.0], []
+    get_output, step = mr.AsyncRunnerOutput.get_output, engine.step
+
+    def timed_get_output(self):
+        t0 = time.perf_counter()
+        try:
+            return get_output(self)
+        finally:
+            waits[0] += time.perf_counter() - t0
+
+    def timed_step():
+        batch, waits[0] = len(engine.scheduler.running), 0.0
+        t0 = time.perf_counter()
+        out = step()
+        steps.append((batch, time.perf_counter() - t0, waits[0]))
+        return out
+
+    mr.AsyncRunnerOutput.get_output, engine.step = timed_get_output, timed_step
+    try:
+        llm.reset_prefix_cache()
+        llm.generate(inputs, params, use_tqdm=False)
+    finally:
+        mr.AsyncRunnerOutput.get_output = get_output
+        del engine.step
+    print("steps by batch size: count, wall ms/step, of which waiting for the device (get_output)")
+    for lo, hi in [(0, 8), (8, 32), (32, 64), (64, 128), (128, 192), (192, 257)]:
+        sel = [(w, g) for b, w, g in steps if lo <= b < hi]
+        if sel:
+            wall = sum(w for w, _ in sel) / len(sel) * 1e3
+            wait = sum(g for _, g in sel) / len(sel) * 1e3
+            print(f"  batch {lo:3d}-{hi - 1:3d}: {len(sel):5d} steps  wall {wall:6.2f}  wait {wait:6.2f}  host {wall - wait:6.2f}")
+    total = sum(w for _, w, _ in steps)
+    print(f"  all: {len(steps)} steps, {total:.2f} s, waiting {sum(g for _, _, g in steps):.2f} s")
+
+
+def profile_run(llm, inputs, params, out_dir):
+    """The same run twice more: under torch.profiler (GPU kernel time by kind against wall time)
+    and under cProfile (the host's hottest functions; cProfile slows the host, so read its
+    shares, not its times)."""
+    import cProfile
+    import pstats
+
+    import torch
+    profile_steps(llm, inputs, params)
+    if torch.cuda.is_available():
+        profile_kernels(llm, inputs, params)
+    llm.reset_prefix_cache()
+    pr = cProfile.Profile()
+    pr.enable()
+    llm.generate(inputs, params, use_tqdm=False)
+    pr.disable()
+    path = os.path.join(out_dir, "w1_host.prof")
+    os.makedirs(out_dir, exist_ok=True)
+    pr.dump_stats(path)
+    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
 
 def run_hf(args, prompts, output_lens):
@@ -92,6 +185,16 @@ def compute_floor(cfg: dict, prompts, output_lens, ceilings) -> float:
     return (2 * layers * (n_in + n_out) + 2 * head * n_out + attn) / ceilings["bf16_flops_per_s"]
 
 
+def kv_read_floor(cfg: dict, prompts, output_lens, ceilings) -> float:
+    """Seconds the decode steps need just to read every request's KV context once per output
+    token (bf16), at the measured copy rate: for a small model with long contexts this, not
+    the matmuls, is the floor."""
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * 2
+    tokens = sum(o * len(p) + o * (o - 1) / 2 for p, o in zip(prompts, output_lens))
+    return tokens * per_token / ceilings["copy_bytes_per_s"]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cpu-workload", action="store_true",
@@ -114,6 +217,8 @@ def main():
     p.add_argument("--no-tqdm", action="store_true")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
     p.add_argument("--prefix-caching", type=on_off, default=True, help="on / off (default: on, as in vLLM)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed run, GPU kernel time by kind (torch.profiler) and the host's hot spots (cProfile)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
     if args.cpu_workload:
@@ -132,6 +237,7 @@ def main():
             cfg = json.load(f)
         result["ceilings"] = measure_ceilings()
         result["compute_floor_s"] = compute_floor(cfg, prompts, output_lens, result["ceilings"])
+        result["kv_read_floor_s"] = kv_read_floor(cfg, prompts, output_lens, result["ceilings"])
         if args.hf:
             try:
                 result["hf"] = run_hf(args, prompts, output_lens)
@@ -153,7 +259,8 @@ def main():
         print(f"{r['engine']:18} {r['requests']:8d} {r.get('startup_s', float('nan')):9.1f} {r['elapsed_s']:8.1f} "
               f"{r['output_tok_s']:10.1f} {r['total_tok_s']:11.1f}")
     if "compute_floor_s" in result:
-        print(f"compute floor {result['compute_floor_s']:.1f} s; pagoda at {result['elapsed_s'] / result['compute_floor_s']:.2f}x")
+        print(f"compute floor {result['compute_floor_s']:.1f} s; pagoda at {result['elapsed_s'] / result['compute_floor_s']:.2f}x; "
+              f"KV-read floor {result['kv_read_floor_s']:.2f} s")
 
 
 if __name__ == "__main__":

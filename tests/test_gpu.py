@@ -55,15 +55,22 @@ def test_gpu_bf16_first_divergence_is_reported(cpu_tokens):
     assert sum(f > 0 for f in first) >= len(first) // 2, "bf16 should agree on the first token mostly"
 
 
-def test_async_scheduling_matches_sync_on_the_gpu(tmp_path):
-    """Dummy Qwen3-0.6B weights, CUDA graphs: async and sync scheduling give the same greedy and
-    seeded tokens. All 40 requests run at once and end by length, so both modes run the same
-    batches; only the host's order of work differs."""
+@pytest.fixture(scope="module")
+def dummy_qwen3(tmp_path_factory):
+    """Dummy Qwen3-0.6B weights in float32, CUDA graphs on."""
+    path = tmp_path_factory.mktemp("qwen3")
     cfg = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "models", "qwen3-0.6b.json")
     with open(cfg) as f:
-        (tmp_path / "config.json").write_text(f.read())
-    llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", max_model_len=512, max_num_seqs=64,
-              skip_tokenizer_init=True, gpu_memory_utilization=0.5)
+        (path / "config.json").write_text(f.read())
+    return LLM(str(path), load_format="dummy", dtype="float32", max_model_len=512, max_num_seqs=64,
+               skip_tokenizer_init=True, gpu_memory_utilization=0.5)
+
+
+def test_async_scheduling_matches_sync_on_the_gpu(dummy_qwen3):
+    """Async and sync scheduling give the same greedy and seeded tokens. All 40 requests run at
+    once and end by length, so both modes run the same batches; only the host's order of work
+    differs."""
+    llm = dummy_qwen3
     engine = llm.llm_engine
     assert engine.async_scheduling, "on by default on CUDA"
     prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 5000 + 1 for j in range(20 + 9 * i)]} for i in range(40)]
@@ -75,3 +82,25 @@ def test_async_scheduling_matches_sync_on_the_gpu(tmp_path):
         tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens[True] == tokens[False]
     assert [len(t) for t in tokens[True]] == [p.max_tokens for p in params]
+    engine.async_scheduling = True
+
+
+def test_one_kernel_sampler_seeds(dummy_qwen3):
+    """Temperature-only rows take the Triton Gumbel-max sampler: a seeded request's tokens are
+    the same alone and in any batch, different seeds differ, unseeded requests differ."""
+    llm = dummy_qwen3
+    prompt = {"prompt_token_ids": list(range(1, 40))}
+    seeded = SamplingParams(temperature=0.8, seed=1234, max_tokens=30, ignore_eos=True)
+
+    def run(prompts, params):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    alone = run([prompt], [seeded])[0]
+    others = [{"prompt_token_ids": [i + 3] * (10 + i)} for i in range(20)]
+    mixed = run(others[:7] + [prompt] + others[7:],
+                [SamplingParams(temperature=1.0, max_tokens=5 + i, ignore_eos=True) for i in range(7)]
+                + [seeded] + [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 13)
+    assert mixed[7] == alone
+    other_seed = run([prompt], [SamplingParams(temperature=0.8, seed=99, max_tokens=30, ignore_eos=True)])[0]
+    unseeded = run([prompt] * 2, SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True))
+    assert other_seed != alone and unseeded[0] != unseeded[1]

@@ -102,8 +102,10 @@ class KVCacheManager:
         (and after ``hit``, a prefix it takes over at admission). Returns the ids of the blocks
         added to its table (possibly none), or None when the pool is too short, in which case
         nothing changed."""
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        if hit is None:
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request.request_id] = []
+        elif hit is None:
             end = request.num_computed_tokens + num_new_tokens
             if end <= len(blocks) * self.block_size and (
                     not self.enable_caching or end // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)):

@@ -32,10 +32,17 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
+        # Every token id that ends the request (EOS unless ignore_eos, and the stop ids).
+        self.stop_token_ids = set(sampling_params.stop_token_ids)
+        if eos_token_id is not None and not sampling_params.ignore_eos:
+            self.stop_token_ids.add(eos_token_id)
         self.max_tokens = max_tokens
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # len(all_token_ids), kept as a field: the scheduler reads it several times per request
+        # per step, and a property call costs more than the rest of a decode's bookkeeping.
+        self.num_tokens = self.num_prompt_tokens
         self.num_computed_tokens = 0
         # Tokens sampled by a step still on the device (async scheduling): counted, not yet known.
         self.num_output_placeholders = 0
@@ -53,12 +60,8 @@ class Request:
         self.fork_parent = fork_parent
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -66,7 +69,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= RequestStatus.FINISHED_STOPPED
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        self.num_tokens += 1

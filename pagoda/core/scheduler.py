@@ -85,6 +85,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        scheduled: list[tuple[Request, int]] = []     # the same, for the loop at the end
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
@@ -108,6 +109,7 @@ class Scheduler:
                 break
             cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
             num_scheduled[req.request_id] = n
+            scheduled.append((req, n))
             budget -= n
             i += 1
 
@@ -136,6 +138,7 @@ class Scheduler:
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
                 self.kv.get_block_ids(req), req.num_computed_tokens, req.sampling_params))
             num_scheduled[req.request_id] = n
+            scheduled.append((req, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
@@ -143,12 +146,12 @@ class Scheduler:
                               self.config.max_num_batched_tokens - budget, self.finished_req_ids,
                               self.kv.take_pending_copies())
         self.finished_req_ids = set()
-        for req_id, n in num_scheduled.items():
-            req = self.requests[req_id]
+        for req, n in scheduled:
             start = req.num_computed_tokens
-            self.stats.num_prompt_tokens_computed += max(0, min(start + n, req.num_prompt_tokens) - start)
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+            if start < req.num_prompt_tokens:
+                self.stats.num_prompt_tokens_computed += min(start + n, req.num_prompt_tokens) - start
+            req.num_computed_tokens = start + n
+            if start + n == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1       # this step samples its next token
         return out
 
@@ -200,15 +203,13 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token == req.eos_token_id:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token in params.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
+        num_output = req.num_tokens - req.num_prompt_tokens
+        if token in req.stop_token_ids and num_output >= params.min_tokens:
+            req.status = RequestStatus.FINISHED_STOPPED
+            if token != req.eos_token_id or params.ignore_eos:
                 req.stop_reason = token
-                return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return True
+        if num_output >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

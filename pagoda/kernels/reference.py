@@ -100,11 +100,17 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     cos_sin_cache: torch.Tensor, head_dim: int, q_norm_weight: torch.Tensor | None = None,
+                     k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half (NeoX) rotary embedding of ``q (tokens, heads * head_dim)`` and
     ``k (tokens, kv_heads * head_dim)`` at ``positions``; ``cos_sin_cache (max_position,
     head_dim)`` float32 holds cos in its first half and sin in its second. Math in float32,
-    results in the inputs' dtype, as new tensors (q and k are left unchanged)."""
+    results in the inputs' dtype, as new tensors (q and k are left unchanged). With
+    ``q_norm_weight`` / ``k_norm_weight`` each head is first RMS-normalised (Qwen3)."""
+    if q_norm_weight is not None:
+        q = rms_norm(q.unflatten(-1, (-1, head_dim)), q_norm_weight, eps).flatten(-2)
+        k = rms_norm(k.unflatten(-1, (-1, head_dim)), k_norm_weight, eps).flatten(-2)
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
     cos, sin = cos[:, None], sin[:, None]
 
@@ -120,3 +126,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``x = [gate, up]`` (tokens, 2 * d) -> (tokens, d), in x's dtype."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max sampling given the noise (the oracle of ``triton_sampling.sample_triton``):
+    ``argmax(logits / temperature + noise)`` per row, the plain argmax where ``temperature``
+    is 0."""
+    x = logits.float()
+    noisy = (x / temperature.clamp(min=1e-30)[:, None] + noise).argmax(-1)
+    return torch.where(temperature > 0, noisy, x.argmax(-1))

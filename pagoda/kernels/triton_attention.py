@@ -48,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds
+
 # Tile shapes (Hopper defaults), keyed by BLOCK_M: the number of (query token, query head) rows
 # per program. BLOCK_M is chosen per call to hold the longest request's queries of one GQA group
 # (16 for decode, up to 128 for prefill); TILE_N is the number of context tokens per K/V tile
@@ -71,29 +73,7 @@ SPLIT_MAX_SEGMENTS = 64
 SPLIT_MIN_TOKENS = 128
 
 
-def _fix_interpreter_loop_bounds() -> None:
-    """CPU interpreter only (TRITON_INTERPRET=1): triton 3.6 turns a run-time scalar into a
-    python int with ``int(array_of_one_element)``, which numpy >= 2.4 rejects, so a loop like
-    ``range(tile_lo, tile_hi)`` over loaded values fails. Use ``.item()`` instead, for the
-    duration of each interpreted launch (the interpreter restores its patches afterwards)."""
-    try:
-        from triton.runtime import interpreter
-        original = interpreter._patch_lang_tensor
-    except (ImportError, AttributeError):
-        return
-    if getattr(original, "_pagoda_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    patched._pagoda_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-if triton.knobs.runtime.interpret:
-    _fix_interpreter_loop_bounds()
+fix_interpreter_loop_bounds()
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,11 +35,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            # Per-head norms, read in place from the qkv output (no copy of the slices).
-            q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).view(-1, self.q_size)
-            k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim))).view(-1, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.qk_norm:       # per-head norms, fused into the rotary kernel
+            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 

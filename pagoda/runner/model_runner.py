@@ -20,6 +20,11 @@ from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
+NO_LOGPROBS = -2
+# The flat batch's arrays, as _prepare_inputs builds them and the forward reads them.
+INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                np.dtype(np.float32): torch.float32, np.dtype(np.bool_): torch.bool}
 CPU_DEFAULT_KV_CACHE_BYTES = 4 * GiB
 
 
@@ -51,9 +56,6 @@ class CachedRequestState:
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator | None
-    # When the step that sampled its last token has not reached the host yet: that step's
-    # sampled-token tensor (on the device) and the index in it. The next step reads it there.
-    pending: tuple[torch.Tensor, int] | None = None
 
 
 class AsyncRunnerOutput:
@@ -62,10 +64,11 @@ class AsyncRunnerOutput:
     (async scheduling) and process this one while the device runs that."""
 
     def __init__(self, runner: "ModelRunner", out: ModelRunnerOutput, req_ids: list[str] = (),
-                 states: list[CachedRequestState] = (), result: SamplerOutput | None = None):
+                 states: list[CachedRequestState] = (), result: SamplerOutput | None = None,
+                 step_id: int = -1, rows: np.ndarray | None = None):
         self.runner, self.out, self.req_ids, self.states = runner, out, list(req_ids), list(states)
         self.positions = [s.num_tokens - 1 for s in self.states]     # where each sampled token goes
-        self.token_ids = None if result is None else result.token_ids
+        self.step_id, self.rows = step_id, rows
         self.host = None
         if result is not None:
             fields = (result.token_ids, result.logprobs, result.ranks, result.topk_ids, result.topk_logprobs)
@@ -91,6 +94,7 @@ class ModelRunner:
             keep_freed_memory()
         mc, sc = config.model, config.scheduler
         torch.manual_seed(mc.seed)
+        self.rng = np.random.default_rng(mc.seed)
         self.model = get_model(mc, self.device)
         self.arch = mc.arch
         self.block_size = config.cache.block_size
@@ -107,6 +111,20 @@ class ModelRunner:
         self.top_p = np.ones(self.max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(self.max_num_reqs, dtype=np.int64)
         self.min_p = np.zeros(self.max_num_reqs, dtype=np.float32)
+        # Rows whose sampling needs the rare per-request extras (penalties, logit bias,
+        # min_tokens); rows with a seed; each row's logprobs count (-1: the whole vocabulary,
+        # NO_LOGPROBS: none asked).
+        self.special = np.zeros(self.max_num_reqs, dtype=bool)
+        self.seeded = np.zeros(self.max_num_reqs, dtype=bool)
+        self.num_logprobs = np.full(self.max_num_reqs, NO_LOGPROBS, dtype=np.int64)
+        # Async scheduling: a row whose last token is still on the device only has its index in
+        # the sampled tokens of step pending_step (always the last step that sampled, whose
+        # tokens are last_sampled); -1 when the host knows it.
+        self.pending_idx = np.full(self.max_num_reqs, -1, dtype=np.int64)
+        self.pending_step = np.full(self.max_num_reqs, -1, dtype=np.int64)
+        self.last_sampled: torch.Tensor | None = None
+        self.num_sampling_steps = 0
+        self.num_prompt_logprob_reqs = 0
         self.free_rows = list(range(self.max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -182,6 +200,12 @@ class ModelRunner:
             self.cuda_graphs.capture()
             logger.info("Captured CUDA graphs for %d batch sizes in %.1f s.", len(self.cuda_graphs.sizes),
                         time.perf_counter() - t0)
+        if self.device.type == "cuda":
+            # Compile the one-kernel sampler now, not in the first request's step (seconds).
+            from pagoda.kernels.triton_sampling import sample_triton
+            one = torch.ones(1, device=self.device)
+            sample_triton(torch.zeros(1, self.arch.vocab_size, dtype=self.kv_dtype, device=self.device), one,
+                          one.long())
 
     # ------------------------------------------------------------------ request state
     def _add_request(self, r: NewRequestData) -> None:
@@ -193,6 +217,11 @@ class ModelRunner:
         p = r.sampling_params
         self.temperature[row] = 0.0 if p.greedy else p.temperature
         self.top_p[row], self.top_k[row], self.min_p[row] = p.top_p, p.top_k, p.min_p
+        self.special[row] = p.needs_penalties or bool(p.logit_bias) or p.min_tokens > 0
+        self.num_logprobs[row] = NO_LOGPROBS if p.logprobs is None else p.logprobs
+        self.seeded[row] = p.seed is not None
+        self.pending_idx[row] = self.pending_step[row] = -1
+        self.num_prompt_logprob_reqs += p.prompt_logprobs is not None
         gen = None
         if p.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(p.seed)
@@ -208,6 +237,8 @@ class ModelRunner:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.num_row_blocks[state.row] = 0
+            self.pending_idx[state.row] = self.pending_step[state.row] = -1
+            self.num_prompt_logprob_reqs -= state.params.prompt_logprobs is not None
             self.free_rows.append(state.row)
 
     # ------------------------------------------------------------------ one step
@@ -236,61 +267,95 @@ class ModelRunner:
         if sched.is_empty:
             return AsyncRunnerOutput(self, ModelRunnerOutput({}))
 
-        # Decodes first: the backends treat them as one group.
+        # Decodes first: the backends treat them as one group. Longest contexts first: the
+        # attention kernel's programs start in batch order, so the long ones do not end the step.
         req_ids = list(sched.num_scheduled_tokens)
         q_lens = np.array([sched.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
         computed = np.array([num_computed[r] for r in req_ids], dtype=np.int64)
-        order = np.argsort(q_lens != 1, kind="stable")
+        order = np.lexsort((-(computed + q_lens), q_lens != 1))
         req_ids = [req_ids[i] for i in order]
         q_lens, computed = q_lens[order], computed[order]
         states = [self.requests[r] for r in req_ids]
         rows = np.array([s.row for s in states], dtype=np.int64)
-        cu = np.cumsum(q_lens)
-        hidden = self._forward(self._prepare_inputs(rows, q_lens, computed),
-                               self._pending_input_ids(states, computed, cu - q_lens))
-
         known = np.array([s.num_tokens for s in states], dtype=np.int64)
+        cu = np.cumsum(q_lens)
+        batch = self._prepare_inputs(rows, q_lens, computed)
+        arrays = {k: batch[k] for k in INPUT_NAMES}
+        pending = self._pending_input_ids(rows, computed, cu - q_lens, known)
+        if pending is not None:
+            arrays["pending_dst"], arrays["pending_src"] = pending
         sampling = np.nonzero(computed + q_lens == known)[0]     # reached their last token
+        s_states, s_rows = [states[i] for i in sampling], rows[sampling]
+        if len(sampling):
+            arrays["logits_idx"] = cu[sampling] - 1
+            arrays.update(self._sampling_arrays(s_states, s_rows))
+        t = self._upload(arrays)
+        hidden = self._forward(batch, t)
+
         out = ModelRunnerOutput({})
         self._prompt_logprobs(hidden, req_ids, states, rows, computed, q_lens, cu, out)
         if len(sampling) == 0:
             return AsyncRunnerOutput(self, out)
-        logits = self.model.compute_logits(hidden[self._to_device(cu[sampling] - 1)])
-        s_states = [states[i] for i in sampling]
-        result = sample(logits, self._sampling_metadata(s_states, rows[sampling]))
-        for j, s in enumerate(s_states):
+        logits = self.model.compute_logits(hidden[t["logits_idx"]])
+        result = sample(logits, self._sampling_metadata(s_states, s_rows, t))
+        for s in s_states:
             s.num_tokens += 1
-            s.pending = (result.token_ids, j)
-        return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result)
+        self.num_sampling_steps += 1
+        self.pending_idx[s_rows] = np.arange(len(sampling))
+        self.pending_step[s_rows] = self.num_sampling_steps
+        self.last_sampled = result.token_ids
+        return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result,
+                                 self.num_sampling_steps, s_rows)
 
     def _record_sampled(self, step: AsyncRunnerOutput) -> None:
         """A step's sampled tokens have reached the host: write them into the rows and fill in
         its ModelRunnerOutput."""
         tokens, token_lp, ranks, topk_ids, topk_lp = (None if t is None else t.tolist() for t in step.host)
         out = step.out
+        rows = step.rows
+        self.pending_idx[rows[self.pending_step[rows] == step.step_id]] = -1
+        logprobs = token_lp is not None
         for j, (req_id, s) in enumerate(zip(step.req_ids, step.states)):
             out.sampled_token_ids[req_id] = tokens[j]
-            if s.pending is not None and s.pending[0] is step.token_ids:
-                s.pending = None
             # A request preempted or aborted since has left (its row may serve another now).
             if self.requests.get(req_id) is s:
                 self.token_ids[s.row, step.positions[j]] = tokens[j]
             k = s.params.logprobs
-            if k is not None:
+            if logprobs and k is not None:
                 out.cumulative[req_id] = token_lp[j]
                 out.logprobs[req_id] = ([tokens[j]] + topk_ids[j][:k], [token_lp[j]] + topk_lp[j][:k], ranks[j])
 
-    def _pending_input_ids(self, states, computed, starts) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(positions in the flat batch, token ids) of the inputs that the previous step sampled
-        and that are still on the device only (async scheduling): the device fills them in."""
-        idx = [i for i, s in enumerate(states) if s.pending is not None]
-        if not idx:
+    def _pending_input_ids(self, rows, computed, starts, known) -> tuple[np.ndarray, np.ndarray] | None:
+        """(positions in the flat batch, indices in last_sampled) of the inputs that the last
+        step sampled and that are still on the device only (async scheduling): the device fills
+        them in."""
+        idx = self.pending_idx[rows]
+        mask = idx >= 0
+        if not mask.any():
             return None
-        src = states[idx[0]].pending[0]
-        assert all(states[i].pending[0] is src for i in idx), "only the last step's tokens can be pending"
-        dst = np.array([starts[i] + states[i].num_tokens - 1 - computed[i] for i in idx], dtype=np.int64)
-        src_idx = np.array([states[i].pending[1] for i in idx], dtype=np.int64)
-        return self._to_device(dst), src[self._to_device(src_idx)]
+        assert (self.pending_step[rows[mask]] == self.num_sampling_steps).all(), \
+            "only the last step's tokens can be pending"
+        return (starts + known - 1 - computed)[mask], idx[mask]
+
+    def _upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """A step's host arrays on the device, through one pinned buffer and one copy: each
+        separate copy cost ~50 us of host time (pinning, launch), a dozen of them per step.
+        A copy from pageable memory could make the host wait for the stream, which would stall
+        async scheduling; the caching host allocator keeps the pinned block until the copy
+        has run."""
+        if self.device.type == "cpu":
+            return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+        offsets, size = {}, 0
+        for k, a in arrays.items():
+            offsets[k] = size
+            size += -(-a.nbytes // 8) * 8          # 8-byte aligned, so every view is aligned
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        buf = host.numpy()
+        for k, a in arrays.items():
+            buf[offsets[k]:offsets[k] + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        dev = host.to(self.device, non_blocking=True)
+        return {k: dev[offsets[k]:offsets[k] + a.nbytes].view(TORCH_DTYPES[a.dtype]).view(a.shape)
+                for k, a in arrays.items()}
 
     def _pinned(self, x: np.ndarray) -> torch.Tensor:
         """A host array ready for an asynchronous copy to the device. A copy from pageable
@@ -341,14 +406,16 @@ class ModelRunner:
             "max_decode_seq_len": int(seq_lens[:num_decodes].max()) if num_decodes else 0,
         }
 
-    def _forward(self, b: dict, pending: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """The model over the flat batch; ``pending`` (flat positions, token ids on the device)
-        overrides input ids that only the device knows yet."""
+    def _forward(self, b: dict, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model over the flat batch: ``b`` as prepared on the host, ``t`` its arrays on the
+        device. Input ids that only the device knows yet (``pending_dst``) are filled in from
+        the last step's sampled tokens."""
         num_tokens, num_reqs = len(b["input_ids"]), len(b["seq_lens"])
-        names = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+        pending = None
+        if "pending_dst" in t:
+            pending = t["pending_dst"], self.last_sampled[t["pending_src"]]
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(num_reqs, num_tokens):
-            return self.cuda_graphs.run({k: self._pinned(b[k]) for k in names}, pending)
-        t = {k: self._to_device(b[k]) for k in names}
+            return self.cuda_graphs.run(t, pending)
         if pending is not None:
             t["input_ids"][pending[0]] = pending[1]
         md = AttentionMetadata(num_tokens, b["num_decodes"], t["slot_mapping"], t["query_start_loc"],
@@ -357,28 +424,59 @@ class ModelRunner:
         with set_forward_context(md, self.backend):
             return self.model(t["input_ids"], t["positions"])
 
-    def _sampling_metadata(self, states: list[CachedRequestState], rows: np.ndarray) -> SamplingMetadata:
-        dev = self.device
+    def _sampling_arrays(self, states: list[CachedRequestState], rows: np.ndarray) -> dict[str, np.ndarray]:
+        """The sampling rows' parameters for the device: only those some row uses, plus Philox
+        seeds when the batch can take the one-kernel GPU sampler (temperature only: no top-k/p,
+        min-p, logprobs or per-request extras)."""
         temp = self.temperature[rows]
+        a = {"temperature": temp}
         top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
+        if top_k.any():
+            a["top_k"] = top_k
+        if (top_p < 1).any():
+            a["top_p"] = top_p
+        if min_p.any():
+            a["min_p"] = min_p
+        if (self.device.type == "cuda" and len(a) == 1 and not (temp == 0).all()
+                and (self.num_logprobs[rows] == NO_LOGPROBS).all() and not self._special_rows(states, rows)):
+            a["seeds"] = self._philox_seeds(states, rows)
+        return a
+
+    def _special_rows(self, states: list[CachedRequestState], rows: np.ndarray) -> list[int]:
+        """The rows needing the rare per-request extras this step (penalties, logit bias, stop
+        tokens held back by min_tokens): a loop over the flagged rows only."""
+        return [i for i in np.nonzero(self.special[rows])[0].tolist()
+                if states[i].params.needs_penalties or states[i].params.logit_bias
+                or states[i].num_tokens - states[i].num_prompt_tokens < states[i].params.min_tokens]
+
+    def _sampling_metadata(self, states: list[CachedRequestState], rows: np.ndarray,
+                           t: dict[str, torch.Tensor]) -> SamplingMetadata:
+        top_k = self.top_k[rows]
         md = SamplingMetadata(
-            temperature=self._to_device(temp),
-            all_greedy=bool((temp == 0).all()),
-            top_k=self._to_device(top_k) if top_k.any() else None,
-            top_p=self._to_device(top_p) if (top_p < 1).any() else None,
-            min_p=self._to_device(min_p) if min_p.any() else None,
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            temperature=t["temperature"],
+            all_greedy=bool((self.temperature[rows] == 0).all()),
+            top_k=t.get("top_k"), top_p=t.get("top_p"), min_p=t.get("min_p"),
+            generators={i: states[i].generator for i in np.nonzero(self.seeded[rows])[0].tolist()},
             max_top_k=int(top_k.max()) if top_k.all() else 0,
+            seeds=t.get("seeds"),
         )
-        ks = [s.params.logprobs for s in states if s.params.logprobs is not None]
-        if ks:
-            md.max_num_logprobs = -1 if -1 in ks else max(ks)
-        # The rare per-request extras: these loops touch only the requests that use them.
-        special = [i for i, s in enumerate(states) if s.params.needs_penalties or s.params.logit_bias
-                   or s.num_tokens - s.num_prompt_tokens < s.params.min_tokens]
+        ks = self.num_logprobs[rows]
+        if (ks != NO_LOGPROBS).any():
+            md.max_num_logprobs = -1 if (ks == -1).any() else int(ks.max())
+        special = self._special_rows(states, rows)
         if special:
             self._add_special_sampling(md, states, rows, special)
         return md
+
+    def _philox_seeds(self, states: list[CachedRequestState], rows: np.ndarray) -> np.ndarray:
+        """Per-row seeds of the one-kernel GPU sampler: fresh ones from the engine's stream,
+        except for seeded requests, whose seed and output position alone fix the noise (so the
+        output does not depend on the rest of the batch)."""
+        seeds = self.rng.integers(0, 2**63 - 1, len(states), dtype=np.int64)
+        for i in np.nonzero(self.seeded[rows])[0].tolist():
+            s = states[i]
+            seeds[i] = (s.params.seed * 0x9E3779B97F4A7C15 + s.num_tokens) % (2**63 - 1)
+        return seeds
 
     def _add_special_sampling(self, md, states, rows, special) -> None:
         dev, vocab = self.device, self.arch.vocab_size
@@ -408,8 +506,8 @@ class ModelRunner:
             for i in pen:
                 s = states[i]
                 toks = self._to_device(self.token_ids[rows[i], :s.num_tokens].astype(np.int64))
-                if s.pending is not None:      # its last token is still on the device only
-                    toks[-1] = s.pending[0][s.pending[1]]
+                if self.pending_idx[s.row] >= 0:      # its last token is still on the device only
+                    toks[-1] = self.last_sampled[int(self.pending_idx[s.row])]
                 prompt_mask[i, toks[:s.num_prompt_tokens]] = True
                 out_toks = toks[s.num_prompt_tokens:]
                 counts[i].index_add_(0, out_toks, torch.ones(len(out_toks), device=dev))
@@ -421,6 +519,8 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden, req_ids, states, rows, computed, q_lens, cu, out) -> None:
         """Logprobs of prompt tokens computed this step (a chunk yields those of its next
         tokens, up to the end of the prompt)."""
+        if not self.num_prompt_logprob_reqs:
+            return
         for i, s in enumerate(states):
             k = s.params.prompt_logprobs
             first = int(computed[i])

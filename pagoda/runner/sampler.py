@@ -27,6 +27,9 @@ class SamplingMetadata:
     max_top_k: int = 0
     # The most logprobs a row asks for (-1: the whole vocabulary); None when no row asks.
     max_num_logprobs: int | None = None
+    # (B,) int64 per-row Philox seeds: set by the runner when the batch can take the one-kernel
+    # GPU path (temperature only: no top-k/p, min-p, penalties, bias or logprobs).
+    seeds: torch.Tensor | None = None
 
 
 @dataclass
@@ -101,6 +104,9 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     plain = md.logit_bias is None and md.banned is None and md.output_counts is None
     if md.all_greedy and plain and md.max_num_logprobs is None:
         return SamplerOutput(logits.argmax(-1), None, None, None, None)   # no float copy needed
+    if md.seeds is not None:
+        from pagoda.kernels.triton_sampling import sample_triton
+        return SamplerOutput(sample_triton(logits, md.temperature, md.seeds), None, None, None, None)
     raw = logits.float()
     logits = raw
     if md.logit_bias is not None:

@@ -165,6 +165,32 @@ def test_rotary_embedding_on_qkv_slices(heads, head_dim, tokens, dtype, request)
     assert torch.equal(v, v0), "the kernel wrote outside q and k"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 7] + ([300] if ON_GPU else []))
+def test_rotary_embedding_with_qk_norm(tokens, dtype, request):
+    """Qwen3: per-head q/k RMSNorm fused into the rotary kernel, against the torch norms then
+    rotary (the unfused path)."""
+    gen = seed_for(request)
+    num_heads, num_kv_heads, head_dim = 16, 8, 128
+    rope = RotaryEmbedding(head_dim, MAX_POSITION, 1e6).to(DEVICE)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = randn(tokens, q_size + 2 * kv_size, gen=gen, dtype=dtype, scale=2.0, shift=0.3)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    w_q = randn(head_dim, gen=gen, dtype=dtype, scale=0.2, shift=1.0)
+    w_k = randn(head_dim, gen=gen, dtype=dtype, scale=0.2, shift=1.0)
+    positions = torch.randint(0, MAX_POSITION, (tokens,), generator=gen).to(DEVICE)
+    ref_q, ref_k = reference.rotary_embedding(positions, q, k, rope.cos_sin_cache, head_dim, w_q, w_k, EPS)
+    # The reference is the composition of the two torch ops the kernel fuses.
+    nq = reference.rms_norm(q.unflatten(-1, (num_heads, head_dim)), w_q, EPS).flatten(-2)
+    nk = reference.rms_norm(k.unflatten(-1, (num_kv_heads, head_dim)), w_k, EPS).flatten(-2)
+    assert torch.equal(ref_q, reference.rotary_embedding(positions, nq, nk, rope.cos_sin_cache, head_dim)[0])
+    v0 = v.clone()
+    ops.rotary_embedding(positions, q, k, rope.cos_sin_cache, head_dim, w_q, w_k, EPS)
+    check(q, ref_q, dtype)
+    check(k, ref_k, dtype)
+    assert torch.equal(v, v0), "the kernel wrote outside q and k"
+
+
 def test_rotary_embedding_3d_and_int32_positions(request):
     # (tokens, heads, head_dim) views with a head stride, int32 positions, Llama-3 scaling.
     gen = seed_for(request)
