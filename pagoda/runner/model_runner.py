@@ -24,7 +24,8 @@ NO_LOGPROBS = -2
 # The flat batch's arrays, as _prepare_inputs builds them and the forward reads them.
 INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")
 TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-                np.dtype(np.float32): torch.float32, np.dtype(np.bool_): torch.bool}
+                np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
+                np.dtype(np.bool_): torch.bool}
 CPU_DEFAULT_KV_CACHE_BYTES = 4 * GiB
 
 
@@ -357,15 +358,9 @@ class ModelRunner:
         return {k: dev[offsets[k]:offsets[k] + a.nbytes].view(TORCH_DTYPES[a.dtype]).view(a.shape)
                 for k, a in arrays.items()}
 
-    def _pinned(self, x: np.ndarray) -> torch.Tensor:
-        """A host array ready for an asynchronous copy to the device. A copy from pageable
-        memory may make the host wait for the stream, which would stall async scheduling; the
-        caching host allocator keeps a pinned block until the copies reading it have run."""
-        t = torch.from_numpy(x)
-        return t if self.device.type == "cpu" else t.pin_memory()
-
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
-        return self._pinned(x).to(self.device, non_blocking=True)
+        """One array on the device (the rare paths: block copies, penalties, prompt logprobs)."""
+        return self._upload({"x": x})["x"]
 
     def _zero_new_blocks(self, block_ids: list[int]) -> None:
         """The torch reference reads whole padded blocks (masking what lies past a request's
