@@ -237,12 +237,34 @@ def tune_decode(dtype, gen, log):
     return results
 
 
+def tune_split(dtype, gen, log):
+    """Flash-decoding at medium batches: does splitting the context (more, shorter programs)
+    beat one program per (request, KV head) where there are already a few per SM?"""
+    results = []
+    log("\nSplit-KV at medium batch (GB/s of KV read)")
+    for model, batch, ctx in [("llama3-8b", 64, 640), ("llama3-8b", 128, 1024), ("llama3-8b", 256, 1024),
+                              ("qwen3-0.6b", 32, 1024), ("qwen3-0.6b", 64, 1024), ("qwen3-0.6b", 128, 1536)]:
+        case = Case(batch, 1, ctx, *MODELS[model], dtype, gen)
+        line = f"  {model:10s} b={batch:<3d} ctx={ctx:<5d} (default {ta._pick_num_segments(batch * MODELS[model][1], 1, ctx, case.query.device)}):"
+        for seg in (1, 2, 4, 8):
+            ms = bench(lambda: case.triton(num_segments=seg))
+            rate = case.kv_bytes() / 1e9 / (ms / 1e3)
+            results.append(dict(model=model, batch=batch, ctx=ctx, segments=seg, ms=ms, rate=rate))
+            line += f"  seg {seg}: {ms * 1e3:6.1f} us {rate:5.0f}"
+        log(line)
+        del case
+        torch.cuda.empty_cache()
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--no-tune", action="store_true", help="skip the tuning sweep")
     parser.add_argument("--tune-decode", action="store_true",
                         help="only sweep the decode tiles at W1 shapes (every TILE_N x warps x stages)")
+    parser.add_argument("--tune-split", action="store_true",
+                        help="only time the flash-decoding split factors at medium batches")
     args = parser.parse_args()
     assert DEVICE != "cuda" or torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dtype = getattr(torch, args.dtype)
@@ -256,6 +278,10 @@ def main():
 
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
+    if args.tune_split:
+        log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
+        tune_split(dtype, gen, log)
+        return
     if args.tune_decode:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
         results = tune_decode(dtype, gen, log)

@@ -15,6 +15,18 @@ def dummy_model_dir(config_path: str) -> str:
     return folder
 
 
+def add_split_arg(parser) -> None:
+    parser.add_argument("--split-programs-per-sm", type=int, default=None,
+                        help="override triton_attention.SPLIT_PROGRAMS_PER_SM (flash-decoding split "
+                             "threshold) before the engine captures its graphs: A/B runs of that constant")
+
+
+def apply_split_arg(args) -> None:
+    if args.split_programs_per_sm is not None:
+        from pagoda.kernels import triton_attention
+        triton_attention.SPLIT_PROGRAMS_PER_SM = args.split_programs_per_sm
+
+
 def on_off(value: str) -> bool:
     """argparse type for on/off switches such as --async-scheduling."""
     if value not in ("on", "off"):

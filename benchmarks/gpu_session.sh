@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_session.sh sampler   # sampler kernel tests, decode-tile sweep, W1 Qwen3 (vs BASE) + profile
 #   bash benchmarks/gpu_session.sh host      # W1 Qwen3 vs BASE interleaved, W1 profile by batch size, W1 Llama, W2
 #   BASE=dir bash benchmarks/gpu_session.sh ab  # tests, then BASE vs this tree interleaved: W1 and W2, both models
+#   bash benchmarks/gpu_session.sh split     # tests, split-KV at medium batch, W2 Llama b64 + W1 Qwen3 split A/B
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -108,5 +109,21 @@ case "${1:-}" in
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab"; exit 2 ;;
+  split)
+    # Kernel + engine tests; flash-decoding split at medium batches (micro), then W2 Llama-3-8B
+    # batch 64 and W1 Qwen3-0.6B with SPLIT_PROGRAMS_PER_SM at its default and at 8, same call
+    python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/split_tests.txt"
+    python3 benchmarks/attention_kernels.py --tune-split 2>&1 | tail -8
+    for split in default 8; do
+      opt=""; [ "$split" = default ] || opt="--split-programs-per-sm $split"
+      python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 64 $opt --out "$OUT/s$split" 2>&1 \
+        | grep "^pagoda " | sed "s/^/W2 llama split=$split: /"
+    done
+    for split in default 8; do
+      opt=""; [ "$split" = default ] || opt="--split-programs-per-sm $split"
+      python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm $opt --out "$OUT/s$split" 2>&1 \
+        | grep "^pagoda " | sed "s/^/W1 qwen3 split=$split: /"
+    done
+    ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split"; exit 2 ;;
 esac

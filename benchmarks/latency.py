@@ -14,7 +14,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, dummy_model_dir, hf_model, measure_ceilings, on_off, param_counts  # noqa: E402
+from common import (Timer, add_split_arg, apply_split_arg, dummy_model_dir, hf_model,  # noqa: E402
+                    measure_ceilings, on_off, param_counts)
 
 
 def prompts_for(batch, length, vocab, seed=0):
@@ -69,7 +70,9 @@ def main():
     p.add_argument("--hf", action="store_true", help="HF generate baseline at batch 1")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
+    add_split_arg(p)
     args = p.parse_args()
+    apply_split_arg(args)
     from pagoda import LLM, SamplingParams
     with open(args.model_config) as f:
         cfg = json.load(f)

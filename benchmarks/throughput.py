@@ -16,7 +16,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, dummy_model_dir, hf_model, measure_ceilings, on_off, param_counts  # noqa: E402
+from common import (Timer, add_split_arg, apply_split_arg, dummy_model_dir, hf_model,  # noqa: E402
+                    measure_ceilings, on_off, param_counts)
 
 
 def make_requests(n, prompt_range, output_range, vocab, seed):
@@ -220,7 +221,9 @@ def main():
     p.add_argument("--profile", action="store_true",
                    help="after the timed run, GPU kernel time by kind (torch.profiler) and the host's hot spots (cProfile)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
+    add_split_arg(p)
     args = p.parse_args()
+    apply_split_arg(args)
     if args.cpu_workload:
         args.prompt_len, args.output_len = [64, 256], [32, 128]
         args.max_model_len = args.max_model_len or 512
