@@ -125,6 +125,8 @@ def test_split_kv_chosen_for_few_long_decodes():
     dev = torch.device(DEVICE)
     assert ta._pick_num_segments(8, 1, 4000, dev) > 1          # batch 1, 8 KV heads
     assert ta._pick_num_segments(8 * 256, 1, 4000, dev) == 1   # batch 256 fills the chip
+    assert ta._pick_num_segments(8 * 16, 1, 4000, dev) > 1     # batch 16: fewer programs than SMs
+    assert ta._pick_num_segments(8 * 32, 1, 4000, dev) == 1    # batch 32: one per SM already
     assert ta._pick_num_segments(8, 64, 4000, dev) == 1        # not a pure decode
     assert ta._pick_num_segments(8, 1, 100, dev) == 1          # too short to split
 
