@@ -1,0 +1,49 @@
+"""Does Triton software-pipeline the paged-attention kernel's K/V loop? Compiles the kernel for
+sm_90 to TTGIR (no GPU needed: runs on the CPU) and counts the asynchronous copies the
+pipeliner emits. Zero means every tile's block-table, K and V loads are waited for in turn,
+so each program runs at the memory latency, not the bandwidth.
+
+  python benchmarks/attention_ir.py
+"""
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pagoda.kernels import triton_attention as ta  # noqa: E402
+
+POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
+            "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
+SCALARS = ["qk_scale", "num_seqs", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+           "stride_kb", "stride_ks", "stride_kh", "stride_bt"]
+
+
+def ttgir(block_m: int, num_segments: int) -> str:
+    """The kernel for Qwen3-0.6B heads (16 q / 8 kv, head_dim 128), bf16, block size 16."""
+    tiles = ta.TILES[block_m]
+    const = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, HEAD_DIM_P=128, BLOCK_SIZE=16, BLOCK_M=block_m,
+                 BLOCK_Q=block_m // 2, TILE_N=tiles["TILE_N"], NUM_SEGMENTS=num_segments, DOT_PRECISION="tf32")
+    sig = dict(POINTERS)
+    sig.update({name: ("fp32" if name == "qk_scale" else "i32") for name in SCALARS})
+    sig.update({name: "constexpr" for name in const})
+    names = ta._paged_attention_kernel.arg_names
+    src = ASTSource(fn=ta._paged_attention_kernel, signature=sig,
+                    constexprs={(names.index(n),): v for n, v in const.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
+    return compiled.asm["ttgir"]
+
+
+def main():
+    for block_m, segments, label in [(16, 1, "decode"), (16, 4, "decode, split KV"), (128, 1, "prefill")]:
+        ir = ttgir(block_m, segments)
+        print(f"{label:18s} BLOCK_M={block_m:<3d} segments={segments}: "
+              f"{ir.count('async_copy_global_to_local')} async copies, {ir.count('async_wait')} waits")
+
+
+if __name__ == "__main__":
+    main()
