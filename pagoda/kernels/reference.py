@@ -31,12 +31,15 @@ def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: 
     """Keys and values of every request's first ``max_len`` positions, read through its block
     table: two tensors ``(batch, max_len, num_kv_heads, head_dim)`` (positions past a request's
     length hold whatever its table points at and must be masked by the caller)."""
-    batch, block_size = block_tables.shape[0], kv_cache.shape[2]
-    num_blocks = -(-max_len // block_size)
+    num_blocks = -(-max_len // kv_cache.shape[2])
     ids = block_tables[:, :num_blocks].reshape(-1).long()
+    return gather_blocks(kv_cache, ids, block_tables.shape[0], max_len)
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, batch: int, max_len: int):
+    """``gather_context`` from the flattened ``(batch * num_blocks,)`` int64 block ids."""
     # index_select copies whole blocks; advanced indexing ran 4x slower on the CPU.
-    k, v = (kv_cache[i].index_select(0, ids).view(batch, num_blocks * block_size, *kv_cache.shape[3:])
-            for i in (0, 1))
+    k, v = (kv_cache[i].index_select(0, block_ids).view(batch, -1, *kv_cache.shape[3:]) for i in (0, 1))
     return k[:, :max_len], v[:, :max_len]
 
 
