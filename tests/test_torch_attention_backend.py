@@ -68,7 +68,7 @@ def test_decodes(request, heads, group_bytes, monkeypatch):
     seq_lens = torch.randint(1, 100, (37,), generator=gen).tolist() + [1, 16, 17, 33]
     md = check([1] * len(seq_lens), seq_lens, *heads, gen)
     groups = md.decode_groups
-    assert sum(len(range(41)[g.rows]) if isinstance(g.rows, slice) else len(g.rows) for g in groups) == 41
+    assert [i for g in groups for i in range(41)[g.rows]] == list(range(41))
     if group_bytes == 1:
         assert len(groups) == 41
     elif group_bytes == 1 << 40:
@@ -86,6 +86,13 @@ def test_decodes_mixed_with_prefills(request, heads, monkeypatch):
     check([1] * len(decodes) + [23, 40, 7], decodes + [23, 95, 7], *heads, gen)
 
 
-def test_prefills_only(request):
+@pytest.mark.parametrize("prefill_groups", [1, 3, 8])
+def test_prefills_only(request, prefill_groups, monkeypatch):
+    """Whole prompts and chunks after a cached prefix, in one group, a few, or one each."""
+    monkeypatch.setattr(TorchAttentionBackend, "PREFILL_GROUPS", prefill_groups)
     gen = seed_for(request)
-    check([31, 16, 1 + 40], [31, 50, 300], 9, 3, gen)
+    q_lens = [31, 16, 41, 2, 64, 9, 17]
+    md = check(q_lens, [31, 50, 300, 2, 64, 100, 17], 9, 3, gen)
+    assert len(md.prefill_groups) == min(prefill_groups, len(q_lens))
+    tokens = torch.cat([g.tokens for g in md.prefill_groups])
+    assert sorted(tokens.tolist()) == list(range(sum(q_lens))), "each query token in exactly one group"
