@@ -123,8 +123,8 @@ class TorchAttentionBackend:
                 md.decode_order = torch.argsort(seq_lens)
                 seq_lens, tables = seq_lens[md.decode_order], tables[md.decode_order]
             bounds = [i * nd // num_groups for i in range(num_groups + 1)] if nd else []
-            md.decode_groups = [TorchAttentionBackend._plan(slice(a, b), seq_lens[a:b], tables[a:b], kv_cache)
-                                for a, b in zip(bounds, bounds[1:])]
+            md.decode_groups = [TorchAttentionBackend._plan(slice(lo, hi), seq_lens[lo:hi], tables[lo:hi], kv_cache)
+                                for lo, hi in zip(bounds, bounds[1:])]
         return md.decode_groups
 
     @staticmethod
@@ -133,8 +133,8 @@ class TorchAttentionBackend:
         num_blocks = -(-max_len // kv_cache.shape[2])
         block_ids = block_tables[:, :num_blocks].reshape(-1).long()
         past = torch.arange(max_len, device=seq_lens.device)[None, :] >= seq_lens[:, None]
-        mask = torch.zeros(past.shape, dtype=kv_cache.dtype, device=seq_lens.device).masked_fill_(past, float("-inf"))
-        return DecodeGroup(rows, block_ids, max_len, mask[:, None, None, :])
+        mask = torch.zeros(past.shape, dtype=kv_cache.dtype, device=seq_lens.device)
+        return DecodeGroup(rows, block_ids, max_len, mask.masked_fill_(past, float("-inf"))[:, None, None, :])
 
     @staticmethod
     def _prefill_groups(md: AttentionMetadata) -> list[PrefillGroup]:
@@ -146,10 +146,12 @@ class TorchAttentionBackend:
             if nd < batch:
                 order = torch.argsort(md.seq_lens[nd:]) + nd
                 for rows in order.tensor_split(min(batch - nd, TorchAttentionBackend.PREFILL_GROUPS)):
-                    starts, q_lens = md.query_start_loc[rows], md.query_start_loc[rows + 1] - md.query_start_loc[rows]
-                    qsl = torch.zeros(len(rows) + 1, dtype=md.query_start_loc.dtype, device=rows.device)
+                    starts = md.query_start_loc[rows]
+                    q_lens = md.query_start_loc[rows + 1] - starts
+                    qsl = torch.zeros(len(rows) + 1, dtype=starts.dtype, device=rows.device)
                     torch.cumsum(q_lens, 0, out=qsl[1:])
-                    tokens = torch.arange(int(qsl[-1]), device=rows.device) + torch.repeat_interleave(starts - qsl[:-1], q_lens)
+                    tokens = (torch.arange(int(qsl[-1]), device=rows.device)
+                              + torch.repeat_interleave(starts - qsl[:-1], q_lens))
                     md.prefill_groups.append(PrefillGroup(tokens, qsl, md.seq_lens[rows], md.block_tables[rows],
                                                           int(q_lens.max()), int(md.seq_lens[rows].max())))
         return md.prefill_groups
