@@ -100,3 +100,15 @@ def test_banned_tokens_are_never_sampled():
     logits[:, 2] = 10.0
     md = meta(2, temperature=0.0, banned=(torch.tensor([0, 1]), torch.tensor([2, 2])))
     assert 2 not in sample(logits, md).token_ids.tolist()
+
+
+def test_no_greedy_row_skips_the_argmax_and_draws_the_same():
+    """any_greedy=False only skips the argmax: the same seeded draws as with it."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 40, generator=g)
+    outs = []
+    for any_greedy in (True, False):
+        md = meta(3, temperature=0.8, generators={i: torch.Generator().manual_seed(i) for i in range(3)})
+        md.any_greedy = any_greedy
+        outs.append(sample(logits, md).token_ids.tolist())
+    assert outs[0] == outs[1]

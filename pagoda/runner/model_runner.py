@@ -450,6 +450,7 @@ class ModelRunner:
         md = SamplingMetadata(
             temperature=t["temperature"],
             all_greedy=bool((self.temperature[rows] == 0).all()),
+            any_greedy=bool((self.temperature[rows] == 0).any()),
             top_k=t.get("top_k"), top_p=t.get("top_p"), min_p=t.get("min_p"),
             generators={i: states[i].generator for i in np.nonzero(self.seeded[rows])[0].tolist()},
             max_top_k=int(top_k.max()) if top_k.all() else 0,

@@ -27,6 +27,9 @@ class SamplingMetadata:
     max_top_k: int = 0
     # The most logprobs a row asks for (-1: the whole vocabulary); None when no row asks.
     max_num_logprobs: int | None = None
+    # Some row is greedy (False lets the sampler skip the argmax: 13 ms a step at batch 256 on
+    # the CPU). True when unknown.
+    any_greedy: bool = True
     # (B,) int64 per-row Philox seeds: set by the runner when the batch can take the one-kernel
     # GPU path (temperature only: no top-k/p, min-p, penalties, bias or logprobs).
     seeds: torch.Tensor | None = None
@@ -115,13 +118,14 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = apply_penalties(logits, md)
     if md.banned is not None:
         logits = logits.index_put(md.banned, torch.full((), float("-inf"), device=logits.device))
-    greedy = logits.argmax(-1)
     if md.all_greedy:
-        tokens = greedy
+        tokens = logits.argmax(-1)
     else:
         temp = torch.where(md.temperature > 0, md.temperature, 1.0)
         probs = apply_top_k_top_p_min_p(logits / temp[:, None], md).softmax(-1)
-        tokens = torch.where(md.temperature > 0, draw(probs, md.generators), greedy)
+        tokens = draw(probs, md.generators)
+        if md.any_greedy:
+            tokens = torch.where(md.temperature > 0, tokens, logits.argmax(-1))
     if md.max_num_logprobs is None:
         return SamplerOutput(tokens, None, None, None, None)
     # One log_softmax of the raw logits (measured faster on the H200 than logit - logsumexp,
