@@ -10,6 +10,7 @@ import torch
 
 from pagoda.kernels import reference
 from pagoda.model.layers.attention import AttentionMetadata, TorchAttentionBackend
+from tests.paged_inputs import random_block_tables
 
 HEAD_DIM, BLOCK_SIZE = 16, 16
 HEADS = [(4, 4), (9, 3), (8, 2)]      # (num_heads, num_kv_heads): GQA ratios 1, 3 and 4
@@ -19,14 +20,7 @@ def make_step(q_lens, seq_lens, num_heads, num_kv_heads, gen):
     """A step's inputs, decodes first as the runner orders them: new q/k/v for the scheduled
     tokens, a random cache holding the context before them, and block tables whose unused
     entries point at random blocks (padding must not leak into the result)."""
-    blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
-    num_blocks = sum(blocks) + 8
-    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
-    tables = torch.randint(0, num_blocks, (len(seq_lens), max(blocks) + 2), generator=gen)
-    start = 0
-    for i, n in enumerate(blocks):
-        tables[i, :n] = perm[start:start + n]
-        start += n
+    tables, num_blocks = random_block_tables(seq_lens, BLOCK_SIZE, gen, spare_blocks=8, spare_cols=2, first_block=1)
     n_tokens = sum(q_lens)
     q = torch.randn(n_tokens, num_heads, HEAD_DIM, generator=gen)
     k = torch.randn(n_tokens, num_kv_heads, HEAD_DIM, generator=gen)

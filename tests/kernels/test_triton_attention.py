@@ -13,6 +13,7 @@ import torch
 
 from pagoda.kernels import reference
 from pagoda.kernels import triton_attention as ta
+from tests.paged_inputs import random_block_tables
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -36,15 +37,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen):
     """Random query, cache and block tables for a varlen batch. Each request gets distinct
     physical blocks in random order; unused table entries point at random (valid) blocks."""
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    max_blocks = max(blocks_per_seq) + 1
-    num_blocks = sum(blocks_per_seq) + 4
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen)
-    start = 0
-    for i, n in enumerate(blocks_per_seq):
-        tables[i, :n] = perm[start:start + n]
-        start += n
+    tables, num_blocks = random_block_tables(seq_lens, block_size, gen, spare_blocks=4, spare_cols=1)
     num_tokens = sum(q_lens)
     query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
