@@ -26,7 +26,8 @@ def ttgir(block_m: int, num_segments: int) -> str:
     """The kernel for Qwen3-0.6B heads (16 q / 8 kv, head_dim 128), bf16, block size 16."""
     tiles = ta.TILES[block_m]
     const = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, HEAD_DIM_P=128, BLOCK_SIZE=16, BLOCK_M=block_m,
-                 BLOCK_Q=block_m // 2, TILE_N=tiles["TILE_N"], NUM_SEGMENTS=num_segments, DOT_PRECISION="tf32")
+                 BLOCK_Q=block_m // 2, TILE_N=tiles["TILE_N"], NUM_SEGMENTS=num_segments, DOT_PRECISION="tf32",
+                 LOOP_STAGES=tiles["num_stages"])
     sig = dict(POINTERS)
     sig.update({name: ("fp32" if name == "qk_scale" else "i32") for name in SCALARS})
     sig.update({name: "constexpr" for name in const})

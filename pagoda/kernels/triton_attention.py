@@ -182,7 +182,7 @@ def _paged_attention_kernel(
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-        NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -219,7 +219,9 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)                # running sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for t in range(tile_lo, tile_hi):
+    # tl.range with num_stages: the kernel-level num_stages does not pipeline this loop, whose
+    # loads are indirect (block table -> K/V); without it each tile's loads wait in turn.
+    for t in tl.range(tile_lo, tile_hi, num_stages=LOOP_STAGES):
         offs_n = t * TILE_N + tl.arange(0, TILE_N)
         n_valid = offs_n < kv_end
         # Each context token through the block table: (physical block, offset in block).
@@ -367,7 +369,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         NUM_SEGMENTS=num_segments,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        **tiles)
+        LOOP_STAGES=tiles["num_stages"], **tiles)
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc, num_seqs,
