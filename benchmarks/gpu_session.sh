@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_session.sh host      # W1 Qwen3 vs BASE interleaved, W1 profile by batch size, W1 Llama, W2
 #   BASE=dir bash benchmarks/gpu_session.sh ab  # tests, then BASE vs this tree interleaved: W1 and W2, both models
 #   bash benchmarks/gpu_session.sh split     # tests, split-KV at medium batch, W2 Llama b64 + W1 Qwen3 split A/B
+#   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -125,5 +126,28 @@ case "${1:-}" in
         | grep "^pagoda " | sed "s/^/W1 qwen3 split=$split: /"
     done
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split"; exit 2 ;;
+  pipeline)
+    # A change to the attention kernel: its tests at full shapes, then BASE against this tree in
+    # the micro-benchmark (decode, split, prefill) and end to end (W1 Qwen3 twice, W2 both models)
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py tests/test_gpu.py 2>&1 \
+      | tail -3 | tee "$OUT/pipeline_tests.txt"
+    for tree in "$BASE" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/attention_kernels.py --no-tune 2>&1 \
+        | grep -E "^(llama|qwen)" | sed "s|^|$(basename $tree): |")
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/attention_kernels.py --tune-split 2>&1 \
+        | grep "b=" | sed "s|^|$(basename $tree): |")
+    done
+    w1() {  # tree label model
+      (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config "$MA/$3.json" --no-tqdm \
+        --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W1 $3 $2: /")
+    }
+    w2() {
+      (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$3.json" --batch $4 \
+        --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W2 $3 $2: /")
+    }
+    for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
+    w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
+    w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
+    ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|pipeline"; exit 2 ;;
 esac
