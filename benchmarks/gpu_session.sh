@@ -50,8 +50,8 @@ case "${1:-}" in
     python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --hf --hf-requests 32 --no-tqdm 2>&1 | tail -6
     ;;
   profile)
-    python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 256 2>&1 | tail -16
-    python3 benchmarks/profile_step.py --model-config $M/llama3-8b.json --batch 1 64 2>&1 | tail -16
+    python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 64 --top 20 2>&1 | tail -46
+    python3 benchmarks/profile_step.py --model-config $M/llama3-8b.json --batch 1 64 --top 14 2>&1 | tail -34
     ;;
   prefix)
     python3 -m pytest -q -p no:cacheprovider tests/kernels -k "copy_blocks or write_kv or backend" 2>&1 | tail -4 | tee "$OUT/kernel_tests.txt"

@@ -18,6 +18,7 @@ def main():
     p.add_argument("--model-config", required=True)
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--top", type=int, default=6, help="how many kernels to list, largest first")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
@@ -49,18 +50,23 @@ def main():
             llm.generate(inputs, one, use_tqdm=False)
         prefill_us = sum(e.self_device_time_total for e in prof1.key_averages() if e.self_device_time_total > 0)
         gpu = (total_us - prefill_us) / args.steps / 1e3
-        top = sorted(events, key=lambda e: -e.self_device_time_total)[:6]
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]
+        steps = args.steps + 1
         rows.append({"batch": b, "wall_ms_per_step": wall, "gpu_kernel_ms_per_step": gpu,
-                     "gpu_idle_fraction": max(0.0, 1 - gpu / wall),
-                     "top_kernels": [(e.key[:70], e.self_device_time_total / (args.steps + 1) / 1e3) for e in top]})
+                     "gpu_idle_fraction": max(0.0, 1 - gpu / wall), "kernels_per_step": sum(
+                         e.count for e in events) / steps,
+                     "top_kernels": [(e.key[:70], e.self_device_time_total / steps / 1e3, e.count / steps,
+                                      e.self_device_time_total / e.count) for e in top]})
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"profile_{name}.json"), "w") as f:
         json.dump(rows, f, indent=2)
     for r in rows:
         print(f"{name} batch {r['batch']}: wall {r['wall_ms_per_step']:.2f} ms/step, GPU kernels "
-              f"{r['gpu_kernel_ms_per_step']:.2f} ms/step, GPU idle {r['gpu_idle_fraction']:.0%}")
-        for k, ms in r["top_kernels"]:
-            print(f"    {ms:7.3f} ms  {k}")
+              f"{r['gpu_kernel_ms_per_step']:.2f} ms/step, GPU idle {r['gpu_idle_fraction']:.0%}, "
+              f"{r['kernels_per_step']:.0f} kernels/step")
+        print(f"    {'ms/step':>7s} {'calls':>6s} {'us/call':>7s}  kernel")
+        for k, ms, calls, us in r["top_kernels"]:
+            print(f"    {ms:7.3f} {calls:6.1f} {us:7.1f}  {k}")
 
 
 if __name__ == "__main__":
