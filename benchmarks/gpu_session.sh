@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_session.sh host      # W1 Qwen3 vs BASE interleaved, W1 profile by batch size, W1 Llama, W2
 #   BASE=dir bash benchmarks/gpu_session.sh ab  # tests, then BASE vs this tree interleaved: W1 and W2, both models
 #   bash benchmarks/gpu_session.sh split     # tests, split-KV at medium batch, W2 Llama b64 + W1 Qwen3 split A/B
+#   bash benchmarks/gpu_session.sh smallbatch  # host time per step at batch 1 and 64, cProfile of W2 Qwen3 batch 1
 #   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
@@ -126,6 +127,13 @@ case "${1:-}" in
         | grep "^pagoda " | sed "s/^/W1 qwen3 split=$split: /"
     done
     ;;
+  smallbatch)
+    for n in 1 64; do
+      python3 benchmarks/step_overhead.py --model-config $M/qwen3-0.6b.json --num-requests $n --prompt-len 512 \
+        --steps 100 2>&1 | tail -9 | sed "s/^/batch $n: /"
+    done
+    python3 benchmarks/latency.py --model-config $M/qwen3-0.6b.json --batch 1 --profile 2>&1 | grep -A45 "function calls"
+    ;;
   pipeline)
     # A change to the attention kernel: its tests at full shapes, then BASE against this tree in
     # the micro-benchmark (decode, split, prefill) and end to end (W1 Qwen3 twice, W2 both models)
@@ -149,5 +157,5 @@ case "${1:-}" in
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|pipeline"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|pipeline"; exit 2 ;;
 esac

@@ -37,6 +37,22 @@ def pagoda_latency(llm, prompts, out_len):
     return {"ttft_ms": t1 * 1e3, "ms_per_step": (tn - t1) / (out_len - 1) * 1e3}
 
 
+def profile_host(llm, prompts, out_len):
+    """One run under cProfile: the host's hottest functions (cProfile slows the host, so read
+    their shares, not their times)."""
+    import cProfile
+    import pstats
+
+    from pagoda import SamplingParams
+    llm.reset_prefix_cache()
+    pr = cProfile.Profile()
+    pr.enable()
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True), use_tqdm=False)
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+
+
 def hf_latency(model, prompts, out_len):
     import torch
     ids = torch.tensor(prompts, device="cuda")
@@ -69,6 +85,8 @@ def main():
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--hf", action="store_true", help="HF generate baseline at batch 1")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed runs, the host's hot spots at the first batch size (cProfile)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     add_split_arg(p)
     args = p.parse_args()
@@ -91,6 +109,8 @@ def main():
         r.update(engine="pagoda", batch=b,
                  floor_ms=floor_ms(cfg, b, args.prompt_len + args.output_len // 2, ceilings))
         rows.append(r)
+    if args.profile:
+        profile_host(llm, prompts_for(args.batch[0], args.prompt_len, cfg["vocab_size"]), args.output_len)
     del llm
     if args.hf:
         import torch
