@@ -15,16 +15,21 @@ def dummy_model_dir(config_path: str) -> str:
     return folder
 
 
-def add_split_arg(parser) -> None:
-    parser.add_argument("--split-programs-per-sm", type=int, default=None,
-                        help="override triton_attention.SPLIT_PROGRAMS_PER_SM (flash-decoding split "
-                             "threshold) before the engine captures its graphs: A/B runs of that constant")
+def add_knob_arg(parser) -> None:
+    parser.add_argument("--knob", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="override a kernel module's tuning constant before the engine captures its "
+                             "graphs, e.g. triton_attention.SPLIT_PROGRAMS_PER_SM=8 or "
+                             "triton_linear.MAX_M=0 (repeatable): A/B runs of one constant")
 
 
-def apply_split_arg(args) -> None:
-    if args.split_programs_per_sm is not None:
-        from pagoda.kernels import triton_attention
-        triton_attention.SPLIT_PROGRAMS_PER_SM = args.split_programs_per_sm
+def apply_knob_args(args) -> None:
+    import importlib
+    for knob in args.knob:
+        target, value = knob.split("=", 1)
+        module_name, name = target.rsplit(".", 1)
+        module = importlib.import_module(f"pagoda.kernels.{module_name}")
+        assert hasattr(module, name), f"pagoda.kernels.{module_name} has no {name}"
+        setattr(module, name, type(getattr(module, name))(value))
 
 
 def on_off(value: str) -> bool:

@@ -14,6 +14,7 @@
 #   BASE=dir bash benchmarks/gpu_session.sh ab  # tests, then BASE vs this tree interleaved: W1 and W2, both models
 #   bash benchmarks/gpu_session.sh split     # tests, split-KV at medium batch, W2 Llama b64 + W1 Qwen3 split A/B
 #   bash benchmarks/gpu_session.sh smallbatch  # host time per step at batch 1 and 64, cProfile of W2 Qwen3 batch 1
+#   bash benchmarks/gpu_session.sh linear    # small-batch linear kernel: tests, W2 off/on both models, W1 Qwen3, profile
 #   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
@@ -117,12 +118,12 @@ case "${1:-}" in
     python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/split_tests.txt"
     python3 benchmarks/attention_kernels.py --tune-split 2>&1 | tail -8
     for split in default 8; do
-      opt=""; [ "$split" = default ] || opt="--split-programs-per-sm $split"
+      opt=""; [ "$split" = default ] || opt="--knob triton_attention.SPLIT_PROGRAMS_PER_SM=$split"
       python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 64 $opt --out "$OUT/s$split" 2>&1 \
         | grep "^pagoda " | sed "s/^/W2 llama split=$split: /"
     done
     for split in default 8; do
-      opt=""; [ "$split" = default ] || opt="--split-programs-per-sm $split"
+      opt=""; [ "$split" = default ] || opt="--knob triton_attention.SPLIT_PROGRAMS_PER_SM=$split"
       python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm $opt --out "$OUT/s$split" 2>&1 \
         | grep "^pagoda " | sed "s/^/W1 qwen3 split=$split: /"
     done
@@ -133,6 +134,27 @@ case "${1:-}" in
         --steps 100 2>&1 | tail -9 | sed "s/^/batch $n: /"
     done
     python3 benchmarks/latency.py --model-config $M/qwen3-0.6b.json --batch 1 --profile 2>&1 | grep -A45 "function calls"
+    ;;
+  linear)
+    # Cold first: step time at batch 1 on a fresh machine (Triton compiles inside the steps?)
+    python3 benchmarks/step_overhead.py --model-config $M/qwen3-0.6b.json --num-requests 1 --prompt-len 512 \
+      --steps 100 2>&1 | tail -9 | grep -E "logits|wall"
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_ops.py tests/test_gpu.py 2>&1 | tail -3 \
+      | tee "$OUT/linear_tests.txt"
+    off="--knob triton_linear.MAX_M=0"
+    for run in 1 2; do
+      for opt in "$off" ""; do
+        python3 benchmarks/latency.py --model-config $M/qwen3-0.6b.json --batch 1 4 8 $opt 2>&1 | grep "^pagoda " \
+          | sed "s/^/W2 qwen3 ${opt:+off}${opt:-on} $run: /"
+      done
+    done
+    for opt in "$off" ""; do
+      python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 $opt 2>&1 | grep "^pagoda " \
+        | sed "s/^/W2 llama ${opt:+off}${opt:-on}: /"
+      python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm $opt 2>&1 | grep "^pagoda " \
+        | sed "s/^/W1 qwen3 ${opt:+off}${opt:-on}: /"
+    done
+    python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 --top 14 2>&1 | tail -16
     ;;
   pipeline)
     # A change to the attention kernel: its tests at full shapes, then BASE against this tree in
@@ -157,5 +179,5 @@ case "${1:-}" in
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|pipeline"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|pipeline"; exit 2 ;;
 esac

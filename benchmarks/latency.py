@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Timer, add_split_arg, apply_split_arg, dummy_model_dir, hf_model,  # noqa: E402
+from common import (Timer, add_knob_arg, apply_knob_args, dummy_model_dir, hf_model,  # noqa: E402
                     measure_ceilings, on_off, param_counts)
 
 
@@ -88,9 +88,9 @@ def main():
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, the host's hot spots at the first batch size (cProfile)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
-    add_split_arg(p)
+    add_knob_arg(p)
     args = p.parse_args()
-    apply_split_arg(args)
+    apply_knob_args(args)
     from pagoda import LLM, SamplingParams
     with open(args.model_config) as f:
         cfg = json.load(f)

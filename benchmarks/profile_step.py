@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, dummy_model_dir, on_off  # noqa: E402
+from common import Timer, add_knob_arg, apply_knob_args, dummy_model_dir, on_off  # noqa: E402
 
 
 def main():
@@ -22,7 +22,9 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
+    add_knob_arg(p)
     args = p.parse_args()
+    apply_knob_args(args)
     from torch.profiler import ProfilerActivity, profile
 
     from pagoda import LLM, SamplingParams

@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Timer, add_split_arg, apply_split_arg, dummy_model_dir, hf_model,  # noqa: E402
+from common import (Timer, add_knob_arg, apply_knob_args, dummy_model_dir, hf_model,  # noqa: E402
                     measure_ceilings, on_off, param_counts)
 
 
@@ -221,9 +221,9 @@ def main():
     p.add_argument("--profile", action="store_true",
                    help="after the timed run, GPU kernel time by kind (torch.profiler) and the host's hot spots (cProfile)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
-    add_split_arg(p)
+    add_knob_arg(p)
     args = p.parse_args()
-    apply_split_arg(args)
+    apply_knob_args(args)
     if args.cpu_workload:
         args.prompt_len, args.output_len = [64, 256], [32, 128]
         args.max_model_len = args.max_model_len or 512

@@ -171,7 +171,9 @@ def _find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+# Not specialized on the values that change every step (Triton would compile a variant for
+# each of: equal to 1, divisible by 16, neither): a cold compile costs about a second.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         part_acc_ptr, part_m_ptr, part_l_ptr,       # flash-decoding scratch (NUM_SEGMENTS > 1)

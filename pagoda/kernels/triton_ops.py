@@ -26,7 +26,7 @@ def _num_warps(tile: int) -> int:
 # RMSNorm
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])   # the token count: no variant per value class
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      num_rows, n_inner, stride_x0, stride_x1, stride_r, N, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):

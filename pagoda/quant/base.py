@@ -1,9 +1,17 @@
 """The quantization plug-in interface. A linear layer owns a QuantMethod that creates its
 parameters, fixes them up after loading, and runs the matmul. Unquantized weights are the
 first method; FP8/INT8/GPTQ/AWQ plug in beside it."""
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@functools.cache
+def _triton_linear():
+    from pagoda.kernels import triton_linear   # on first CUDA use: importing triton is slow
+    return triton_linear
 
 
 class QuantMethod:
@@ -24,6 +32,8 @@ class UnquantizedLinearMethod(QuantMethod):
                                     requires_grad=False)
 
     def apply(self, layer, x, bias):
+        if x.is_cuda and _triton_linear().use_small_m_linear(x, layer.weight):
+            return _triton_linear().small_m_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 

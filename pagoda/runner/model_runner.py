@@ -349,7 +349,9 @@ class ModelRunner:
         offsets, size = {}, 0
         for k, a in arrays.items():
             offsets[k] = size
-            size += -(-a.nbytes // 8) * 8          # 8-byte aligned, so every view is aligned
+            # 16-byte aligned: Triton compiles a kernel once per alignment pattern of its
+            # pointer arguments, so views at varying alignments cost a compile each (~1 s)
+            size += -(-a.nbytes // 16) * 16
         host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         buf = host.numpy()
         for k, a in arrays.items():

@@ -1,5 +1,5 @@
-"""Triton kernels of the decoder layer's elementwise ops (pagoda.kernels.triton_ops) against
-their torch versions (pagoda.kernels.reference: the CPU path and the oracle), and the layers'
+"""Triton kernels of the decoder layer's elementwise ops (pagoda.kernels.triton_ops) and of its
+linear layers at decode batch sizes (pagoda.kernels.triton_linear) against their torch versions (pagoda.kernels.reference: the CPU path and the oracle), and the layers'
 dispatch between the two.
 
 Without a CUDA device the kernels run in Triton's CPU interpreter (fp32 and fp16; not bf16,
@@ -225,6 +225,76 @@ def test_silu_and_mul(tokens, d, dtype, request):
 
 
 # --------------------------------------------------------------------------------------------
+# Linear layers at decode batch sizes (pagoda.kernels.triton_linear)
+
+
+# (N, K): Qwen3-0.6B's qkv, o, gate_up, down and Llama-3-8B's qkv on the GPU; on CPU small
+# shapes with K not a power of two and N not a multiple of the kernel's row block
+LINEAR_SHAPES = ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (1000, 1000)]
+                 if ON_GPU else [(37, 96), (130, 200), (16, 64)])
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", LINEAR_SHAPES, ids=str)
+def test_small_m_linear(n, k, rows, dtype, request):
+    """Against F.linear in float32 from the same inputs: with and without bias, x both
+    contiguous and a column slice of a wider buffer (strided rows)."""
+    from pagoda.kernels.triton_linear import small_m_linear
+    gen = seed_for(request)
+    w = randn(n, k, gen=gen, dtype=dtype, scale=k ** -0.5)
+    bias = randn(n, gen=gen, dtype=dtype)
+    x_wide = randn(rows, k + 8, gen=gen, dtype=dtype)
+    for x in (x_wide[:, :k].contiguous(), x_wide[:, 8:]):
+        for b in (None, bias):
+            ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+            check(small_m_linear(x, w, b), ref.to(dtype), dtype)
+
+
+def test_small_m_linear_dispatch(monkeypatch):
+    """Only small CUDA half-precision batches over small-K, small weights take the kernel; the
+    linear method then calls it, everything else runs F.linear."""
+    from pagoda.kernels import triton_linear as tl_
+    from pagoda.quant.base import UnquantizedLinearMethod
+
+    class Fake:  # a tensor's shape, dtype and device alone decide
+        def __init__(self, shape, dtype=torch.bfloat16, cuda=True):
+            self.shape, self.dtype, self.is_cuda = torch.Size(shape), dtype, cuda
+
+        def dim(self):
+            return len(self.shape)
+
+        def numel(self):
+            return self.shape.numel()
+
+        def element_size(self):
+            return 2
+
+    w = Fake((4096, 1024))
+    assert tl_.use_small_m_linear(Fake((1, 1024)), w)
+    assert tl_.use_small_m_linear(Fake((tl_.MAX_M, 1024)), w)
+    assert not tl_.use_small_m_linear(Fake((tl_.MAX_M + 1, 1024)), w)
+    assert not tl_.use_small_m_linear(Fake((1, 1024), cuda=False), w)
+    assert not tl_.use_small_m_linear(Fake((1, 1024), torch.float32), Fake((4096, 1024), torch.float32))
+    assert not tl_.use_small_m_linear(Fake((1, 14336)), Fake((4096, 14336)))       # K > MAX_K
+    assert not tl_.use_small_m_linear(Fake((1, 4096)), Fake((28672, 4096)))        # 235 MB
+    assert not tl_.use_small_m_linear(Fake((0, 1024)), w)
+
+    class Layer(torch.nn.Module):
+        pass
+    layer = Layer()
+    layer.weight = torch.randn(48, 32, device=DEVICE, dtype=torch.float16)
+    x = torch.randn(2, 32, device=DEVICE, dtype=torch.float16)
+    calls = []
+    monkeypatch.setattr(tl_, "small_m_linear", lambda *a: calls.append(a) or torch.zeros(2, 48))
+    monkeypatch.setattr(tl_, "use_small_m_linear", lambda x, w: True)
+    out = UnquantizedLinearMethod().apply(layer, x, None)
+    assert calls == ([(x, layer.weight, None)] if ON_GPU else [])   # CPU tensors never ask
+    if not ON_GPU:
+        assert torch.equal(out, torch.nn.functional.linear(x, layer.weight))
+
+
+# --------------------------------------------------------------------------------------------
 # Empty batches, the layers' dispatch, CUDA graphs
 
 
@@ -294,13 +364,15 @@ def test_cuda_graph_capture_and_replay(request):
     gate_up = randn(tokens, 2 * d, gen=gen, dtype=dtype)
     positions = torch.arange(tokens, device=DEVICE)
     rope = RotaryEmbedding(head_dim, MAX_POSITION, 1e6).to(DEVICE)
+    w_lin = randn(512, hidden, gen=gen, dtype=dtype, scale=hidden ** -0.5)
+    from pagoda.kernels.triton_linear import small_m_linear
 
     def step():
         normed, new_res = ops.fused_add_rms_norm(x, residual, weight, EPS)
         q, k = qkv[:, :16 * head_dim], qkv[:, 16 * head_dim:24 * head_dim]
         qn = ops.rms_norm(q.unflatten(-1, (-1, head_dim)), weight[:head_dim], EPS)
         ops.rotary_embedding(positions, qn.view(tokens, -1), k, rope.cos_sin_cache, head_dim)
-        return normed, new_res, qn, k, ops.silu_and_mul(gate_up)
+        return normed, new_res, qn, k, ops.silu_and_mul(gate_up), small_m_linear(x[:2], w_lin)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -324,3 +396,4 @@ def test_cuda_graph_capture_and_replay(request):
         check(outs[2].view(tokens, -1), ref_q, dtype)
         check(outs[3], ref_k, dtype)
         check(outs[4], reference.silu_and_mul(gate_up), dtype)
+        check(outs[5], torch.nn.functional.linear(x[:2].float(), w_lin.float()).to(dtype), dtype)

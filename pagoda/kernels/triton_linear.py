@@ -1,0 +1,66 @@
+"""``x @ w.T (+ bias)`` for a handful of rows (decode at batch 1-4) in one Triton kernel.
+
+Why: at batch 1 a small model's matmuls are matrix-vector products over 4-13 MB of weights
+(Qwen3-0.6B: 4 per layer, 28 layers). They should stream the weights at memory bandwidth, a
+few microseconds each, but cuBLAS runs them at 0.8-1.6 TB/s on the H200 (5-12 us each inside
+a CUDA graph, some with a second split-K reduction kernel): together more than half of a
+decode step's GPU time.
+
+How: each program loads a (BLOCK_N, K) slab of the weight in one go: every load of the
+program is in flight at once, so it pays the memory latency once instead of once per tile of
+a K loop. That limits K (the slab must fit in registers: K <= MAX_K). Then, for each of the
+M <= MAX_M input rows, a float32 multiply and a row sum, rounded once to the output dtype.
+The weight is read once whatever M is. Large matrices do not go here: cuBLAS streams them at
+bandwidth already (see ``use_small_m_linear``).
+"""
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 4                    # rows of x: decode batches up to this size
+MAX_K = 4096                 # the slab of one program holds whole rows of w
+MAX_WEIGHT_BYTES = 64 << 20  # above this cuBLAS already runs at bandwidth (measured on the H200)
+SLAB_ELEMENTS = 16384        # BLOCK_N * next_pow2(K): 64 elements a thread at 8 warps
+
+
+@triton.jit
+def _small_m_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
+                           M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           HAS_BIAS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < N, cols < K
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    for m in tl.static_range(M):
+        x = tl.load(x_ptr + m * stride_xm + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y = tl.sum(w * x[None, :], axis=1)
+        if HAS_BIAS:
+            y += bias
+        tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def use_small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``small_m_linear`` should run this matmul (decided from shapes only, so the
+    choice is the same at CUDA-graph capture and replay)."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.shape[1] <= MAX_K
+            and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES)
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x (M, K)`` with M <= MAX_M and K <= MAX_K; weight
+    ``(N, K)`` and x with unit stride along K. Capturable (no host sync)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= MAX_M and k <= MAX_K and weight.shape[1] == k, (x.shape, weight.shape)
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_k = triton.next_power_of_2(k)
+    block_n = max(1, min(64, SLAB_ELEMENTS // block_k))
+    _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), M=m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=8)
+    return out
