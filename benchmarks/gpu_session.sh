@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu_session.sh split     # tests, split-KV at medium batch, W2 Llama b64 + W1 Qwen3 split A/B
 #   bash benchmarks/gpu_session.sh smallbatch  # host time per step at batch 1 and 64, cProfile of W2 Qwen3 batch 1
 #   bash benchmarks/gpu_session.sh linear    # small-batch linear kernel: tests, W2 off/on both models, W1 Qwen3, profile
+#   bash benchmarks/gpu_session.sh w1profile # where W1's time goes, both models: steps by batch, GPU kernels by kind
 #   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
@@ -156,6 +157,12 @@ case "${1:-}" in
     done
     python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 --top 14 2>&1 | tail -16
     ;;
+  w1profile)
+    for model in llama3-8b qwen3-0.6b; do
+      python3 benchmarks/throughput.py --model-config $M/$model.json --no-tqdm --profile --out "$OUT/$model" 2>&1 \
+        | grep -B3 -A32 "steps by batch" | head -40 | sed "s/^/$model: /"
+    done
+    ;;
   pipeline)
     # A change to the attention kernel: its tests at full shapes, then BASE against this tree in
     # the micro-benchmark (decode, split, prefill) and end to end (W1 Qwen3 twice, W2 both models)
@@ -179,5 +186,5 @@ case "${1:-}" in
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|pipeline"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|pipeline"; exit 2 ;;
 esac

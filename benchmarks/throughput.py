@@ -67,7 +67,7 @@ def run_pagoda(args, prompts, output_lens):
 
 KERNEL_KINDS = [("attention", ("paged_attention", "merge_segments")), ("sampling", ("sample", "softmax", "cumsum",
                  "argmax", "searchsorted", "rand", "topk", "sort")), ("gemm", ("gemm", "gemv", "sm90", "cutlass", "xmma",
-                 "splitk", "nvjet", "cublas")), ("fused ops", ("rms_norm", "rotary", "silu", "write_kv"))]
+                 "splitk", "nvjet", "cublas", "small_m_linear")), ("fused ops", ("rms_norm", "rotary", "silu", "write_kv"))]
 
 
 def profile_kernels(llm, inputs, params):
