@@ -235,12 +235,14 @@ LINEAR_SHAPES = ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144,
 
 
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32], ids=str)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17] + ([33, 64] if ON_GPU else []))
 @pytest.mark.parametrize("n,k", LINEAR_SHAPES, ids=str)
-def test_small_m_linear(n, k, rows, dtype, request):
-    """Against F.linear in float32 from the same inputs: with and without bias, x both
-    contiguous and a column slice of a wider buffer (strided rows)."""
-    from pagoda.kernels.triton_linear import small_m_linear
+def test_decode_linear(n, k, rows, dtype, request):
+    """Both kernels (small_m_linear up to MAX_M rows, skinny_linear above) against F.linear in
+    float32 from the same inputs: with and without bias, x both contiguous and a column slice
+    of a wider buffer (strided rows)."""
+    from pagoda.kernels import triton_linear
+    kernel = triton_linear.small_m_linear if rows <= triton_linear.MAX_M else triton_linear.skinny_linear
     gen = seed_for(request)
     w = randn(n, k, gen=gen, dtype=dtype, scale=k ** -0.5)
     bias = randn(n, gen=gen, dtype=dtype)
@@ -248,12 +250,12 @@ def test_small_m_linear(n, k, rows, dtype, request):
     for x in (x_wide[:, :k].contiguous(), x_wide[:, 8:]):
         for b in (None, bias):
             ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-            check(small_m_linear(x, w, b), ref.to(dtype), dtype)
+            check(kernel(x, w, b), ref.to(dtype), dtype)
 
 
-def test_small_m_linear_dispatch(monkeypatch):
-    """Only small CUDA half-precision batches over small-K, small weights take the kernel; the
-    linear method then calls it, everything else runs F.linear."""
+def test_decode_linear_dispatch(monkeypatch):
+    """Which matmuls take which kernel: small CUDA half-precision batches over small weights;
+    everything else (and every CPU tensor) runs F.linear."""
     from pagoda.kernels import triton_linear as tl_
     from pagoda.quant.base import UnquantizedLinearMethod
 
@@ -270,15 +272,20 @@ def test_small_m_linear_dispatch(monkeypatch):
         def element_size(self):
             return 2
 
+    monkeypatch.setattr(tl_, "small_m_linear", lambda *a: "small")
+    monkeypatch.setattr(tl_, "skinny_linear", lambda *a: "skinny")
     w = Fake((4096, 1024))
-    assert tl_.use_small_m_linear(Fake((1, 1024)), w)
-    assert tl_.use_small_m_linear(Fake((tl_.MAX_M, 1024)), w)
-    assert not tl_.use_small_m_linear(Fake((tl_.MAX_M + 1, 1024)), w)
-    assert not tl_.use_small_m_linear(Fake((1, 1024), cuda=False), w)
-    assert not tl_.use_small_m_linear(Fake((1, 1024), torch.float32), Fake((4096, 1024), torch.float32))
-    assert not tl_.use_small_m_linear(Fake((1, 14336)), Fake((4096, 14336)))       # K > MAX_K
-    assert not tl_.use_small_m_linear(Fake((1, 4096)), Fake((28672, 4096)))        # 235 MB
-    assert not tl_.use_small_m_linear(Fake((0, 1024)), w)
+    assert tl_.linear(Fake((1, 1024)), w) == "small"
+    assert tl_.linear(Fake((tl_.MAX_M, 1024)), w) == "small"
+    assert tl_.linear(Fake((tl_.MAX_M + 1, 1024)), w) == "skinny"
+    assert tl_.linear(Fake((tl_.SKINNY_MAX_M, 1024)), w) == "skinny"
+    assert tl_.linear(Fake((tl_.SKINNY_MAX_M + 1, 1024)), w) is None
+    assert tl_.linear(Fake((1, 8192)), Fake((1024, 8192))) == "skinny"            # K > MAX_K
+    assert tl_.linear(Fake((1, 14336)), Fake((4096, 14336))) is None               # 117 MB
+    assert tl_.linear(Fake((1, 1024), cuda=False), w) is None
+    assert tl_.linear(Fake((1, 1024), torch.float32), Fake((4096, 1024), torch.float32)) is None
+    assert tl_.linear(Fake((1, 4096)), Fake((28672, 4096))) is None                # 235 MB
+    assert tl_.linear(Fake((0, 1024)), w) is None
 
     class Layer(torch.nn.Module):
         pass
@@ -286,8 +293,7 @@ def test_small_m_linear_dispatch(monkeypatch):
     layer.weight = torch.randn(48, 32, device=DEVICE, dtype=torch.float16)
     x = torch.randn(2, 32, device=DEVICE, dtype=torch.float16)
     calls = []
-    monkeypatch.setattr(tl_, "small_m_linear", lambda *a: calls.append(a) or torch.zeros(2, 48))
-    monkeypatch.setattr(tl_, "use_small_m_linear", lambda x, w: True)
+    monkeypatch.setattr(tl_, "linear", lambda *a: calls.append(a) or torch.zeros(2, 48))
     out = UnquantizedLinearMethod().apply(layer, x, None)
     assert calls == ([(x, layer.weight, None)] if ON_GPU else [])   # CPU tensors never ask
     if not ON_GPU:
@@ -365,14 +371,15 @@ def test_cuda_graph_capture_and_replay(request):
     positions = torch.arange(tokens, device=DEVICE)
     rope = RotaryEmbedding(head_dim, MAX_POSITION, 1e6).to(DEVICE)
     w_lin = randn(512, hidden, gen=gen, dtype=dtype, scale=hidden ** -0.5)
-    from pagoda.kernels.triton_linear import small_m_linear
+    from pagoda.kernels.triton_linear import skinny_linear, small_m_linear
 
     def step():
         normed, new_res = ops.fused_add_rms_norm(x, residual, weight, EPS)
         q, k = qkv[:, :16 * head_dim], qkv[:, 16 * head_dim:24 * head_dim]
         qn = ops.rms_norm(q.unflatten(-1, (-1, head_dim)), weight[:head_dim], EPS)
         ops.rotary_embedding(positions, qn.view(tokens, -1), k, rope.cos_sin_cache, head_dim)
-        return normed, new_res, qn, k, ops.silu_and_mul(gate_up), small_m_linear(x[:2], w_lin)
+        return (normed, new_res, qn, k, ops.silu_and_mul(gate_up), small_m_linear(x[:2], w_lin),
+                skinny_linear(x, w_lin))
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -397,3 +404,4 @@ def test_cuda_graph_capture_and_replay(request):
         check(outs[3], ref_k, dtype)
         check(outs[4], reference.silu_and_mul(gate_up), dtype)
         check(outs[5], torch.nn.functional.linear(x[:2].float(), w_lin.float()).to(dtype), dtype)
+        check(outs[6], torch.nn.functional.linear(x.float(), w_lin.float()).to(dtype), dtype)

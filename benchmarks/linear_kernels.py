@@ -1,0 +1,58 @@
+"""Decode-batch matmuls on the GPU: pagoda's Triton kernels (``pagoda.kernels.triton_linear``)
+against cuBLAS (``F.linear``), as they run in a decode step's CUDA graph.
+
+Each case captures one graph of back-to-back matmuls over enough copies of the weight (>= 512 MB
+in all) that none is still in L2 when its turn comes, as in a real step where every layer has
+its own weights; time per matmul = graph replay time / copies. Shapes: the linear layers of
+Qwen3-0.6B and Llama-3-8B (those small enough for the kernels), batch 1-64, bf16.
+
+  python3 benchmarks/linear_kernels.py
+"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pagoda.kernels import triton_linear  # noqa: E402
+
+SHAPES = {"qwen3 qkv": (4096, 1024), "qwen3 o": (1024, 2048), "qwen3 gate_up": (6144, 1024),
+          "qwen3 down": (1024, 3072), "llama qkv": (6144, 4096), "llama o": (4096, 4096)}
+BATCHES = [1, 4, 8, 16, 32, 64]
+
+
+def graph_time_us(fn, copies: int) -> float:
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3 / copies
+
+
+def main():
+    dev, dtype = "cuda", torch.bfloat16
+    print(f"{'shape':14s} {'M':>3s} {'cuBLAS us':>9s} {'GB/s':>6s} {'Triton us':>9s} {'GB/s':>6s} {'speed-up':>8s}")
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(8, (512 << 20) // nbytes)
+        weights = [torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for _ in range(copies)]
+        for m in BATCHES:
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            if triton_linear.linear(x, weights[0]) is None:
+                continue
+            err = ((triton_linear.linear(x, weights[0]).float() - F.linear(x.float(), weights[0].float())).norm()
+                   / F.linear(x.float(), weights[0].float()).norm()).item()
+            assert err < 1e-2, (name, m, err)
+            t_cublas = graph_time_us(lambda: [F.linear(x, w) for w in weights], copies)
+            t_triton = graph_time_us(lambda: [triton_linear.linear(x, w) for w in weights], copies)
+            print(f"{name:14s} {m:3d} {t_cublas:9.2f} {nbytes / t_cublas / 1e3:6.0f} {t_triton:9.2f} "
+                  f"{nbytes / t_triton / 1e3:6.0f} {t_cublas / t_triton:7.2f}x", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
