@@ -16,7 +16,7 @@
 #   bash benchmarks/gpu_session.sh smallbatch  # host time per step at batch 1 and 64, cProfile of W2 Qwen3 batch 1
 #   bash benchmarks/gpu_session.sh linear    # small-batch linear kernel: tests, W2 off/on both models, W1 Qwen3, profile
 #   bash benchmarks/gpu_session.sh w1profile # where W1's time goes, both models: steps by batch, GPU kernels by kind
-#   bash benchmarks/gpu_session.sh skinny    # decode-batch matmul kernels: tests, micro, W2/W1 with them off/on
+#   bash benchmarks/gpu_session.sh smallm    # the batch-1 linear kernel: tests, in-graph micro, W2 off/on, W1
 #   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
@@ -164,24 +164,20 @@ case "${1:-}" in
         | grep -B3 -A32 "steps by batch" | head -40 | sed "s/^/$model: /"
     done
     ;;
-  skinny)
-    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_ops.py tests/test_gpu.py 2>&1 | tail -3 \
-      | tee "$OUT/skinny_tests.txt"
-    python3 benchmarks/linear_kernels.py 2>&1 | tail -40
-    none="--knob triton_linear.MAX_M=0 --knob triton_linear.SKINNY_MAX_M=0"
-    small="--knob triton_linear.SKINNY_MAX_M=0"
+  smallm)
+    # The batch-1 linear kernel as shipped: tests, in-graph micro, W2 off/on, W1
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_ops.py tests/test_gpu.py -k "linear or gpu or cuda_graph" \
+      2>&1 | tail -2 | tee "$OUT/smallm_tests.txt"
+    python3 benchmarks/linear_kernels.py 2>&1 | tail -20
     run() {  # label benchmark args...
       label=$1; shift
       python3 benchmarks/$@ 2>&1 | grep "^pagoda " | sed "s/^/$label: /"
     }
-    run "W2 qwen3 cuBLAS" latency.py --model-config $M/qwen3-0.6b.json --batch 1 8 64 $none
-    run "W2 qwen3 small " latency.py --model-config $M/qwen3-0.6b.json --batch 1 8 64 $small
-    run "W2 qwen3 both  " latency.py --model-config $M/qwen3-0.6b.json --batch 1 8 64
-    run "W2 llama small " latency.py --model-config $M/llama3-8b.json --batch 1 64 $small
-    run "W2 llama both  " latency.py --model-config $M/llama3-8b.json --batch 1 64
-    run "W1 qwen3 small " throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm $small
-    run "W1 qwen3 both  " throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm
-    run "W1 llama both  " throughput.py --model-config $M/llama3-8b.json --no-tqdm
+    run "W2 qwen3 cuBLAS" latency.py --model-config $M/qwen3-0.6b.json --batch 1 64 --knob triton_linear.MAX_M=0
+    run "W2 qwen3 Triton" latency.py --model-config $M/qwen3-0.6b.json --batch 1 64
+    run "W2 llama Triton" latency.py --model-config $M/llama3-8b.json --batch 1 64
+    run "W1 qwen3 1" throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm
+    run "W1 qwen3 2" throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm
     ;;
   pipeline)
     # A change to the attention kernel: its tests at full shapes, then BASE against this tree in
@@ -206,5 +202,5 @@ case "${1:-}" in
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|skinny|pipeline"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|pipeline"; exit 2 ;;
 esac
