@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_session.sh linear    # small-batch linear kernel: tests, W2 off/on both models, W1 Qwen3, profile
 #   bash benchmarks/gpu_session.sh w1profile # where W1's time goes, both models: steps by batch, GPU kernels by kind
 #   bash benchmarks/gpu_session.sh smallm    # the batch-1 linear kernel: tests, in-graph micro, W2 off/on, W1
+#   bash benchmarks/gpu_session.sh tail      # kernel tables of decode steps at W1's small-batch tail (long contexts)
 #   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
@@ -179,6 +180,13 @@ case "${1:-}" in
     run "W1 qwen3 1" throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm
     run "W1 qwen3 2" throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm
     ;;
+  tail)
+    # W1's last steps run 2-3x above their floor (batch 8-63, contexts ~1,500): what runs there
+    python3 benchmarks/profile_step.py --model-config $M/llama3-8b.json --batch 16 32 --prompt-len 1536 --steps 32 \
+      --top 12 2>&1 | grep -A13 "batch"
+    python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 16 32 --prompt-len 1536 --steps 32 \
+      --top 12 2>&1 | grep -A13 "batch"
+    ;;
   pipeline)
     # A change to the attention kernel: its tests at full shapes, then BASE against this tree in
     # the micro-benchmark (decode, split, prefill) and end to end (W1 Qwen3 twice, W2 both models)
@@ -202,5 +210,5 @@ case "${1:-}" in
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|pipeline"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pipeline"; exit 2 ;;
 esac

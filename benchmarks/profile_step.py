@@ -18,6 +18,7 @@ def main():
     p.add_argument("--model-config", required=True)
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--top", type=int, default=6, help="how many kernels to list, largest first")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
@@ -28,28 +29,33 @@ def main():
     from torch.profiler import ProfilerActivity, profile
 
     from pagoda import LLM, SamplingParams
-    llm = LLM(dummy_model_dir(args.model_config), load_format="dummy", dtype="bfloat16", max_model_len=1024,
+    llm = LLM(dummy_model_dir(args.model_config), load_format="dummy", dtype="bfloat16", max_model_len=args.prompt_len + args.steps + 64,
               skip_tokenizer_init=True, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     name = os.path.splitext(os.path.basename(args.model_config))[0]
     name += "_async" if llm.llm_engine.async_scheduling else "_sync"
     rows = []
     for b in args.batch:
-        inputs = [{"prompt_token_ids": [i + 1] * 512} for i in range(b)]
+        inputs = [{"prompt_token_ids": [i + 1] * args.prompt_len} for i in range(b)]
         long = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        llm.generate(inputs, long, use_tqdm=False)
+
+        def run(params):
+            llm.reset_prefix_cache()     # every run prefills its prompts (no cached-prompt variant)
+            llm.generate(inputs, params, use_tqdm=False)
+        run(long)
+        run(one)                         # warm-up: both kinds of run, compiles included
         with Timer() as t1:
-            llm.generate(inputs, one, use_tqdm=False)
+            run(one)
         with Timer() as tn:
-            llm.generate(inputs, long, use_tqdm=False)
+            run(long)
         wall = (tn.s - t1.s) / args.steps * 1e3
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            llm.generate(inputs, long, use_tqdm=False)
+            run(long)
         events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
         total_us = sum(e.self_device_time_total for e in events)
         # The profiled run also holds the prefill step: take it out with a max_tokens=1 run.
         with profile(activities=[ProfilerActivity.CUDA]) as prof1:
-            llm.generate(inputs, one, use_tqdm=False)
+            run(one)
         prefill_us = sum(e.self_device_time_total for e in prof1.key_averages() if e.self_device_time_total > 0)
         gpu = (total_us - prefill_us) / args.steps / 1e3
         top = sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]
