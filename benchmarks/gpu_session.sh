@@ -186,6 +186,11 @@ case "${1:-}" in
       --top 12 2>&1 | grep -A13 "batch"
     python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 16 32 --prompt-len 1536 --steps 32 \
       --top 12 2>&1 | grep -A13 "batch"
+    # Splitting the context in the tail too (split below 2 / 4 programs an SM instead of 1)
+    for below in 1 4 1 4; do
+      python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --no-tqdm \
+        --knob triton_attention.SPLIT_BELOW_PROGRAMS_PER_SM=$below 2>&1 | grep "^pagoda " | sed "s/^/W1 llama split<$below: /"
+    done
     ;;
   pipeline)
     # A change to the attention kernel: its tests at full shapes, then BASE against this tree in

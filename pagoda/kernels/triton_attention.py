@@ -66,11 +66,13 @@ TILES = {  # BLOCK_M: dict(TILE_N, num_warps, num_stages)
 # large tiles. (Not applied in the CPU interpreter, so that its tests cover the large tiles.)
 MAX_BLOCK_M_CUDA = {torch.float32: 16}
 
-# Flash-decoding: split the context when fewer programs than SMs would run, into enough
-# segments for about SPLIT_PROGRAMS_PER_SM * num_SMs programs (at most SPLIT_MAX_SEGMENTS, of
-# at least SPLIT_MIN_TOKENS tokens each). Not from one program per SM on: measured on the H200
-# (Qwen3-0.6B heads, batch 32, 1,024-token contexts: 256 programs), one segment took 77 us and
-# two 117 us; the split path is slower per tile than the plain loop.
+# Flash-decoding: split the context when fewer than SPLIT_BELOW_PROGRAMS_PER_SM * num_SMs
+# programs would run, into enough segments for about SPLIT_PROGRAMS_PER_SM * num_SMs programs
+# (at most SPLIT_MAX_SEGMENTS, of at least SPLIT_MIN_TOKENS tokens each). Not from one program
+# per SM on: measured on the H200 (Qwen3-0.6B heads, batch 32, 1,024-token contexts: 256
+# programs), one segment took 77 us and two 117 us, before the K/V loop was pipelined; with
+# it, 52 and 54 us (BENCHMARKS.md).
+SPLIT_BELOW_PROGRAMS_PER_SM = 1
 SPLIT_PROGRAMS_PER_SM = 2
 SPLIT_MAX_SEGMENTS = 64
 SPLIT_MIN_TOKENS = 128
@@ -303,7 +305,7 @@ def _pick_num_segments(num_programs: int, max_query_len: int, max_seq_len: int,
                        device: torch.device) -> int:
     """Flash-decoding split factor (a power of two) from python ints only."""
     target = SPLIT_PROGRAMS_PER_SM * _num_sms(device)
-    if max_query_len > 1 or num_programs >= _num_sms(device):
+    if max_query_len > 1 or num_programs >= SPLIT_BELOW_PROGRAMS_PER_SM * _num_sms(device):
         return 1
     want = triton.next_power_of_2(triton.cdiv(target, num_programs))
     fit = max(1, max_seq_len // SPLIT_MIN_TOKENS)  # don't cut segments shorter than this

@@ -114,7 +114,7 @@ def test_split_kv_decode(num_segments, request):
                     DTYPES[-1], seed_for(request), num_segments=num_segments)
 
 
-def test_split_kv_chosen_for_few_long_decodes():
+def test_split_kv_chosen_for_few_long_decodes(monkeypatch):
     dev = torch.device(DEVICE)
     assert ta._pick_num_segments(8, 1, 4000, dev) > 1          # batch 1, 8 KV heads
     assert ta._pick_num_segments(8 * 256, 1, 4000, dev) == 1   # batch 256 fills the chip
@@ -122,6 +122,8 @@ def test_split_kv_chosen_for_few_long_decodes():
     assert ta._pick_num_segments(8 * 32, 1, 4000, dev) == 1    # batch 32: one per SM already
     assert ta._pick_num_segments(8, 64, 4000, dev) == 1        # not a pure decode
     assert ta._pick_num_segments(8, 1, 100, dev) == 1          # too short to split
+    monkeypatch.setattr(ta, "SPLIT_BELOW_PROGRAMS_PER_SM", 4)
+    assert ta._pick_num_segments(8 * 32, 1, 4000, dev) > 1     # now under the threshold
 
 
 def test_upper_bound_max_seq_len(request):
