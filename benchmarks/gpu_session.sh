@@ -30,6 +30,15 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 M=../shared/models; [ -d "$M" ] || M=shared/models; [ -d "$M" ] || M=benchmarks/models
 MA=$(realpath "$M")
+# A/B helpers: W1 / W2 of one model run from a checkout (BASE or .), results under $OUT/label
+w1() {  # tree label model
+  (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config "$MA/$3.json" --no-tqdm \
+    --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W1 $3 $2: /")
+}
+w2() {  # tree label model batches
+  (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$3.json" --batch $4 \
+    --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W2 $3 $2: /")
+}
 case "${1:-}" in
   kernels)
     # SmolLM2's GGUF is over one call's 64 MiB: its first half rides with this call.
@@ -102,14 +111,6 @@ case "${1:-}" in
     # call: W1 Qwen3 twice, W1 Llama, W2 both models
     python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_sampling.py tests/kernels/test_triton_ops.py \
       tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/ab_tests.txt"
-    w1() {  # tree label model
-      (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config "$MA/$3.json" --no-tqdm \
-        --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W1 $3 $2: /")
-    }
-    w2() {
-      (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$3.json" --batch $4 \
-        --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W2 $3 $2: /")
-    }
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     w1 "$BASE" base llama3-8b; w1 . new llama3-8b
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
@@ -203,14 +204,6 @@ case "${1:-}" in
       (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/attention_kernels.py --tune-split 2>&1 \
         | grep "b=" | sed "s|^|$(basename $tree): |")
     done
-    w1() {  # tree label model
-      (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config "$MA/$3.json" --no-tqdm \
-        --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W1 $3 $2: /")
-    }
-    w2() {
-      (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$3.json" --batch $4 \
-        --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W2 $3 $2: /")
-    }
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
