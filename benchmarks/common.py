@@ -32,6 +32,23 @@ def apply_knob_args(args) -> None:
         setattr(module, name, type(getattr(module, name))(value))
 
 
+def host_profile(llm, inputs, params, top: int = 25, path: str | None = None) -> None:
+    """One more run of ``llm.generate(inputs, params)`` under cProfile, prefix cache reset
+    first; prints the host's hottest functions (cProfile slows the host, so read their shares,
+    not their times) and, with ``path``, saves the stats there."""
+    import cProfile
+    import pstats
+    llm.reset_prefix_cache()
+    pr = cProfile.Profile()
+    pr.enable()
+    llm.generate(inputs, params, use_tqdm=False)
+    pr.disable()
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        pr.dump_stats(path)
+    pstats.Stats(pr).sort_stats("tottime").print_stats(top)
+
+
 def on_off(value: str) -> bool:
     """argparse type for on/off switches such as --async-scheduling."""
     if value not in ("on", "off"):

@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Timer, add_knob_arg, apply_knob_args, dummy_model_dir, hf_model,  # noqa: E402
+from common import (Timer, add_knob_arg, apply_knob_args, dummy_model_dir, hf_model, host_profile,  # noqa: E402
                     measure_ceilings, on_off, param_counts)
 
 
@@ -35,22 +35,6 @@ def pagoda_latency(llm, prompts, out_len):
     run(4)                                    # warm-up (Triton compiles, allocator)
     t1, tn = run(1), run(out_len)
     return {"ttft_ms": t1 * 1e3, "ms_per_step": (tn - t1) / (out_len - 1) * 1e3}
-
-
-def profile_host(llm, prompts, out_len):
-    """One run under cProfile: the host's hottest functions (cProfile slows the host, so read
-    their shares, not their times)."""
-    import cProfile
-    import pstats
-
-    from pagoda import SamplingParams
-    llm.reset_prefix_cache()
-    pr = cProfile.Profile()
-    pr.enable()
-    llm.generate([{"prompt_token_ids": p} for p in prompts],
-                 SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True), use_tqdm=False)
-    pr.disable()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
 
 
 def hf_latency(model, prompts, out_len):
@@ -110,7 +94,9 @@ def main():
                  floor_ms=floor_ms(cfg, b, args.prompt_len + args.output_len // 2, ceilings))
         rows.append(r)
     if args.profile:
-        profile_host(llm, prompts_for(args.batch[0], args.prompt_len, cfg["vocab_size"]), args.output_len)
+        host_profile(llm, [{"prompt_token_ids": p} for p in prompts_for(args.batch[0], args.prompt_len,
+                                                                          cfg["vocab_size"])],
+                     SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True), top=30)
     del llm
     if args.hf:
         import torch

@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Timer, add_knob_arg, apply_knob_args, dummy_model_dir, hf_model,  # noqa: E402
+from common import (Timer, add_knob_arg, apply_knob_args, dummy_model_dir, hf_model, host_profile,  # noqa: E402
                     measure_ceilings, on_off, param_counts)
 
 
@@ -138,22 +138,11 @@ def profile_run(llm, inputs, params, out_dir):
     """The same run twice more: under torch.profiler (GPU kernel time by kind against wall time)
     and under cProfile (the host's hottest functions; cProfile slows the host, so read its
     shares, not its times)."""
-    import cProfile
-    import pstats
-
     import torch
     profile_steps(llm, inputs, params)
     if torch.cuda.is_available():
         profile_kernels(llm, inputs, params)
-    llm.reset_prefix_cache()
-    pr = cProfile.Profile()
-    pr.enable()
-    llm.generate(inputs, params, use_tqdm=False)
-    pr.disable()
-    path = os.path.join(out_dir, "w1_host.prof")
-    os.makedirs(out_dir, exist_ok=True)
-    pr.dump_stats(path)
-    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    host_profile(llm, inputs, params, path=os.path.join(out_dir, "w1_host.prof"))
 
 
 def run_hf(args, prompts, output_lens):
