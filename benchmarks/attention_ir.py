@@ -1,7 +1,9 @@
 """Does Triton software-pipeline the paged-attention kernel's K/V loop? Compiles the kernel for
 sm_90 to TTGIR (no GPU needed: runs on the CPU) and counts the asynchronous copies the
 pipeliner emits. Zero means every tile's block-table, K and V loads are waited for in turn,
-so each program runs at the memory latency, not the bandwidth.
+so each program runs at the memory latency, not the bandwidth. Also checks that the kernel
+built for programmatic dependent launch waits on the previous grid (``griddepcontrol.wait`` in
+its PTX).
 
   python benchmarks/attention_ir.py
 """
@@ -22,28 +24,31 @@ SCALARS = ["qk_scale", "num_seqs", "stride_qt", "stride_qh", "stride_ot", "strid
            "stride_kb", "stride_ks", "stride_kh", "stride_bt"]
 
 
-def ttgir(block_m: int, num_segments: int) -> str:
+def compile_kernel(block_m: int, num_segments: int, use_pdl: bool = False):
     """The kernel for Qwen3-0.6B heads (16 q / 8 kv, head_dim 128), bf16, block size 16."""
     tiles = ta.TILES[block_m]
     const = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, HEAD_DIM_P=128, BLOCK_SIZE=16, BLOCK_M=block_m,
                  BLOCK_Q=block_m // 2, TILE_N=tiles["TILE_N"], NUM_SEGMENTS=num_segments, DOT_PRECISION="tf32",
-                 LOOP_STAGES=tiles["num_stages"])
+                 LOOP_STAGES=tiles["num_stages"], USE_PDL=use_pdl)
     sig = dict(POINTERS)
     sig.update({name: ("fp32" if name == "qk_scale" else "i32") for name in SCALARS})
     sig.update({name: "constexpr" for name in const})
     names = ta._paged_attention_kernel.arg_names
     src = ASTSource(fn=ta._paged_attention_kernel, signature=sig,
                     constexprs={(names.index(n),): v for n, v in const.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
-    return compiled.asm["ttgir"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"],
+                                   "launch_pdl": use_pdl})
 
 
 def main():
     for block_m, segments, label in [(16, 1, "decode"), (16, 4, "decode, split KV"), (128, 1, "prefill")]:
-        ir = ttgir(block_m, segments)
+        ir = compile_kernel(block_m, segments).asm["ttgir"]
         print(f"{label:18s} BLOCK_M={block_m:<3d} segments={segments}: "
               f"{ir.count('async_copy_global_to_local')} async copies, {ir.count('async_wait')} waits")
+    ptx = compile_kernel(16, 1, use_pdl=True).asm["ptx"]
+    print(f"with USE_PDL: griddepcontrol.wait {ptx.count('griddepcontrol.wait')}x, "
+          f"launch_dependents {ptx.count('griddepcontrol.launch_dependents')}x in the PTX")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@
 #   bash benchmarks/gpu_session.sh w1profile # where W1's time goes, both models: steps by batch, GPU kernels by kind
 #   bash benchmarks/gpu_session.sh smallm    # the batch-1 linear kernel: tests, in-graph micro, W2 off/on, W1
 #   bash benchmarks/gpu_session.sh tail      # kernel tables of decode steps at W1's small-batch tail (long contexts)
+#   bash benchmarks/gpu_session.sh pdl       # programmatic dependent launch off/on: tests, W2 both models, W1 Qwen3
 #   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
@@ -193,6 +194,19 @@ case "${1:-}" in
         --knob triton_attention.SPLIT_BELOW_PROGRAMS_PER_SM=$below 2>&1 | grep "^pagoda " | sed "s/^/W1 llama split<$below: /"
     done
     ;;
+  pdl)
+    python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/pdl_tests.txt"
+    python3 benchmarks/attention_ir.py 2>&1 | tail -1
+    for pdl in 0 1 0 1 L0 L1; do   # Qwen3 twice each, then Llama once each
+      model=qwen3-0.6b; [ "${pdl#L}" = "$pdl" ] || model=llama3-8b
+      python3 benchmarks/latency.py --model-config $M/$model.json --batch 1 64 --knob triton_utils.USE_PDL=${pdl#L} \
+        2>&1 | grep "^pagoda " | sed "s/^/W2 $model pdl=${pdl#L}: /"
+    done
+    for pdl in 0 1; do
+      python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --knob triton_utils.USE_PDL=$pdl \
+        2>&1 | grep "^pagoda " | sed "s/^/W1 qwen3 pdl=$pdl: /"
+    done
+    ;;
   pipeline)
     # A change to the attention kernel: its tests at full shapes, then BASE against this tree in
     # the micro-benchmark (decode, split, prefill) and end to end (W1 Qwen3 twice, W2 both models)
@@ -208,5 +222,5 @@ case "${1:-}" in
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pipeline"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|pipeline"; exit 2 ;;
 esac

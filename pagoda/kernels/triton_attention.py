@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds
+from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, pdl_launch, pdl_wait
 
 # Tile shapes (Hopper defaults), keyed by BLOCK_M: the number of (query token, query head) rows
 # per program. BLOCK_M is chosen per call to hold the longest request's queries of one GQA group
@@ -90,7 +90,8 @@ def _write_kv_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ma
                            stride_kt, stride_kh, stride_vt, stride_vh,
                            stride_cslot, stride_chead,
                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr):
+                           HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token (CUDA-graph batches): nothing to write
@@ -123,6 +124,7 @@ def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
         k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        **pdl_launch(key.device),
         num_warps=4)
 
 
@@ -186,7 +188,9 @@ def _paged_attention_kernel(
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-        NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr):
+        NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
+        USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -266,7 +270,8 @@ def _paged_attention_kernel(
 def _merge_segments_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr,
                            num_seqs, stride_ot, stride_oh,
                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           HEAD_DIM_P: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+                           HEAD_DIM_P: tl.constexpr, NUM_SEGMENTS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_seqs):  # padding rows: left untouched
@@ -373,11 +378,11 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         NUM_SEGMENTS=num_segments,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        LOOP_STAGES=tiles["num_stages"], **tiles)
+        LOOP_STAGES=tiles["num_stages"], **tiles, **pdl_launch(query.device))
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc, num_seqs,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-            NUM_SEGMENTS=num_segments, num_warps=4)
+            NUM_SEGMENTS=num_segments, num_warps=4, **pdl_launch(out.device))
     return out

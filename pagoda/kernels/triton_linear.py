@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.triton_utils import pdl_launch, pdl_wait
+
 MAX_M = 1                    # rows of x (the kernel takes up to 4; 0 turns it off)
 MAX_K = 4096                 # the slab of one program holds whole rows of w
 MAX_WEIGHT_BYTES = 64 << 20  # above this cuBLAS already runs at bandwidth (measured on the H200)
@@ -28,7 +30,8 @@ SLAB_ELEMENTS = 16384        # BLOCK_N * next_pow2(K): 64 elements a thread at 8
 @triton.jit
 def _small_m_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                            M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           HAS_BIAS: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < N, cols < K
@@ -69,5 +72,6 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     block_n = max(1, min(64, SLAB_ELEMENTS // block_k))
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), M=m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=8)
+        out.stride(0), M=m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=8,
+        **pdl_launch(x.device))
     return out

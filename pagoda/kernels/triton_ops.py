@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.triton_utils import pdl_launch, pdl_wait
+
 
 def _num_warps(tile: int) -> int:
     """About 8-16 elements per thread, up to 16 warps."""
@@ -29,7 +31,9 @@ def _num_warps(tile: int) -> int:
 @triton.jit(do_not_specialize=["num_rows"])   # the token count: no variant per value class
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      num_rows, n_inner, stride_x0, stride_x1, stride_r, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     # BLOCK_M rows of BLOCK_N (>= N) columns per program. Row r of x sits at
     # (r // n_inner) * stride_x0 + (r % n_inner) * stride_x1, which covers 2-D inputs with a row
     # stride (n_inner = 1) and 3-D (tokens, heads, head_dim) views of a fused qkv output.
@@ -89,7 +93,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out):
         x, residual if has_res else x, weight, out, residual_out if has_res else out,
         num_rows, n_inner, sx0, sx1, residual.stride(0) if has_res else 0, N, eps,
         HAS_RESIDUAL=has_res, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        num_warps=_num_warps(BLOCK_M * BLOCK_N))
+        num_warps=_num_warps(BLOCK_M * BLOCK_N), **pdl_launch(x.device))
     return out, residual_out
 
 
@@ -120,7 +124,8 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_norm_ptr, k_norm_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
                    num_q_heads, num_k_heads, q_chunks, eps,
                    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                   HAS_NORM: tl.constexpr):
+                   HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     # Grid (tokens, q_chunks + k_chunks): a program rotates BLOCK_H heads of q or of k of one
     # token, in place (loop-free, and at decode still several programs per token). With
     # HAS_NORM each head is RMS-normalised first (Qwen3's q/k norms: two launches fewer).
@@ -191,7 +196,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         stride_qt, stride_qh, stride_kt, stride_kh,
         cos_sin_cache.stride(0), num_q_heads, num_k_heads, q_chunks, eps,
         HALF=half, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, HAS_NORM=has_norm,
-        num_warps=_num_warps(2 * BLOCK_H * BLOCK_D))
+        num_warps=_num_warps(2 * BLOCK_H * BLOCK_D), **pdl_launch(q.device))
     return q, k
 
 
@@ -200,7 +205,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, d, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -223,5 +229,5 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     BLOCK = min(1024, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, BLOCK))](
-        x2, out, x2.stride(0), d, BLOCK=BLOCK, num_warps=_num_warps(2 * BLOCK))
+        x2, out, x2.stride(0), d, BLOCK=BLOCK, num_warps=_num_warps(2 * BLOCK), **pdl_launch(x.device))
     return out

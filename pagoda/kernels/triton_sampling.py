@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds
+from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, pdl_launch, pdl_wait
 
 BLOCK_V = 4096
 fix_interpreter_loop_bounds()
@@ -60,7 +60,8 @@ def _chunk(logits_row, seed, start, vocab, temperature, BLOCK_V: tl.constexpr, S
 
 @triton.jit
 def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, out_ptr, vocab, stride_row,
-                   BLOCK_V: tl.constexpr):
+                   BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)       # 0 for greedy rows
     seed = tl.load(seeds_ptr + row)
@@ -84,7 +85,7 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     out = torch.empty(batch, dtype=torch.long, device=logits.device)
     if batch:
         _sample_kernel[(batch,)](logits, temperature, seeds, out, vocab, logits.stride(0),
-                                 BLOCK_V=BLOCK_V, num_warps=8)
+                                 BLOCK_V=BLOCK_V, num_warps=8, **pdl_launch(logits.device))
     return out
 
 

@@ -1,5 +1,9 @@
 """Helpers shared by the Triton kernel modules."""
+import functools
+
+import torch
 import triton
+import triton.language as tl
 
 
 def fix_interpreter_loop_bounds() -> None:
@@ -24,3 +28,33 @@ def fix_interpreter_loop_bounds() -> None:
     patched._pagoda_fixed = True
     interpreter._patch_lang_tensor = patched
 
+
+
+# Programmatic dependent launch (Hopper and later). A decode step's CUDA graph is hundreds of
+# kernels of a few microseconds each, and each launch waits for the previous kernel to drain.
+# With PDL a kernel is launched while the previous one is still running: its programs start,
+# then wait (pdl_wait) until the previous kernel's writes are visible, so the launch and start-up
+# overlap the previous kernel's tail. A kernel that calls pdl_wait before its first memory
+# access is correct whichever kernel precedes it (Triton, cuBLAS, torch). 1 on, 0 off.
+USE_PDL = 1
+
+
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    return not triton.knobs.runtime.interpret and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The launch arguments of a kernel that starts with ``pdl_wait(USE_PDL)``."""
+    if USE_PDL and device.type == "cuda" and _pdl_supported(device.index or 0):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """First statement of a kernel launched with ``pdl_launch``: wait for the previous kernel's
+    writes, then let the next kernel launch (it waits in turn)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

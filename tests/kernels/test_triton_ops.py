@@ -295,6 +295,21 @@ def test_small_m_linear_dispatch(monkeypatch):
         assert torch.equal(out, torch.nn.functional.linear(x, layer.weight))
 
 
+def test_pdl_launch_arguments(monkeypatch):
+    """Programmatic dependent launch: only on CUDA devices of compute capability 9 or more (the
+    kernels then wait on the previous grid first), and USE_PDL = 0 turns it off. Every kernel
+    test on the H200 runs with it on."""
+    from pagoda.kernels import triton_utils
+    assert triton_utils.pdl_launch(torch.device("cpu")) == {"USE_PDL": False}
+    if ON_GPU:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        hopper = torch.cuda.get_device_capability(dev)[0] >= 9
+        assert triton_utils.pdl_launch(dev) == ({"USE_PDL": True, "launch_pdl": True} if hopper
+                                                else {"USE_PDL": False})
+        monkeypatch.setattr(triton_utils, "USE_PDL", 0)
+        assert triton_utils.pdl_launch(dev) == {"USE_PDL": False}
+
+
 # --------------------------------------------------------------------------------------------
 # Empty batches, the layers' dispatch, CUDA graphs
 
