@@ -19,6 +19,10 @@
 #   bash benchmarks/gpu_session.sh smallm    # the batch-1 linear kernel: tests, in-graph micro, W2 off/on, W1
 #   bash benchmarks/gpu_session.sh tail      # kernel tables of decode steps at W1's small-batch tail (long contexts)
 #   bash benchmarks/gpu_session.sh pdl       # programmatic dependent launch off/on: tests, W2 both models, W1 Qwen3
+#   bash benchmarks/gpu_session.sh medium    # W1 tail shapes: kernel tables (PDL off), split factors in a graph, overlap probe
+#   bash benchmarks/gpu_session.sh tiles     # decode tile sweep at medium batch (in a graph); W1 + W2 both models
+#   bash benchmarks/gpu_session.sh tlb       # attention time against the KV cache size; W1 Qwen3 twice
+#   bash benchmarks/gpu_session.sh probe     # decode attention alone vs after a GEMM; ncu of one launch
 #   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
@@ -207,6 +211,50 @@ case "${1:-}" in
         2>&1 | grep "^pagoda " | sed "s/^/W1 qwen3 pdl=$pdl: /"
     done
     ;;
+  medium)
+    # Decode at small and medium batches with long contexts (W1's tail): kernel tables with PDL
+    # off (each kernel's own time), then the split factors timed in a CUDA graph, then the
+    # two-stream overlap probe
+    nopdl="--knob triton_utils.USE_PDL=0"
+    python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 16 32 64 --prompt-len 1536 \
+      --steps 32 --top 9 $nopdl 2>&1 | grep -A10 "batch"
+    python3 benchmarks/profile_step.py --model-config $M/llama3-8b.json --batch 16 64 --prompt-len 1536 \
+      --steps 32 --top 9 $nopdl 2>&1 | grep -A10 "batch"
+    python3 benchmarks/attention_kernels.py --tune-split 2>&1 | tail -10
+    python3 benchmarks/overlap_probe.py 2>&1 | tail -7
+    ;;
+  tiles)
+    # Decode tiles at medium batches timed in a CUDA graph, then the four headline figures with
+    # PDL on (main as merged)
+    python3 benchmarks/attention_kernels.py --tune-decode 2>&1 | grep -E "default|TILE_N" | grep -v Error
+    w1 . main qwen3-0.6b; w1 . main llama3-8b
+    w2 . main qwen3-0.6b "1 64"; w2 . main llama3-8b "1 64"
+    ;;
+  tlb)
+    # Does the KV cache's size (90% of the GPU against 20%) change the attention kernel's time
+    # at batch 64 (the micro-benchmark's small cache runs 15% faster than the engine)? Then W1
+    # Qwen3 warm, twice
+    for util in 0.9 0.2 0.9 0.2; do
+      python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 64 --prompt-len 1536 --steps 32 \
+        --top 1 --knob triton_utils.USE_PDL=0 --gpu-memory-utilization $util 2>&1 | grep -A2 "batch" | sed "s/^/util $util: /"
+    done
+    w1 . main qwen3-0.6b; w1 . main qwen3-0.6b
+    ;;
+  probe)
+    # The attention kernel alone vs after a compute-bound GEMM (clocks), then ncu's view of one
+    # launch (hardware counters: only on Firecracker machines)
+    python3 benchmarks/attention_probe.py 2>&1 | tail -4
+    uname -r
+    # the engine's decode launch (third decode step), then the lone launch
+    timeout 200 ncu --clock-control none --nvtx --nvtx-include "probe/" --kernel-name regex:_paged_attention \
+      --launch-skip 84 --launch-count 1 --section SpeedOfLight --section LaunchStats --section WarpStateStats \
+      python3 benchmarks/attention_probe.py --engine $M/qwen3-0.6b.json 2>&1 \
+      | grep -vE "^==PROF==|^\s*$|---" | grep -E "paged|Duration|Throughput|Grid|Registers|Shared|Cycles Per|Freq|rror|No kernels" | head -30
+    timeout 240 ncu --clock-control none --kernel-name regex:_paged_attention --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis python3 benchmarks/attention_probe.py --once 2>&1 \
+      | grep -vE "^==PROF==|^\s*$|---" | grep -E "paged|Duration|Throughput|Grid|Registers|Shared|Cycles Per|Freq|rror|No kernels" | head -30
+    ;;
   pipeline)
     # A change to the attention kernel: its tests at full shapes, then BASE against this tree in
     # the micro-benchmark (decode, split, prefill) and end to end (W1 Qwen3 twice, W2 both models)
@@ -222,5 +270,5 @@ case "${1:-}" in
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|pipeline"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|pipeline"; exit 2 ;;
 esac

@@ -1,5 +1,7 @@
 """Where a decode step's time goes on the GPU: wall time per step against the GPU kernel time
-per step (torch.profiler, CUDA graphs included), and the largest kernels.
+per step (torch.profiler, CUDA graphs included), and the largest kernels, prefill excluded.
+With programmatic dependent launch on, a kernel's time includes its wait for the one before
+(they overlap): pass ``--knob triton_utils.USE_PDL=0`` for a table of each kernel's own time.
 
   python benchmarks/profile_step.py --model-config benchmarks/models/qwen3-0.6b.json --batch 1 256
 """
@@ -13,6 +15,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Timer, add_knob_arg, apply_knob_args, dummy_model_dir, on_off  # noqa: E402
 
 
+def kernel_totals(prof) -> dict:
+    """GPU time (us) and call count of each kernel in a torch.profiler run."""
+    return {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
+            if e.self_device_time_total > 0}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model-config", required=True)
@@ -21,6 +29,8 @@ def main():
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--top", type=int, default=6, help="how many kernels to list, largest first")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="sets the KV cache's size (its pages' spread in memory)")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     add_knob_arg(p)
@@ -30,7 +40,12 @@ def main():
 
     from pagoda import LLM, SamplingParams
     llm = LLM(dummy_model_dir(args.model_config), load_format="dummy", dtype="bfloat16", max_model_len=args.prompt_len + args.steps + 64,
-              skip_tokenizer_init=True, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+              skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              # every prompt prefilled in one step: with chunks, the decodes of the requests
+              # prefilled first would ride along the later chunks, in the long run only, and the
+              # subtraction below would charge their cost to the decode steps
+              max_num_batched_tokens=max(8192, max(args.batch) * args.prompt_len), async_scheduling=args.async_scheduling)
     name = os.path.splitext(os.path.basename(args.model_config))[0]
     name += "_async" if llm.llm_engine.async_scheduling else "_sync"
     rows = []
@@ -51,20 +66,22 @@ def main():
         wall = (tn.s - t1.s) / args.steps * 1e3
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run(long)
-        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-        total_us = sum(e.self_device_time_total for e in events)
-        # The profiled run also holds the prefill step: take it out with a max_tokens=1 run.
+        # The profiled run also holds the prefill step: take it out, kernel by kernel, with a
+        # max_tokens=1 run (with long prompts the prefill would otherwise top the table).
         with profile(activities=[ProfilerActivity.CUDA]) as prof1:
             run(one)
-        prefill_us = sum(e.self_device_time_total for e in prof1.key_averages() if e.self_device_time_total > 0)
-        gpu = (total_us - prefill_us) / args.steps / 1e3
-        top = sorted(events, key=lambda e: -e.self_device_time_total)[:args.top]
-        steps = args.steps + 1
+        decode = kernel_totals(prof)
+        for key, (us, count) in kernel_totals(prof1).items():
+            total_us, total_count = decode.get(key, (0.0, 0))
+            decode[key] = (total_us - us, total_count - count)
+        decode = {k: v for k, v in decode.items() if v[1] > 0 and v[0] > 0}
+        gpu = sum(us for us, _ in decode.values()) / args.steps / 1e3
+        top = sorted(decode.items(), key=lambda kv: -kv[1][0])[:args.top]
         rows.append({"batch": b, "wall_ms_per_step": wall, "gpu_kernel_ms_per_step": gpu,
                      "gpu_idle_fraction": max(0.0, 1 - gpu / wall), "kernels_per_step": sum(
-                         e.count for e in events) / steps,
-                     "top_kernels": [(e.key[:70], e.self_device_time_total / steps / 1e3, e.count / steps,
-                                      e.self_device_time_total / e.count) for e in top]})
+                         count for _, count in decode.values()) / args.steps,
+                     "top_kernels": [(key[:70], us / args.steps / 1e3, count / args.steps, us / count)
+                                     for key, (us, count) in top]})
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"profile_{name}.json"), "w") as f:
         json.dump(rows, f, indent=2)

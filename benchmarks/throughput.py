@@ -110,10 +110,13 @@ def profile_steps(llm, inputs, params):
             waits[0] += time.perf_counter() - t0
 
     def timed_step():
-        batch, waits[0] = len(engine.scheduler.running), 0.0
+        sched = engine.scheduler
+        batch, waits[0] = len(sched.running), 0.0
+        # a step that may compute prompt tokens (requests still waiting or part-prefilled)
+        prefill = bool(sched.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
         t0 = time.perf_counter()
         out = step()
-        steps.append((batch, time.perf_counter() - t0, waits[0]))
+        steps.append((batch, time.perf_counter() - t0, waits[0], prefill))
         return out
 
     mr.AsyncRunnerOutput.get_output, engine.step = timed_get_output, timed_step
@@ -123,15 +126,19 @@ def profile_steps(llm, inputs, params):
     finally:
         mr.AsyncRunnerOutput.get_output = get_output
         del engine.step
-    print("steps by batch size: count, wall ms/step, of which waiting for the device (get_output)")
-    for lo, hi in [(0, 8), (8, 32), (32, 64), (64, 128), (128, 192), (192, 257)]:
-        sel = [(w, g) for b, w, g in steps if lo <= b < hi]
-        if sel:
-            wall = sum(w for w, _ in sel) / len(sel) * 1e3
-            wait = sum(g for _, g in sel) / len(sel) * 1e3
-            print(f"  batch {lo:3d}-{hi - 1:3d}: {len(sel):5d} steps  wall {wall:6.2f}  wait {wait:6.2f}  host {wall - wait:6.2f}")
-    total = sum(w for _, w, _ in steps)
-    print(f"  all: {len(steps)} steps, {total:.2f} s, waiting {sum(g for _, _, g in steps):.2f} s")
+    print("steps by batch size: count, wall ms/step, of which waiting for the device (get_output);\n"
+          "steps that may compute prompt tokens apart (batch = running requests before the step)")
+    for kind in (True, False):
+        label = "prefill" if kind else "decode "
+        for lo, hi in [(0, 8), (8, 32), (32, 64), (64, 128), (128, 192), (192, 257)]:
+            sel = [(w, g) for b, w, g, p in steps if lo <= b < hi and p == kind]
+            if sel:
+                wall = sum(w for w, _ in sel) / len(sel) * 1e3
+                wait = sum(g for _, g in sel) / len(sel) * 1e3
+                print(f"  {label} batch {lo:3d}-{hi - 1:3d}: {len(sel):5d} steps  wall {wall:6.2f}  wait {wait:6.2f}  "
+                      f"host {wall - wait:6.2f}  ({sum(w for w, _ in sel):6.2f} s)")
+    total = sum(s[1] for s in steps)
+    print(f"  all: {len(steps)} steps, {total:.2f} s, waiting {sum(s[2] for s in steps):.2f} s")
 
 
 def profile_run(llm, inputs, params, out_dir):
