@@ -23,6 +23,7 @@
 #   bash benchmarks/gpu_session.sh tiles     # decode tile sweep at medium batch (in a graph); W1 + W2 both models
 #   bash benchmarks/gpu_session.sh tlb       # attention time against the KV cache size; W1 Qwen3 twice
 #   bash benchmarks/gpu_session.sh probe     # decode attention alone vs after a GEMM; ncu of one launch
+#   bash benchmarks/gpu_session.sh next      # W1 profiles (prefill/decode apart); slab kernel on large matrices
 #   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
@@ -255,6 +256,22 @@ case "${1:-}" in
       --section MemoryWorkloadAnalysis python3 benchmarks/attention_probe.py --once 2>&1 \
       | grep -vE "^==PROF==|^\s*$|---" | grep -E "paged|Duration|Throughput|Grid|Registers|Shared|Cycles Per|Freq|rror|No kernels" | head -30
     ;;
+  next)
+    # Where W1 still loses (prefill and decode steps apart, kernels by kind), and whether the
+    # batch-1 slab kernel also beats cuBLAS on the large matrices (gate_up, LM heads)
+    python3 benchmarks/linear_kernels.py 2>&1 | tail -24
+    big="--knob triton_linear.MAX_WEIGHT_BYTES=4294967296"
+    for run in 1 2; do
+      for opt in "" "$big"; do
+        python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 $opt 2>&1 | grep "^pagoda " \
+          | sed "s/^/W2 llama ${opt:+big}${opt:-default} $run: /"
+      done
+    done
+    for model in qwen3-0.6b llama3-8b; do
+      python3 benchmarks/throughput.py --model-config $M/$model.json --no-tqdm --profile --out "$OUT/$model" 2>&1 \
+        | grep -B2 -A40 "steps by batch" | head -60 | sed "s/^/$model: /"
+    done
+    ;;
   pipeline)
     # A change to the attention kernel: its tests at full shapes, then BASE against this tree in
     # the micro-benchmark (decode, split, prefill) and end to end (W1 Qwen3 twice, W2 both models)
@@ -270,5 +287,5 @@ case "${1:-}" in
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|pipeline"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|next|pipeline"; exit 2 ;;
 esac

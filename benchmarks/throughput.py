@@ -114,9 +114,10 @@ def profile_steps(llm, inputs, params):
         batch, waits[0] = len(sched.running), 0.0
         # a step that may compute prompt tokens (requests still waiting or part-prefilled)
         prefill = bool(sched.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
+        context = sum(r.num_computed_tokens for r in sched.running)  # tokens of KV the step reads
         t0 = time.perf_counter()
         out = step()
-        steps.append((batch, time.perf_counter() - t0, waits[0], prefill))
+        steps.append((batch, time.perf_counter() - t0, waits[0], prefill, context))
         return out
 
     mr.AsyncRunnerOutput.get_output, engine.step = timed_get_output, timed_step
@@ -126,17 +127,22 @@ def profile_steps(llm, inputs, params):
     finally:
         mr.AsyncRunnerOutput.get_output = get_output
         del engine.step
+    caches = engine.executor.runner.kv_caches
+    kv_bytes_per_token = sum(c[:, 0, 0].numel() * c.element_size() for c in caches)
     print("steps by batch size: count, wall ms/step, of which waiting for the device (get_output);\n"
-          "steps that may compute prompt tokens apart (batch = running requests before the step)")
+          "steps that may compute prompt tokens apart (batch = running requests before the step);\n"
+          "KV GB/s = the KV cache read by the step's attention over its wall time")
     for kind in (True, False):
         label = "prefill" if kind else "decode "
         for lo, hi in [(0, 8), (8, 32), (32, 64), (64, 128), (128, 192), (192, 257)]:
-            sel = [(w, g) for b, w, g, p in steps if lo <= b < hi and p == kind]
+            sel = [(w, g, c) for b, w, g, p, c in steps if lo <= b < hi and p == kind]
             if sel:
-                wall = sum(w for w, _ in sel) / len(sel) * 1e3
-                wait = sum(g for _, g in sel) / len(sel) * 1e3
+                total = sum(w for w, _, _ in sel)
+                wall = total / len(sel) * 1e3
+                wait = sum(g for _, g, _ in sel) / len(sel) * 1e3
+                kv = sum(c for _, _, c in sel) * kv_bytes_per_token / total / 1e9
                 print(f"  {label} batch {lo:3d}-{hi - 1:3d}: {len(sel):5d} steps  wall {wall:6.2f}  wait {wait:6.2f}  "
-                      f"host {wall - wait:6.2f}  ({sum(w for w, _ in sel):6.2f} s)")
+                      f"host {wall - wait:6.2f}  ({total:6.2f} s, KV {kv:5.0f} GB/s)")
     total = sum(s[1] for s in steps)
     print(f"  all: {len(steps)} steps, {total:.2f} s, waiting {sum(s[2] for s in steps):.2f} s")
 
