@@ -260,6 +260,7 @@ case "${1:-}" in
     # Where W1 still loses (prefill and decode steps apart, kernels by kind), and whether the
     # batch-1 slab kernel also beats cuBLAS on the large matrices (gate_up, LM heads)
     python3 benchmarks/linear_kernels.py 2>&1 | tail -24
+    python3 benchmarks/linear_kernels.py --sweep 2>&1 | tail -9
     big="--knob triton_linear.MAX_WEIGHT_BYTES=4294967296"
     for run in 1 2; do
       for opt in "" "$big"; do

@@ -8,13 +8,15 @@ Qwen3-0.6B and Llama-3-8B with K <= 4,096 (the kernel's limit), including the la
 engine leaves to cuBLAS; batch 1-4 (the rows the kernel takes; the engine uses it at batch 1
 only), bf16.
 
-  python3 benchmarks/linear_kernels.py
+  python3 benchmarks/linear_kernels.py           # cuBLAS against the kernel, 1-4 rows
+  python3 benchmarks/linear_kernels.py --sweep   # the kernel's slab size and warps, one row
 """
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
+import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,8 +38,40 @@ def graph_time_us(fn, copies: int) -> float:
     return do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3 / copies
 
 
+def sweep(dev, dtype):
+    """One row: the kernel's slab size and warps (triton_linear.SLAB_ELEMENTS, SLAB_WARPS) on
+    every shape, the three fastest against the default."""
+    default = (triton_linear.SLAB_ELEMENTS, triton_linear.SLAB_WARPS)
+    try:
+        for name, (n, k) in SHAPES.items():
+            nbytes = n * k * 2
+            copies = max(8, (512 << 20) // nbytes)
+            weights = [torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for _ in range(copies)]
+            x = torch.randn(1, k, device=dev, dtype=dtype)
+            times = {}
+            for slab in (4096, 8192, 16384, 32768):
+                for warps in (4, 8, 16):
+                    if slab // triton.next_power_of_2(k) > 64 or slab // (32 * warps) > 128:
+                        continue  # the kernel caps BLOCK_N at 64; over 128 elements a thread spills
+                    triton_linear.SLAB_ELEMENTS, triton_linear.SLAB_WARPS = slab, warps
+                    try:
+                        times[(slab, warps)] = graph_time_us(
+                            lambda: [triton_linear.small_m_linear(x, w) for w in weights], copies)
+                    except Exception as e:  # out of resources
+                        print(f"{name}: slab {slab} warps {warps}: {type(e).__name__}")
+            best = sorted(times.items(), key=lambda kv: kv[1])[:3]
+            line = "  ".join(f"slab {s:5d} warps {w:2d}: {t:7.2f} us {nbytes / t / 1e3:5.0f}" for (s, w), t in best)
+            print(f"{name:14s} default {times.get(default, float('nan')):7.2f} us | {line}", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    finally:
+        triton_linear.SLAB_ELEMENTS, triton_linear.SLAB_WARPS = default
+
+
 def main():
     dev, dtype = "cuda", torch.bfloat16
+    if "--sweep" in sys.argv:
+        return sweep(dev, dtype)
     print(f"{'shape':14s} {'M':>3s} {'cuBLAS us':>9s} {'GB/s':>6s} {'Triton us':>9s} {'GB/s':>6s} {'speed-up':>8s}")
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2

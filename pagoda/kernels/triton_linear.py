@@ -25,6 +25,7 @@ MAX_M = 1                    # rows of x (the kernel takes up to 4; 0 turns it o
 MAX_K = 4096                 # the slab of one program holds whole rows of w
 MAX_WEIGHT_BYTES = 64 << 20  # above this cuBLAS already runs at bandwidth (measured on the H200)
 SLAB_ELEMENTS = 16384        # BLOCK_N * next_pow2(K): 64 elements a thread at 8 warps
+SLAB_WARPS = 8
 
 
 @triton.jit
@@ -72,6 +73,6 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     block_n = max(1, min(64, SLAB_ELEMENTS // block_k))
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), M=m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=8,
+        out.stride(0), M=m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=SLAB_WARPS,
         **pdl_launch(x.device))
     return out
