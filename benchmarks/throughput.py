@@ -7,6 +7,7 @@ Random token-id prompts, ignore_eos, one seed. Prints a table and writes JSON (a
 the per-step batch composition) to --out.
 """
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -55,7 +56,11 @@ def run_pagoda(args, prompts, output_lens):
     assert n_out == sum(output_lens), "every request must produce exactly max_tokens tokens"
     engine = llm.llm_engine
     if args.profile:
-        profile_run(llm, inputs, params, args.out)
+        cfg = None
+        if args.model_config:
+            with open(args.model_config) as f:
+                cfg = json.load(f)
+        profile_run(llm, inputs, params, args.out, cfg)
     return {"engine": "pagoda", "startup_s": startup, "elapsed_s": elapsed,
             "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed,
             "requests": len(prompts), "prompt_tokens": n_in, "output_tokens": n_out,
@@ -93,14 +98,18 @@ def profile_kernels(llm, inputs, params):
         print(f"    {e.self_device_time_total / 1e6:7.3f} s {e.count:8d}x  {e.key[:90]}")
 
 
-def profile_steps(llm, inputs, params):
+def profile_steps(llm, inputs, params, cfg=None, ceilings=None):
     """Per engine step: wall time, and how much of it the host spent waiting for the device's
     results, by batch size. Where the wait is near zero the host is the bottleneck (the GPU
-    idles between steps); where it is large the GPU is."""
+    idles between steps); where it is large the GPU is. With the model's config and the
+    measured ceilings, also the roofline of the run's own steps (``step_floor_s``)."""
     from pagoda.runner import model_runner as mr
     engine = llm.llm_engine
-    waits, steps = [0.0], []
+    waits, steps, seen = [0.0], [], {}
     get_output, step = mr.AsyncRunnerOutput.get_output, engine.step
+
+    def computed() -> int:  # tokens computed so far by every request seen (finished ones too)
+        return sum(r.num_computed_tokens for r in seen.values())
 
     def timed_get_output(self):
         t0 = time.perf_counter()
@@ -115,9 +124,12 @@ def profile_steps(llm, inputs, params):
         # a step that may compute prompt tokens (requests still waiting or part-prefilled)
         prefill = bool(sched.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
         context = sum(r.num_computed_tokens for r in sched.running)  # tokens of KV the step reads
+        seen.update((r.request_id, r) for r in itertools.chain(sched.running, sched.waiting))
+        before = computed()
         t0 = time.perf_counter()
         out = step()
-        steps.append((batch, time.perf_counter() - t0, waits[0], prefill, context))
+        wall = time.perf_counter() - t0
+        steps.append((batch, wall, waits[0], prefill, context, max(0, computed() - before)))
         return out
 
     mr.AsyncRunnerOutput.get_output, engine.step = timed_get_output, timed_step
@@ -135,7 +147,7 @@ def profile_steps(llm, inputs, params):
     for kind in (True, False):
         label = "prefill" if kind else "decode "
         for lo, hi in [(0, 8), (8, 32), (32, 64), (64, 128), (128, 192), (192, 257)]:
-            sel = [(w, g, c) for b, w, g, p, c in steps if lo <= b < hi and p == kind]
+            sel = [(w, g, c) for b, w, g, p, c, _ in steps if lo <= b < hi and p == kind]
             if sel:
                 total = sum(w for w, _, _ in sel)
                 wall = total / len(sel) * 1e3
@@ -145,14 +157,32 @@ def profile_steps(llm, inputs, params):
                       f"host {wall - wait:6.2f}  ({total:6.2f} s, KV {kv:5.0f} GB/s)")
     total = sum(s[1] for s in steps)
     print(f"  all: {len(steps)} steps, {total:.2f} s, waiting {sum(s[2] for s in steps):.2f} s")
+    if cfg and ceilings:
+        floor = step_floor(cfg, ceilings, [(b, c, n) for b, _, _, _, c, n in steps], kv_bytes_per_token)
+        print(f"roofline of these steps (each: the weight read or its matmuls, whichever is longer, plus "
+              f"its KV read): {floor:.2f} s; the steps took {total:.2f} s ({total / floor:.2f}x)")
 
 
-def profile_run(llm, inputs, params, out_dir):
+def step_floor(cfg: dict, ceilings: dict, steps, kv_bytes_per_token: int) -> float:
+    """Seconds a run's own steps need at the measured ceilings. steps: (requests, context tokens
+    read, tokens computed) per step. A step reads the bf16 weights once and runs each computed
+    token through the decoder layers and each request's sampled row through the LM head, so it
+    takes the longer of the read and the matmuls; then it reads its KV."""
+    layers, head = param_counts(cfg)
+    weight_s = 2 * (layers + head) / ceilings["copy_bytes_per_s"]
+    flops_s = ceilings["bf16_flops_per_s"]
+    return sum(max(weight_s, (2 * layers * tokens + 2 * head * requests) / flops_s)
+               + context * kv_bytes_per_token / ceilings["copy_bytes_per_s"]
+               for requests, context, tokens in steps)
+
+
+def profile_run(llm, inputs, params, out_dir, cfg=None):
     """The same run twice more: under torch.profiler (GPU kernel time by kind against wall time)
     and under cProfile (the host's hottest functions; cProfile slows the host, so read its
     shares, not its times)."""
     import torch
-    profile_steps(llm, inputs, params)
+    ceilings = measure_ceilings() if cfg and torch.cuda.is_available() else None
+    profile_steps(llm, inputs, params, cfg, ceilings)
     if torch.cuda.is_available():
         profile_kernels(llm, inputs, params)
     host_profile(llm, inputs, params, path=os.path.join(out_dir, "w1_host.prof"))
