@@ -23,7 +23,7 @@
 #   bash benchmarks/gpu_session.sh tiles     # decode tile sweep at medium batch (in a graph); W1 + W2 both models
 #   bash benchmarks/gpu_session.sh tlb       # attention time against the KV cache size; W1 Qwen3 twice
 #   bash benchmarks/gpu_session.sh probe     # decode attention alone vs after a GEMM; ncu of one launch
-#   bash benchmarks/gpu_session.sh next      # W1 profiles (prefill/decode apart); slab kernel on large matrices
+#   bash benchmarks/gpu_session.sh next      # decode matmuls: slab kernel on large matrices, its sweep, BLAS libraries
 #   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
@@ -169,7 +169,7 @@ case "${1:-}" in
   w1profile)
     for model in llama3-8b qwen3-0.6b; do
       python3 benchmarks/throughput.py --model-config $M/$model.json --no-tqdm --profile --out "$OUT/$model" 2>&1 \
-        | grep -B3 -A32 "steps by batch" | head -40 | sed "s/^/$model: /"
+        | grep -B3 -A40 "steps by batch" | head -50 | sed "s/^/$model: /"
     done
     ;;
   smallm)
@@ -257,20 +257,18 @@ case "${1:-}" in
       | grep -vE "^==PROF==|^\s*$|---" | grep -E "paged|Duration|Throughput|Grid|Registers|Shared|Cycles Per|Freq|rror|No kernels" | head -30
     ;;
   next)
-    # Where W1 still loses (prefill and decode steps apart, kernels by kind), and whether the
-    # batch-1 slab kernel also beats cuBLAS on the large matrices (gate_up, LM heads)
+    # The decode matmuls: the batch-1 slab kernel on the large matrices too (gate_up, LM heads)
+    # and its slab size; cuBLAS against cuBLASLt at 16-256 rows; W2 Llama-3-8B with the slab
+    # kernel on every K <= 4,096 matrix. (W1's profile, prefill and decode steps apart: w1profile.)
     python3 benchmarks/linear_kernels.py 2>&1 | tail -24
     python3 benchmarks/linear_kernels.py --sweep 2>&1 | tail -9
+    python3 benchmarks/linear_kernels.py --blas 2>&1 | tail -22
     big="--knob triton_linear.MAX_WEIGHT_BYTES=4294967296"
     for run in 1 2; do
       for opt in "" "$big"; do
         python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 $opt 2>&1 | grep "^pagoda " \
           | sed "s/^/W2 llama ${opt:+big}${opt:-default} $run: /"
       done
-    done
-    for model in qwen3-0.6b llama3-8b; do
-      python3 benchmarks/throughput.py --model-config $M/$model.json --no-tqdm --profile --out "$OUT/$model" 2>&1 \
-        | grep -B2 -A40 "steps by batch" | head -60 | sed "s/^/$model: /"
     done
     ;;
   pipeline)

@@ -10,6 +10,7 @@ only), bf16.
 
   python3 benchmarks/linear_kernels.py           # cuBLAS against the kernel, 1-4 rows
   python3 benchmarks/linear_kernels.py --sweep   # the kernel's slab size and warps, one row
+  python3 benchmarks/linear_kernels.py --blas    # cuBLAS against cuBLASLt at 16-256 rows
 """
 import os
 import sys
@@ -68,10 +69,39 @@ def sweep(dev, dtype):
         triton_linear.SLAB_ELEMENTS, triton_linear.SLAB_WARPS = default
 
 
+def blas_libraries(dev, dtype):
+    """The decode GEMMs at W1's batch sizes through each BLAS library torch can call (cuBLAS,
+    cuBLASLt): at Qwen3-0.6B's small matrices a GEMM takes 5-6 us in the engine where its
+    weights take 1-3 us to read."""
+    default = torch.backends.cuda.preferred_blas_library()
+    names = ["cublas", "cublaslt"]
+    print(f"{'shape':14s} {'M':>4s} " + " ".join(f"{n + ' us':>12s}" for n in names))
+    try:
+        for name, (n, k) in SHAPES.items():
+            if "lm_head" in name:
+                continue
+            nbytes = n * k * 2
+            copies = max(8, (512 << 20) // nbytes)
+            weights = [torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for _ in range(copies)]
+            for m in (16, 64, 256):
+                x = torch.randn(m, k, device=dev, dtype=dtype)
+                times = []
+                for lib in names:
+                    torch.backends.cuda.preferred_blas_library(lib)
+                    times.append(graph_time_us(lambda: [F.linear(x, w) for w in weights], copies))
+                print(f"{name:14s} {m:4d} " + " ".join(f"{t:12.2f}" for t in times), flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    finally:
+        torch.backends.cuda.preferred_blas_library(default)
+
+
 def main():
     dev, dtype = "cuda", torch.bfloat16
     if "--sweep" in sys.argv:
         return sweep(dev, dtype)
+    if "--blas" in sys.argv:
+        return blas_libraries(dev, dtype)
     print(f"{'shape':14s} {'M':>3s} {'cuBLAS us':>9s} {'GB/s':>6s} {'Triton us':>9s} {'GB/s':>6s} {'speed-up':>8s}")
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
