@@ -31,6 +31,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pagoda.kernels import reference  # noqa: E402
 from pagoda.kernels import triton_attention as ta  # noqa: E402
+from common import graph_ms  # noqa: E402  (the script's folder is on sys.path)
 
 MODELS = {"llama3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}  # q heads, kv heads, head_dim
 DECODE_BATCHES = [1, 8, 64, 256]
@@ -42,17 +43,6 @@ DEVICE = "cuda"
 
 def bench(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def bench_graph(fn) -> float:
-    """Median ms of fn replayed from a CUDA graph, as the engine's decode steps run it: without
-    the Python launch cost that dominates ``bench`` at small and medium batches."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay)
 
 
 def rel_err(out, ref) -> float:
@@ -226,7 +216,7 @@ def tune_decode(dtype, gen, log):
                     for stages in (2, 3, 4, 5):
                         ta.TILES[16] = dict(TILE_N=tile_n, num_warps=warps, num_stages=stages)
                         try:
-                            ms = bench_graph(lambda: case.triton(num_segments=1))
+                            ms = graph_ms(lambda: case.triton(num_segments=1), 25, 100)
                         except Exception as e:  # e.g. out of shared memory
                             log(f"  {model} b={batch}: TILE_N={tile_n} warps={warps} stages={stages}: "
                                 f"{type(e).__name__}")
@@ -261,12 +251,12 @@ def tune_split(dtype, gen, log):
         case = Case(batch, 1, ctx, *MODELS[model], dtype, gen)
         line = f"  {model:10s} b={batch:<3d} ctx={ctx:<5d} (default {ta._pick_num_segments(batch * MODELS[model][1], 1, ctx, case.query.device)}):"
         for seg in (1, 2, 4, 8, 16):
-            ms = bench_graph(lambda: case.triton(num_segments=seg))
+            ms = graph_ms(lambda: case.triton(num_segments=seg), 25, 100)
             rate = case.kv_bytes() / 1e9 / (ms / 1e3)
             results.append(dict(model=model, batch=batch, ctx=ctx, segments=seg, ms=ms, rate=rate))
             line += f"  seg {seg}: {ms * 1e3:6.1f} us {rate:5.0f}"
         case.make_dense()
-        ms = bench_graph(case.sdpa)
+        ms = graph_ms(case.sdpa, 25, 100)
         line += f"  dense SDPA: {ms * 1e3:6.1f} us {case.kv_bytes() / 1e9 / (ms / 1e3):5.0f}"
         log(line)
         del case

@@ -18,7 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_kernels import MODELS, Case, bench_graph  # noqa: E402
+from attention_kernels import MODELS, Case  # noqa: E402
+from common import graph_ms  # noqa: E402
 from pagoda.kernels import triton_attention as ta  # noqa: E402
 
 LAYERS = 24
@@ -57,7 +58,7 @@ def engine_replay(llm):
         print(f"  under torch.profiler, 10 replays: {e.key[:40]:40s} {e.self_device_time_total / e.count:7.1f} us "
               f"x {e.count}")
     n = len(runner.kv_caches)
-    print(f"attention over the engine's {n} caches: {bench_graph(step) / n * 1e3:7.1f} us a layer "
+    print(f"attention over the engine's {n} caches: {graph_ms(step, 25, 100) / n * 1e3:7.1f} us a layer "
           f"(seq_lens {graphs.seq_lens[:64].min().item()}-{graphs.seq_lens[:64].max().item()})")
 
 
@@ -101,11 +102,11 @@ def main():
     a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     gemm = lambda: torch.mm(a, b)  # noqa: E731
-    alone = bench_graph(attention)
+    alone = graph_ms(attention, 25, 100)
     print(f"attention alone: {alone * 1e3:7.1f} us  (SM clock after: {sm_clock()})")
-    g = bench_graph(gemm)
+    g = graph_ms(gemm, 25, 100)
     print(f"GEMM alone:      {g * 1e3:7.1f} us  (SM clock after: {sm_clock()})")
-    both = bench_graph(lambda: (gemm(), attention()))
+    both = graph_ms(lambda: (gemm(), attention()), 25, 100)
     print(f"GEMM + attention:{both * 1e3:7.1f} us  -> attention after the GEMM {(both - g) * 1e3:6.1f} us "
           f"(SM clock after: {sm_clock()})")
     print(f"KV bytes {case.kv_bytes() / 1e6:.0f} MB: alone {case.kv_bytes() / alone / 1e6:.0f} GB/s, "
@@ -119,7 +120,7 @@ def main():
         for kv in layers:
             ta.paged_attention_triton(case.query, kv, case.tables, case.seq_lens, case.qsl, case.scale,
                                       case.ctx, 1, out=out, num_segments=1)
-    per_layer = bench_graph(step) / LAYERS
+    per_layer = graph_ms(step, 25, 100) / LAYERS
     print(f"{LAYERS} layers' caches in turn: {per_layer * 1e3:7.1f} us a layer, "
           f"{case.kv_bytes() / per_layer / 1e6:.0f} GB/s")
 

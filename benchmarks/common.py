@@ -56,6 +56,19 @@ def on_off(value: str) -> bool:
     return value == "on"
 
 
+def graph_ms(fn, warmup: int = 10, rep: int = 50) -> float:
+    """Median ms of ``fn`` replayed from one CUDA graph, as the engine's decode steps run (fn
+    runs once eagerly first, so Triton compiles outside the capture): no Python launch cost."""
+    import torch
+    import triton.testing
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
+
+
 def measure_ceilings() -> dict:
     """Device copy bandwidth (bytes read + written) and bf16 8192^3 matmul rate, measured now."""
     import torch

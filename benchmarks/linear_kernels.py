@@ -18,10 +18,10 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pagoda.kernels import triton_linear  # noqa: E402
+from common import graph_ms  # noqa: E402  (the script's folder is on sys.path)
 
 SHAPES = {"qwen3 qkv": (4096, 1024), "qwen3 o": (1024, 2048), "qwen3 gate_up": (6144, 1024),
           "qwen3 down": (1024, 3072), "llama qkv": (6144, 4096), "llama o": (4096, 4096),
@@ -31,12 +31,7 @@ BATCHES = [1, 2, 4]
 
 
 def graph_time_us(fn, copies: int) -> float:
-    fn()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3 / copies
+    return graph_ms(fn) * 1e3 / copies
 
 
 def sweep(dev, dtype):

@@ -18,10 +18,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pagoda.kernels import triton_attention as ta  # noqa: E402
+from common import graph_ms  # noqa: E402  (the script's folder is on sys.path)
 
 MODELS = {  # hidden, q heads, kv heads, head_dim, intermediate
     "llama3-8b": (4096, 32, 8, 128, 14336),
@@ -62,15 +62,6 @@ def forward(x, layers, rows):
         x[rows] = h + F.linear(F.silu(gate) * up, layer.down)
 
 
-def graph_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
-
-
 def main():
     dev, dtype = "cuda", torch.bfloat16
     gen = torch.Generator().manual_seed(0)
@@ -92,9 +83,9 @@ def main():
                     forward(x, layers, b)
                 main_stream.wait_stream(side)
 
-            whole = graph_ms(lambda: forward(x, layers, slice(0, batch)))
-            halves = graph_ms(lambda: (forward(x, layers, a), forward(x, layers, b)))
-            two = graph_ms(streams)
+            whole = graph_ms(lambda: forward(x, layers, slice(0, batch)), rep=60)
+            halves = graph_ms(lambda: (forward(x, layers, a), forward(x, layers, b)), rep=60)
+            two = graph_ms(streams, rep=60)
             print(f"{model:11s} {batch:5d} {whole:9.3f} {halves:9.3f} {two:10.3f} {two / whole:12.2f}x",
                   flush=True)
             del layers

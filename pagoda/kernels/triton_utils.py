@@ -29,7 +29,6 @@ def fix_interpreter_loop_bounds() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-
 # Programmatic dependent launch (Hopper and later). A decode step's CUDA graph is hundreds of
 # kernels of a few microseconds each, and each launch waits for the previous kernel to drain.
 # With PDL a kernel is launched while the previous one is still running: its programs start,
@@ -46,7 +45,8 @@ def _pdl_supported(device_index: int) -> bool:
 
 def pdl_launch(device: torch.device) -> dict:
     """The launch arguments of a kernel that starts with ``pdl_wait(USE_PDL)``."""
-    if USE_PDL and device.type == "cuda" and _pdl_supported(device.index or 0):
+    if USE_PDL and device.type == "cuda" and _pdl_supported(
+            torch.cuda.current_device() if device.index is None else device.index):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 
