@@ -176,6 +176,35 @@ def step_floor(cfg: dict, ceilings: dict, steps, kv_bytes_per_token: int) -> flo
                for requests, context, tokens in steps)
 
 
+def schedule_floor(args, prompts, output_lens, cfg: dict, ceilings: dict) -> dict:
+    """The engine's scheduler run alone on the workload (a fake model: every step samples token
+    7), no GPU needed: its steps, and their roofline (``step_floor``) at the given ceilings."""
+    from pagoda.config import SchedulerConfig
+    from pagoda.core.kv_cache_manager import KVCacheManager
+    from pagoda.core.request import Request
+    from pagoda.core.scheduler import Scheduler
+    from pagoda.core.sched_output import ModelRunnerOutput
+    from pagoda.sampling_params import SamplingParams
+    block_size = 16
+    max_len = max(len(p) + o for p, o in zip(prompts, output_lens))
+    blocks = sum(-(-(len(p) + o) // block_size) for p, o in zip(prompts, output_lens)) + 1  # never preempts
+    sched = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len),
+                      KVCacheManager(blocks, block_size, enable_caching=args.prefix_caching))
+    for i, (p, o) in enumerate(zip(prompts, output_lens)):
+        sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=o, ignore_eos=True), None, max_tokens=o))
+    steps = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        rows = [sched.requests[rid] for rid in out.num_scheduled_tokens]
+        sampled = {r.request_id: 7 for r in rows if r.num_computed_tokens == r.num_tokens}
+        steps.append((len(sampled), sum(r.num_computed_tokens for r in rows), out.total_num_scheduled_tokens))
+        sched.update_from_output(out, ModelRunnerOutput(sampled))
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * 2
+    floor = step_floor(cfg, ceilings, steps, kv_bytes_per_token)
+    return {"steps": len(steps), "step_floor_s": floor, "output_tok_s_at_floor": sum(output_lens) / floor}
+
+
 def profile_run(llm, inputs, params, out_dir, cfg=None):
     """The same run twice more: under torch.profiler (GPU kernel time by kind against wall time)
     and under cProfile (the host's hottest functions; cProfile slows the host, so read its
@@ -252,6 +281,9 @@ def main():
     p.add_argument("--prefix-caching", type=on_off, default=True, help="on / off (default: on, as in vLLM)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed run, GPU kernel time by kind (torch.profiler) and the host's hot spots (cProfile)")
+    p.add_argument("--schedule-floor", type=float, nargs=2, metavar=("TB_S", "TFLOP_S"),
+                   help="no run: the roofline of the scheduler's steps for this workload (with --model-config) at "
+                        "these ceilings (copy TB/s, bf16 TFLOP/s); CPU only")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     add_knob_arg(p)
     args = p.parse_args()
@@ -264,6 +296,12 @@ def main():
         with open(args.model_config) as f:
             vocab = json.load(f)["vocab_size"]
     prompts, output_lens = make_requests(args.num_requests, args.prompt_len, args.output_len, vocab, args.seed)
+    if args.schedule_floor:
+        with open(args.model_config) as f:
+            cfg = json.load(f)
+        ceilings = {"copy_bytes_per_s": args.schedule_floor[0] * 1e12, "bf16_flops_per_s": args.schedule_floor[1] * 1e12}
+        print(json.dumps(schedule_floor(args, prompts, output_lens, cfg, ceilings)))
+        return
     result = run_pagoda(args, prompts, output_lens)
     rows = [result]
     import torch
