@@ -96,8 +96,12 @@ class Case:
                                               is_causal=self.q_len > 1, scale=self.scale,
                                               enable_gqa=True)
 
+    def set_lengths(self, lens):
+        """Ragged contexts (each <= ctx, the tables' reach) instead of ctx for every request."""
+        self.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+
     def kv_bytes(self) -> int:
-        return (self.batch * self.ctx * self.num_kv_heads * self.head_dim * 2
+        return (int(self.seq_lens.sum()) * self.num_kv_heads * self.head_dim * 2
                 * self.kv_cache.element_size())
 
     def flops(self) -> float:
@@ -265,6 +269,29 @@ def tune_split(dtype, gen, log):
     return results
 
 
+def tune_ragged(dtype, gen, log):
+    """W1's decode batches mix contexts of 100-2,048 tokens: the kernel on ragged contexts
+    (longest first, as the engine orders them, and shuffled) against uniform ones of the same
+    mean, in a CUDA graph. GB/s of KV read."""
+    log("\nRagged contexts against uniform ones of the same mean (GB/s of KV read)")
+    rng = torch.Generator().manual_seed(0)
+    for model, batch, lo, hi in [("qwen3-0.6b", 256, 100, 1400), ("qwen3-0.6b", 128, 300, 2048),
+                                 ("llama3-8b", 256, 100, 1400)]:
+        lens = torch.randint(lo, hi + 1, (batch,), generator=rng)
+        mean = int(lens.float().mean())
+        uniform = Case(batch, 1, mean, *MODELS[model], dtype, gen)
+        rates = [uniform.kv_bytes() / 1e6 / graph_ms(lambda: uniform.triton(), 25, 100)]
+        del uniform
+        ragged = Case(batch, 1, hi, *MODELS[model], dtype, gen)
+        for order in (lens.sort(descending=True).values, lens):
+            ragged.set_lengths(order.tolist())
+            rates.append(ragged.kv_bytes() / 1e6 / graph_ms(lambda: ragged.triton(), 25, 100))
+        log(f"  {model:10s} b={batch:<3d} ctx {lo}-{hi} (mean {mean}): uniform {rates[0]:5.0f}  "
+            f"ragged longest first {rates[1]:5.0f}  ragged shuffled {rates[2]:5.0f}")
+        del ragged
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -273,6 +300,8 @@ def main():
                         help="only sweep the decode tiles at W1 shapes (every TILE_N x warps x stages)")
     parser.add_argument("--tune-split", action="store_true",
                         help="only time the flash-decoding split factors at medium batches")
+    parser.add_argument("--ragged", action="store_true",
+                        help="only time decode over ragged contexts against uniform ones")
     args = parser.parse_args()
     assert DEVICE != "cuda" or torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dtype = getattr(torch, args.dtype)
@@ -286,9 +315,9 @@ def main():
 
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
-    if args.tune_split:
+    if args.tune_split or args.ragged:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
-        tune_split(dtype, gen, log)
+        (tune_split if args.tune_split else tune_ragged)(dtype, gen, log)
         return
     if args.tune_decode:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")

@@ -15,7 +15,8 @@
 #   bash benchmarks/gpu_session.sh split     # tests, split-KV at medium batch, W2 Llama b64 + W1 Qwen3 split A/B
 #   bash benchmarks/gpu_session.sh smallbatch  # host time per step at batch 1 and 64, cProfile of W2 Qwen3 batch 1
 #   bash benchmarks/gpu_session.sh linear    # small-batch linear kernel: tests, W2 off/on both models, W1 Qwen3, profile
-#   bash benchmarks/gpu_session.sh w1profile # where W1's time goes, both models: steps by batch, GPU kernels by kind
+#   bash benchmarks/gpu_session.sh w1profile # where W1's time goes, both models: steps by batch, GPU kernels by kind;
+#                                            # attention over ragged contexts against uniform ones
 #   bash benchmarks/gpu_session.sh smallm    # the batch-1 linear kernel: tests, in-graph micro, W2 off/on, W1
 #   bash benchmarks/gpu_session.sh tail      # kernel tables of decode steps at W1's small-batch tail (long contexts)
 #   bash benchmarks/gpu_session.sh pdl       # programmatic dependent launch off/on: tests, W2 both models, W1 Qwen3
@@ -167,6 +168,7 @@ case "${1:-}" in
     python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 --top 14 2>&1 | tail -16
     ;;
   w1profile)
+    python3 benchmarks/attention_kernels.py --ragged 2>&1 | tail -4
     for model in llama3-8b qwen3-0.6b; do
       python3 benchmarks/throughput.py --model-config $M/$model.json --no-tqdm --profile --out "$OUT/$model" 2>&1 \
         | grep -B3 -A40 "steps by batch" | head -50 | sed "s/^/$model: /"
