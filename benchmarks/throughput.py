@@ -140,7 +140,7 @@ def profile_steps(llm, inputs, params, cfg=None, ceilings=None):
         mr.AsyncRunnerOutput.get_output = get_output
         del engine.step
     caches = engine.executor.runner.kv_caches
-    kv_bytes_per_token = sum(c[:, 0, 0].numel() * c.element_size() for c in caches)
+    token_kv_bytes = sum(c[:, 0, 0].numel() * c.element_size() for c in caches)
     print("steps by batch size: count, wall ms/step, of which waiting for the device (get_output);\n"
           "steps that may compute prompt tokens apart (batch = running requests before the step);\n"
           "KV GB/s = the KV cache read by the step's attention over its wall time")
@@ -152,18 +152,18 @@ def profile_steps(llm, inputs, params, cfg=None, ceilings=None):
                 total = sum(w for w, _, _ in sel)
                 wall = total / len(sel) * 1e3
                 wait = sum(g for _, g, _ in sel) / len(sel) * 1e3
-                kv = sum(c for _, _, c in sel) * kv_bytes_per_token / total / 1e9
+                kv = sum(c for _, _, c in sel) * token_kv_bytes / total / 1e9
                 print(f"  {label} batch {lo:3d}-{hi - 1:3d}: {len(sel):5d} steps  wall {wall:6.2f}  wait {wait:6.2f}  "
                       f"host {wall - wait:6.2f}  ({total:6.2f} s, KV {kv:5.0f} GB/s)")
     total = sum(s[1] for s in steps)
     print(f"  all: {len(steps)} steps, {total:.2f} s, waiting {sum(s[2] for s in steps):.2f} s")
     if cfg and ceilings:
-        floor = step_floor(cfg, ceilings, [(b, c, n) for b, _, _, _, c, n in steps], kv_bytes_per_token)
+        floor = step_floor(cfg, ceilings, [(b, c, n) for b, _, _, _, c, n in steps], token_kv_bytes)
         print(f"roofline of these steps (each: the weight read or its matmuls, whichever is longer, plus "
               f"its KV read): {floor:.2f} s; the steps took {total:.2f} s ({total / floor:.2f}x)")
 
 
-def step_floor(cfg: dict, ceilings: dict, steps, kv_bytes_per_token: int) -> float:
+def step_floor(cfg: dict, ceilings: dict, steps, token_kv_bytes: int) -> float:
     """Seconds a run's own steps need at the measured ceilings. steps: (requests, context tokens
     read, tokens computed) per step. A step reads the bf16 weights once and runs each computed
     token through the decoder layers and each request's sampled row through the LM head, so it
@@ -172,7 +172,7 @@ def step_floor(cfg: dict, ceilings: dict, steps, kv_bytes_per_token: int) -> flo
     weight_s = 2 * (layers + head) / ceilings["copy_bytes_per_s"]
     flops_s = ceilings["bf16_flops_per_s"]
     return sum(max(weight_s, (2 * layers * tokens + 2 * head * requests) / flops_s)
-               + context * kv_bytes_per_token / ceilings["copy_bytes_per_s"]
+               + context * token_kv_bytes / ceilings["copy_bytes_per_s"]
                for requests, context, tokens in steps)
 
 
@@ -199,9 +199,7 @@ def schedule_floor(args, prompts, output_lens, cfg: dict, ceilings: dict) -> dic
         sampled = {r.request_id: 7 for r in rows if r.num_computed_tokens == r.num_tokens}
         steps.append((len(sampled), sum(r.num_computed_tokens for r in rows), out.total_num_scheduled_tokens))
         sched.update_from_output(out, ModelRunnerOutput(sampled))
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_bytes_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * 2
-    floor = step_floor(cfg, ceilings, steps, kv_bytes_per_token)
+    floor = step_floor(cfg, ceilings, steps, kv_bytes_per_token(cfg))
     return {"steps": len(steps), "step_floor_s": floor, "output_tok_s_at_floor": sum(output_lens) / floor}
 
 
@@ -251,10 +249,14 @@ def kv_read_floor(cfg: dict, prompts, output_lens, ceilings) -> float:
     """Seconds the decode steps need just to read every request's KV context once per output
     token (bf16), at the measured copy rate: for a small model with long contexts this, not
     the matmuls, is the floor."""
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * 2
     tokens = sum(o * len(p) + o * (o - 1) / 2 for p, o in zip(prompts, output_lens))
-    return tokens * per_token / ceilings["copy_bytes_per_s"]
+    return tokens * kv_bytes_per_token(cfg) / ceilings["copy_bytes_per_s"]
+
+
+def kv_bytes_per_token(cfg: dict) -> int:
+    """bf16 K and V of one token over all layers."""
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * 2
 
 
 def main():
