@@ -46,6 +46,10 @@ w2() {  # tree label model batches
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$3.json" --batch $4 \
     --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W2 $3 $2: /")
 }
+run() {  # label benchmark args...: the benchmark's result line, labelled
+  label=$1; shift
+  python3 benchmarks/$@ 2>&1 | grep "^pagoda " | sed "s/^/$label: /"
+}
 case "${1:-}" in
   kernels)
     # SmolLM2's GGUF is over one call's 64 MiB: its first half rides with this call.
@@ -130,13 +134,11 @@ case "${1:-}" in
     python3 benchmarks/attention_kernels.py --tune-split 2>&1 | tail -8
     for split in default 8; do
       opt=""; [ "$split" = default ] || opt="--knob triton_attention.SPLIT_PROGRAMS_PER_SM=$split"
-      python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 64 $opt --out "$OUT/s$split" 2>&1 \
-        | grep "^pagoda " | sed "s/^/W2 llama split=$split: /"
+      run "W2 llama split=$split" latency.py --model-config $M/llama3-8b.json --batch 64 $opt --out "$OUT/s$split"
     done
     for split in default 8; do
       opt=""; [ "$split" = default ] || opt="--knob triton_attention.SPLIT_PROGRAMS_PER_SM=$split"
-      python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm $opt --out "$OUT/s$split" 2>&1 \
-        | grep "^pagoda " | sed "s/^/W1 qwen3 split=$split: /"
+      run "W1 qwen3 split=$split" throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm $opt --out "$OUT/s$split"
     done
     ;;
   smallbatch)
@@ -153,17 +155,14 @@ case "${1:-}" in
     python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_ops.py tests/test_gpu.py 2>&1 | tail -3 \
       | tee "$OUT/linear_tests.txt"
     off="--knob triton_linear.MAX_M=0"
-    for run in 1 2; do
+    for rep in 1 2; do
       for opt in "$off" ""; do
-        python3 benchmarks/latency.py --model-config $M/qwen3-0.6b.json --batch 1 4 8 $opt 2>&1 | grep "^pagoda " \
-          | sed "s/^/W2 qwen3 ${opt:+off}${opt:-on} $run: /"
+        run "W2 qwen3 ${opt:+off}${opt:-on} $rep" latency.py --model-config $M/qwen3-0.6b.json --batch 1 4 8 $opt
       done
     done
     for opt in "$off" ""; do
-      python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 $opt 2>&1 | grep "^pagoda " \
-        | sed "s/^/W2 llama ${opt:+off}${opt:-on}: /"
-      python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm $opt 2>&1 | grep "^pagoda " \
-        | sed "s/^/W1 qwen3 ${opt:+off}${opt:-on}: /"
+      run "W2 llama ${opt:+off}${opt:-on}" latency.py --model-config $M/llama3-8b.json --batch 1 $opt
+      run "W1 qwen3 ${opt:+off}${opt:-on}" throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm $opt
     done
     python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 --top 14 2>&1 | tail -16
     ;;
@@ -179,10 +178,6 @@ case "${1:-}" in
     python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_ops.py tests/test_gpu.py -k "linear or gpu or cuda_graph" \
       2>&1 | tail -2 | tee "$OUT/smallm_tests.txt"
     python3 benchmarks/linear_kernels.py 2>&1 | tail -20
-    run() {  # label benchmark args...
-      label=$1; shift
-      python3 benchmarks/$@ 2>&1 | grep "^pagoda " | sed "s/^/$label: /"
-    }
     run "W2 qwen3 cuBLAS" latency.py --model-config $M/qwen3-0.6b.json --batch 1 64 --knob triton_linear.MAX_M=0
     run "W2 qwen3 Triton" latency.py --model-config $M/qwen3-0.6b.json --batch 1 64
     run "W2 llama Triton" latency.py --model-config $M/llama3-8b.json --batch 1 64
@@ -197,8 +192,8 @@ case "${1:-}" in
       --top 12 2>&1 | grep -A13 "batch"
     # Splitting the context in the tail too (split below 2 / 4 programs an SM instead of 1)
     for below in 1 4 1 4; do
-      python3 benchmarks/throughput.py --model-config $M/llama3-8b.json --no-tqdm \
-        --knob triton_attention.SPLIT_BELOW_PROGRAMS_PER_SM=$below 2>&1 | grep "^pagoda " | sed "s/^/W1 llama split<$below: /"
+      run "W1 llama split<$below" throughput.py --model-config $M/llama3-8b.json --no-tqdm \
+        --knob triton_attention.SPLIT_BELOW_PROGRAMS_PER_SM=$below
     done
     ;;
   pdl)
@@ -206,12 +201,10 @@ case "${1:-}" in
     python3 benchmarks/attention_ir.py 2>&1 | tail -1
     for pdl in 0 1 0 1 L0 L1; do   # Qwen3 twice each, then Llama once each
       model=qwen3-0.6b; [ "${pdl#L}" = "$pdl" ] || model=llama3-8b
-      python3 benchmarks/latency.py --model-config $M/$model.json --batch 1 64 --knob triton_utils.USE_PDL=${pdl#L} \
-        2>&1 | grep "^pagoda " | sed "s/^/W2 $model pdl=${pdl#L}: /"
+      run "W2 $model pdl=${pdl#L}" latency.py --model-config $M/$model.json --batch 1 64 --knob triton_utils.USE_PDL=${pdl#L}
     done
     for pdl in 0 1; do
-      python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --knob triton_utils.USE_PDL=$pdl \
-        2>&1 | grep "^pagoda " | sed "s/^/W1 qwen3 pdl=$pdl: /"
+      run "W1 qwen3 pdl=$pdl" throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --knob triton_utils.USE_PDL=$pdl
     done
     ;;
   medium)
@@ -266,10 +259,9 @@ case "${1:-}" in
     python3 benchmarks/linear_kernels.py --sweep 2>&1 | tail -9
     python3 benchmarks/linear_kernels.py --blas 2>&1 | tail -22
     big="--knob triton_linear.MAX_WEIGHT_BYTES=4294967296"
-    for run in 1 2; do
+    for rep in 1 2; do
       for opt in "" "$big"; do
-        python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 $opt 2>&1 | grep "^pagoda " \
-          | sed "s/^/W2 llama ${opt:+big}${opt:-default} $run: /"
+        run "W2 llama ${opt:+big}${opt:-default} $rep" latency.py --model-config $M/llama3-8b.json --batch 1 $opt
       done
     done
     ;;
