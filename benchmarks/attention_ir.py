@@ -29,7 +29,7 @@ def compile_kernel(block_m: int, num_segments: int, use_pdl: bool = False):
     tiles = ta.TILES[block_m]
     const = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, HEAD_DIM_P=128, BLOCK_SIZE=16, BLOCK_M=block_m,
                  BLOCK_Q=block_m // 2, TILE_N=tiles["TILE_N"], NUM_SEGMENTS=num_segments, DOT_PRECISION="tf32",
-                 LOOP_STAGES=tiles["num_stages"], USE_PDL=use_pdl)
+                 LOOP_STAGES=tiles["num_stages"], DECODE=block_m == 16, USE_PDL=use_pdl)
     sig = dict(POINTERS)
     sig.update({name: ("fp32" if name == "qk_scale" else "i32") for name in SCALARS})
     sig.update({name: "constexpr" for name in const})

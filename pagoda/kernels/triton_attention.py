@@ -13,7 +13,9 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   at ``query_start_loc[i] // BLOCK_Q + i``; a program finds its request by binary search over
   ``query_start_loc``. The number of slots, ``num_tokens // BLOCK_Q + num_seqs``, is an upper
   bound that depends only on tensor shapes, so the grid never depends on tensor values (CUDA-graph
-  capturable, no host sync); slots past a request's last tile exit at once.
+  capturable, no host sync); slots past a request's last tile exit at once. A decode-only batch
+  (``max_query_len == 1``) skips the search: tile ``i`` is request ``i``'s, and the grid has one
+  slot per request (no chain of dependent loads before a program's first K/V load).
 - Why unified rather than a prefill kernel + a decode kernel: the engine's steps are mixed
   (chunked prefill rides along with decodes), and one launch with one code path serves them all;
   prefill, chunked prefill over a cached prefix and decode are the same computation (the query
@@ -189,17 +191,25 @@ def _paged_attention_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
-        USE_PDL: tl.constexpr):
+        DECODE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
 
-    seq = _find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    local_tile = q_tile - (q_start // BLOCK_Q + seq)
-    if local_tile * BLOCK_Q >= q_len:  # spare slot of the upper-bound grid
+    if DECODE:
+        # At most one query token per request: tile q_tile is request q_tile's, no search (its
+        # dependent loads are most of a short context's start-up).
+        seq = q_tile
+        local_tile = 0
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    else:
+        seq = _find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        local_tile = q_tile - (q_start // BLOCK_Q + seq)
+    if local_tile * BLOCK_Q >= q_len:  # spare slot of the upper-bound grid, or no query
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # tokens already in the cache before this step's queries
@@ -350,10 +360,11 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 
     block_m, tiles = _pick_tiles(max_query_len, group, query.dtype, query.device)
     block_q = block_m // group
-    num_q_tiles = num_tokens // block_q + num_seqs  # upper bound, from shapes only
+    decode = max_query_len == 1
+    # one tile per request at decode; else an upper bound, from shapes only
+    num_q_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
     if num_segments is None:
-        # (for decode, each request has one query tile per KV head; the rest of the grid are
-        # spare slots that exit at once)
+        # (for decode, each request has one query tile per KV head)
         num_segments = _pick_num_segments(num_seqs * num_kv_heads, max_query_len, max_seq_len,
                                           query.device)
     assert num_segments >= 1 and num_segments & (num_segments - 1) == 0
@@ -378,7 +389,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         NUM_SEGMENTS=num_segments,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        LOOP_STAGES=tiles["num_stages"], **tiles, **pdl_launch(query.device))
+        LOOP_STAGES=tiles["num_stages"], DECODE=decode, **tiles, **pdl_launch(query.device))
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc, num_seqs,
