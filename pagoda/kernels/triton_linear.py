@@ -8,7 +8,8 @@ time (``benchmarks/linear_kernels.py``).
 
 How: each program loads a (BLOCK_N, K) slab of the weight in one go: every load of the
 program is in flight at once, so it pays the memory latency once instead of once per tile of
-a K loop. That limits K (the slab must fit in registers: K <= MAX_K). Then, for each input
+a K loop. The slab must fit in registers, so a K over CHUNK_K is cut into chunks, and each
+chunk's slab is loaded before the previous one is summed (two in flight). Then, for each input
 row, a float32 multiply and a row sum, rounded once to the output dtype.
 
 Where it runs (measured, see BENCHMARKS.md): one row only. At 4 rows cuBLAS was faster on 4 of
@@ -22,37 +23,46 @@ import triton.language as tl
 from pagoda.kernels.triton_utils import pdl_launch, pdl_wait
 
 MAX_M = 1                    # rows of x (the kernel takes up to 4; 0 turns it off)
-MAX_K = 4096                 # the slab of one program holds whole rows of w
+CHUNK_K = 4096               # K per slab; a longer K is streamed in chunks of this
 MAX_WEIGHT_BYTES = 64 << 20  # above this cuBLAS already runs at bandwidth (measured on the H200)
-SLAB_ELEMENTS = 16384        # BLOCK_N * next_pow2(K): 64 elements a thread at 8 warps
+SLAB_ELEMENTS = 16384        # BLOCK_N * BLOCK_K: 64 elements a thread at 8 warps
 SLAB_WARPS = 8
 
 
 @triton.jit
 def _small_m_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
-                           M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+                           M: tl.constexpr, M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           NUM_CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     cols = tl.arange(0, BLOCK_K)
-    row_ok, col_ok = rows < N, cols < K
-    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :],
-                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    ms = tl.arange(0, M_P)
+    acc = tl.zeros([BLOCK_N, M_P], tl.float32)   # column m: output row m
+    # The slab of each K chunk is loaded before the previous chunk is summed, so two chunks'
+    # loads are in flight at once (a K longer than one chunk is streamed, not waited for).
+    w_next = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+    for c in tl.static_range(NUM_CHUNKS):
+        w = w_next.to(tl.float32)
+        k = c * BLOCK_K + cols
+        if c + 1 < NUM_CHUNKS:
+            k_next = k + BLOCK_K
+            w_next = tl.load(w_rows + k_next[None, :], mask=row_ok[:, None] & (k_next < K)[None, :], other=0.0)
+        for m in tl.static_range(M):
+            x = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+            acc = tl.where(ms[None, :] == m, acc + tl.sum(w * x[None, :], axis=1)[:, None], acc)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    for m in tl.static_range(M):
-        x = tl.load(x_ptr + m * stride_xm + cols, mask=col_ok, other=0.0).to(tl.float32)
-        y = tl.sum(w * x[None, :], axis=1)
-        if HAS_BIAS:
-            y += bias
-        tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+        acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + ms[None, :] * stride_om + rows[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (ms < M)[None, :])
 
 
 def use_small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``small_m_linear`` should run this matmul (decided from shapes only, so the
     choice is the same at CUDA-graph capture and replay)."""
     return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.shape[1] <= MAX_K
+            and weight.dtype == x.dtype
             and weight.numel() * weight.element_size() <= MAX_WEIGHT_BYTES)
 
 
@@ -62,17 +72,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x (M, K)`` with M <= 4 and K <= MAX_K; weight
-    ``(N, K)`` and x with unit stride along K. Capturable (no host sync)."""
+    """``F.linear(x, weight, bias)`` for ``x (M, K)`` with M <= 4, any K; weight ``(N, K)`` and x
+    with unit stride along K. Capturable (no host sync)."""
     m, k = x.shape
     n = weight.shape[0]
-    assert m <= 4 and k <= MAX_K and weight.shape[1] == k, (x.shape, weight.shape)
+    assert m <= 4 and weight.shape[1] == k, (x.shape, weight.shape)
     assert x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_k = triton.next_power_of_2(k)
+    block_k = min(triton.next_power_of_2(k), CHUNK_K)
     block_n = max(1, min(64, SLAB_ELEMENTS // block_k))
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), M=m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=SLAB_WARPS,
+        out.stride(0), M=m, M_P=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        NUM_CHUNKS=triton.cdiv(k, block_k), HAS_BIAS=bias is not None, num_warps=SLAB_WARPS,
         **pdl_launch(x.device))
     return out

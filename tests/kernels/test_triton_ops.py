@@ -230,7 +230,8 @@ def test_silu_and_mul(tokens, d, dtype, request):
 
 # (N, K): Qwen3-0.6B's qkv, o, gate_up, down and Llama-3-8B's qkv on the GPU; on CPU small
 # shapes with K not a power of two and N not a multiple of the kernel's row block
-LINEAR_SHAPES = ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (1000, 1000)]
+LINEAR_SHAPES = ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (1000, 1000),
+                  (4096, 14336), (1000, 9000)]  # K over one chunk (Llama-3-8B's down), and ragged
                  if ON_GPU else [(37, 96), (130, 200), (16, 64)])
 
 
@@ -249,6 +250,22 @@ def test_small_m_linear(n, k, rows, dtype, request):
         for b in (None, bias):
             ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
             check(kernel(x, w, b), ref.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("n,k", [(37, 200), (16, 64), (9, 65)], ids=str)
+def test_small_m_linear_k_chunks(n, k, rows, monkeypatch, request):
+    """A K longer than one chunk is summed over several slabs (here chunks of 32, the last one
+    partial), with the same result as F.linear."""
+    from pagoda.kernels import triton_linear
+    monkeypatch.setattr(triton_linear, "CHUNK_K", 32)
+    dtype = DTYPES[-1] if ON_GPU else torch.float16
+    gen = seed_for(request)
+    w = randn(n, k, gen=gen, dtype=dtype, scale=k ** -0.5)
+    bias = randn(n, gen=gen, dtype=dtype)
+    x = randn(rows, k, gen=gen, dtype=dtype)
+    ref = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    check(triton_linear.small_m_linear(x, w, bias), ref.to(dtype), dtype)
 
 
 def test_small_m_linear_dispatch(monkeypatch):
@@ -274,7 +291,7 @@ def test_small_m_linear_dispatch(monkeypatch):
     w = Fake((4096, 1024))
     assert tl_.linear(Fake((1, 1024)), w) == "small"
     assert tl_.linear(Fake((tl_.MAX_M + 1, 1024)), w) is None
-    assert tl_.linear(Fake((1, 8192)), Fake((1024, 8192))) is None                 # K > MAX_K
+    assert tl_.linear(Fake((1, 8192)), Fake((1024, 8192))) == "small"              # K in chunks
     assert tl_.linear(Fake((1, 1024), cuda=False), w) is None
     assert tl_.linear(Fake((1, 1024), torch.float32), Fake((4096, 1024), torch.float32)) is None
     assert tl_.linear(Fake((1, 4096)), Fake((28672, 4096))) is None                # 235 MB
