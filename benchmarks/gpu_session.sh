@@ -26,6 +26,8 @@
 #   bash benchmarks/gpu_session.sh probe     # decode attention alone vs after a GEMM; ncu of one launch
 #   bash benchmarks/gpu_session.sh next      # decode matmuls: slab kernel on large matrices, its sweep, BLAS libraries
 #   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
+#   BASE=dir bash benchmarks/gpu_session.sh cand  # attention + linear tests; ragged attention, slab matmuls and
+#                                                 # W1/W2 both models, BASE against this tree
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -280,5 +282,23 @@ case "${1:-}" in
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|next|pipeline"; exit 2 ;;
+  cand)
+    # Changes to both decode kernels (attention grid, slab matmul): their tests at full shapes;
+    # ragged-context attention in both trees; the slab kernel on every matrix; then end to end,
+    # BASE against this tree: W1 Qwen3 twice, W2 Llama-3-8B (also with the slab kernel on every
+    # matrix), W1 Llama-3-8B
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      tests/kernels/test_triton_ops.py -k "attention or linear" 2>&1 | tail -3 | tee "$OUT/cand_tests.txt"
+    for tree in "$BASE" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/attention_kernels.py --ragged 2>&1 \
+        | tail -4 | sed "s|^|$(basename $tree): |")
+    done
+    python3 benchmarks/linear_kernels.py 2>&1 | tail -24
+    for rep in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
+    w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
+    run "W2 llama3-8b new, slab on every matrix" latency.py --model-config $M/llama3-8b.json --batch 1 \
+      --knob triton_linear.MAX_WEIGHT_BYTES=4294967296
+    w1 "$BASE" base llama3-8b; w1 . new llama3-8b
+    ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|next|pipeline|cand"; exit 2 ;;
 esac
