@@ -254,18 +254,11 @@ case "${1:-}" in
       | grep -vE "^==PROF==|^\s*$|---" | grep -E "paged|Duration|Throughput|Grid|Registers|Shared|Cycles Per|Freq|rror|No kernels" | head -30
     ;;
   next)
-    # The decode matmuls: the batch-1 slab kernel on the large matrices too (gate_up, LM heads)
-    # and its slab size; cuBLAS against cuBLASLt at 16-256 rows; W2 Llama-3-8B with the slab
-    # kernel on every K <= 4,096 matrix. (W1's profile, prefill and decode steps apart: w1profile.)
-    python3 benchmarks/linear_kernels.py 2>&1 | tail -24
-    python3 benchmarks/linear_kernels.py --sweep 2>&1 | tail -9
+    # The decode matmuls: the batch-1 slab kernel's size and warps on every matrix; cuBLAS
+    # against cuBLASLt at 16-256 rows
+    python3 benchmarks/linear_kernels.py 2>&1 | tail -30
+    python3 benchmarks/linear_kernels.py --sweep 2>&1 | tail -11
     python3 benchmarks/linear_kernels.py --blas 2>&1 | tail -22
-    big="--knob triton_linear.MAX_WEIGHT_BYTES=4294967296"
-    for rep in 1 2; do
-      for opt in "" "$big"; do
-        run "W2 llama ${opt:+big}${opt:-default} $rep" latency.py --model-config $M/llama3-8b.json --batch 1 $opt
-      done
-    done
     ;;
   pipeline)
     # A change to the attention kernel: its tests at full shapes, then BASE against this tree in
@@ -285,8 +278,7 @@ case "${1:-}" in
   cand)
     # Changes to both decode kernels (attention grid, slab matmul): their tests at full shapes;
     # ragged-context attention in both trees; the slab kernel on every matrix; then end to end,
-    # BASE against this tree: W1 Qwen3 twice, W2 Llama-3-8B (also with the slab kernel on every
-    # matrix), W1 Llama-3-8B
+    # BASE against this tree: W1 Qwen3 twice, W2 Llama-3-8B, W1 Llama-3-8B
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
       tests/kernels/test_triton_ops.py -k "attention or linear" 2>&1 | tail -3 | tee "$OUT/cand_tests.txt"
     for tree in "$BASE" .; do
@@ -296,8 +288,6 @@ case "${1:-}" in
     python3 benchmarks/linear_kernels.py 2>&1 | tail -24
     for rep in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
-    run "W2 llama3-8b new, slab on every matrix" latency.py --model-config $M/llama3-8b.json --batch 1 \
-      --knob triton_linear.MAX_WEIGHT_BYTES=4294967296
     w1 "$BASE" base llama3-8b; w1 . new llama3-8b
     ;;
   *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|next|pipeline|cand"; exit 2 ;;

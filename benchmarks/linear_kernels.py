@@ -24,7 +24,6 @@ from common import graph_ms  # noqa: E402  (the script's folder is on sys.path)
 
 SHAPES = {"qwen3 qkv": (4096, 1024), "qwen3 o": (1024, 2048), "qwen3 gate_up": (6144, 1024),
           "qwen3 down": (1024, 3072), "llama qkv": (6144, 4096), "llama o": (4096, 4096),
-          # above the engine's MAX_WEIGHT_BYTES (cuBLAS runs them): is the kernel faster there too?
           "llama gate_up": (28672, 4096), "llama down": (4096, 14336), "llama lm_head": (128256, 4096),
           "qwen3 lm_head": (151936, 1024)}
 BATCHES = [1, 2, 4]

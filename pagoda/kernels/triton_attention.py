@@ -15,7 +15,11 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   bound that depends only on tensor shapes, so the grid never depends on tensor values (CUDA-graph
   capturable, no host sync); slots past a request's last tile exit at once. A decode-only batch
   (``max_query_len == 1``) skips the search: tile ``i`` is request ``i``'s, and the grid has one
-  slot per request (no chain of dependent loads before a program's first K/V load).
+  slot per request (no chain of dependent loads before a program's first K/V load), and a
+  1-D grid in batch order with each request's KV heads (and segments) side by side. Programs
+  start in grid order and the runner orders a batch longest context first, so over ragged
+  contexts the long programs start first and the short ones fill the last wave (in a
+  ``(requests, kv heads)`` grid the longest requests of the last KV head started last).
 - Why unified rather than a prefill kernel + a decode kernel: the engine's steps are mixed
   (chunked prefill rides along with decodes), and one launch with one code path serves them all;
   prefill, chunked prefill over a cached prefix and decode are the same computation (the query
@@ -193,18 +197,23 @@ def _paged_attention_kernel(
         NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
         DECODE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
-    q_tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    segment = tl.program_id(2)
-
     if DECODE:
-        # At most one query token per request: tile q_tile is request q_tile's, no search (its
-        # dependent loads are most of a short context's start-up).
-        seq = q_tile
+        # At most one query token per request: no search (its dependent loads are most of a
+        # short context's start-up). A 1-D grid in batch order, a request's KV heads and
+        # segments next to each other: programs start in grid order, so a batch ordered longest
+        # context first starts its longest programs first and its shortest fill the last wave.
+        NUM_KV_HEADS: tl.constexpr = NUM_HEADS // GROUP
+        pid = tl.program_id(0)
+        segment = pid % NUM_SEGMENTS
+        kv_head = (pid // NUM_SEGMENTS) % NUM_KV_HEADS
+        seq = pid // (NUM_SEGMENTS * NUM_KV_HEADS)
         local_tile = 0
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     else:
+        q_tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        segment = tl.program_id(2)
         seq = _find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -361,8 +370,6 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     block_m, tiles = _pick_tiles(max_query_len, group, query.dtype, query.device)
     block_q = block_m // group
     decode = max_query_len == 1
-    # one tile per request at decode; else an upper bound, from shapes only
-    num_q_tiles = num_seqs if decode else num_tokens // block_q + num_seqs
     if num_segments is None:
         # (for decode, each request has one query tile per KV head)
         num_segments = _pick_num_segments(num_seqs * num_kv_heads, max_query_len, max_seq_len,
@@ -379,7 +386,11 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         part_m = part_l = part_acc = out  # unused
 
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_segments)](
+    if decode:   # one tile per request, KV head and segment, flattened in batch order
+        grid = (num_seqs * num_kv_heads * num_segments,)
+    else:        # query tile slots: an upper bound, from shapes only
+        grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
+    _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_acc, part_m, part_l,
         block_tables, seq_lens, query_start_loc,
         scale * math.log2(math.e), num_seqs,

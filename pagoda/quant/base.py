@@ -14,6 +14,15 @@ def _triton_linear():
     return triton_linear
 
 
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through the batch-1 Triton kernel on the GPU where it beats cuBLAS."""
+    if x.is_cuda:
+        out = _triton_linear().linear(x, weight, bias)
+        if out is not None:
+            return out
+    return F.linear(x, weight, bias)
+
+
 class QuantMethod:
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        dtype: torch.dtype) -> None:
@@ -32,11 +41,7 @@ class UnquantizedLinearMethod(QuantMethod):
                                     requires_grad=False)
 
     def apply(self, layer, x, bias):
-        if x.is_cuda:   # batch 1: a Triton kernel where it beats cuBLAS
-            out = _triton_linear().linear(x, layer.weight, bias)
-            if out is not None:
-                return out
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
 
 
 PLANNED_METHODS = ("fp8", "w8a8", "gptq", "awq")

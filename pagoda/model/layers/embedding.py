@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from pagoda.quant.base import dense_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -32,5 +33,5 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = tp_all_gather(F.linear(hidden, self.weight), dim=-1)
+        logits = tp_all_gather(dense_linear(hidden, self.weight), dim=-1)
         return logits[:, :self.vocab_size]
