@@ -32,7 +32,6 @@ SLAB_WARPS = 8
 def _small_m_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                            M: tl.constexpr, M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            NUM_CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
@@ -42,6 +41,10 @@ def _small_m_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_xm, str
     # The slab of each K chunk is loaded before the previous chunk is summed, so two chunks'
     # loads are in flight at once (a K longer than one chunk is streamed, not waited for).
     w_next = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+    # Only x comes from the kernel before: the first slab is loaded before waiting for it, so
+    # under PDL the weight read starts while that kernel is still running. (No kernel of a
+    # forward pass writes weights.)
+    pdl_wait(USE_PDL)
     for c in tl.static_range(NUM_CHUNKS):
         w = w_next.to(tl.float32)
         k = c * BLOCK_K + cols

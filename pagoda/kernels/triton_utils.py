@@ -34,7 +34,8 @@ def fix_interpreter_loop_bounds() -> None:
 # With PDL a kernel is launched while the previous one is still running: its programs start,
 # then wait (pdl_wait) until the previous kernel's writes are visible, so the launch and start-up
 # overlap the previous kernel's tail. A kernel that calls pdl_wait before its first memory
-# access is correct whichever kernel precedes it (Triton, cuBLAS, torch). 1 on, 0 off.
+# access is correct whichever kernel precedes it (Triton, cuBLAS, torch); before it, a kernel
+# may only read what no kernel of the forward pass writes (weights). 1 on, 0 off.
 USE_PDL = 1
 
 

@@ -269,23 +269,21 @@ def test_small_m_linear_k_chunks(n, k, rows, monkeypatch, request):
 
 
 def test_small_m_linear_dispatch(monkeypatch):
-    """Which matmuls take the kernel: CUDA half-precision single rows over small weights;
-    everything else (and every CPU tensor) runs F.linear."""
+    """Which matmuls take the kernel: CUDA half-precision single rows with unit stride along K,
+    any weight size; everything else (and every CPU tensor) runs F.linear."""
     from pagoda.kernels import triton_linear as tl_
     from pagoda.quant.base import UnquantizedLinearMethod
 
     class Fake:  # a tensor's shape, dtype and device alone decide
-        def __init__(self, shape, dtype=torch.bfloat16, cuda=True):
+        def __init__(self, shape, dtype=torch.bfloat16, cuda=True, k_stride=1):
             self.shape, self.dtype, self.is_cuda = torch.Size(shape), dtype, cuda
+            self.k_stride = k_stride
 
         def dim(self):
             return len(self.shape)
 
-        def numel(self):
-            return self.shape.numel()
-
-        def element_size(self):
-            return 2
+        def stride(self, dim):
+            return self.k_stride if dim == 1 else self.shape[1] * self.k_stride
 
     monkeypatch.setattr(tl_, "small_m_linear", lambda *a: "small")
     w = Fake((4096, 1024))
@@ -294,7 +292,9 @@ def test_small_m_linear_dispatch(monkeypatch):
     assert tl_.linear(Fake((1, 8192)), Fake((1024, 8192))) == "small"              # K in chunks
     assert tl_.linear(Fake((1, 1024), cuda=False), w) is None
     assert tl_.linear(Fake((1, 1024), torch.float32), Fake((4096, 1024), torch.float32)) is None
-    assert tl_.linear(Fake((1, 4096)), Fake((28672, 4096))) is None                # 235 MB
+    assert tl_.linear(Fake((1, 4096)), Fake((128256, 4096))) == "small"            # a 1 GB LM head
+    assert tl_.linear(Fake((1, 1024), k_stride=2), w) is None                       # strided along K
+    assert tl_.linear(Fake((1, 1024)), Fake((4096, 1024), k_stride=2)) is None
     assert tl_.linear(Fake((0, 1024)), w) is None
     monkeypatch.setattr(tl_, "MAX_M", 0)                                             # turned off
     assert tl_.linear(Fake((1, 1024)), w) is None
