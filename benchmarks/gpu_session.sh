@@ -28,6 +28,8 @@
 #   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
 #   BASE=dir bash benchmarks/gpu_session.sh cand  # attention + linear tests; ragged attention, slab matmuls and
 #                                                 # W1/W2 both models, BASE against this tree
+#   BASE=dir MID=dir bash benchmarks/gpu_session.sh order  # tests; ragged attention BASE vs tree; W2 batch 1
+#                                                 # MID vs tree, both models; W1 both models BASE vs tree
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -288,6 +290,20 @@ case "${1:-}" in
     python3 benchmarks/linear_kernels.py 2>&1 | tail -24
     for rep in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
+    w1 "$BASE" base llama3-8b; w1 . new llama3-8b
+    ;;
+  order)
+    # The decode attention grid in batch order (longest first) and the slab kernel's weight
+    # prefetch before pdl_wait: tests at full shapes; ragged contexts BASE against this tree;
+    # W2 batch 1 MID (grid, no prefetch) against this tree; W1 BASE against this tree
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      tests/kernels/test_triton_ops.py -k "attention or linear" 2>&1 | tail -3 | tee "$OUT/order_tests.txt"
+    for tree in "$BASE" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/attention_kernels.py --ragged 2>&1 \
+        | tail -3 | sed "s|^|$(basename $tree): |")
+    done
+    for model in qwen3-0.6b llama3-8b; do w2 "$MID" mid $model 1; w2 . new $model 1; done
+    w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b
     w1 "$BASE" base llama3-8b; w1 . new llama3-8b
     ;;
   *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|next|pipeline|cand"; exit 2 ;;
