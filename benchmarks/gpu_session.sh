@@ -306,5 +306,5 @@ case "${1:-}" in
     w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b
     w1 "$BASE" base llama3-8b; w1 . new llama3-8b
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|next|pipeline|cand"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|next|pipeline|cand|order"; exit 2 ;;
 esac
