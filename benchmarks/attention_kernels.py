@@ -269,29 +269,26 @@ def tune_split(dtype, gen, log):
     return results
 
 
-def tune_ragged(dtype, gen, log, runs=(1,)):
+def tune_ragged(dtype, gen, log):
     """W1's decode batches mix contexts of 100-2,048 tokens: the kernel on ragged contexts
     (longest first, as the engine orders them, and shuffled) against uniform ones of the same
-    mean, in a CUDA graph, for each decode grid order (``DECODE_RUN``). GB/s of KV read."""
+    mean, in a CUDA graph. GB/s of KV read."""
     log("\nRagged contexts against uniform ones of the same mean (GB/s of KV read)")
     rng = torch.Generator().manual_seed(0)
-    default = ta.DECODE_RUN
     for model, batch, lo, hi in [("qwen3-0.6b", 256, 100, 1400), ("qwen3-0.6b", 128, 300, 2048),
                                  ("llama3-8b", 256, 100, 1400)]:
         lens = torch.randint(lo, hi + 1, (batch,), generator=rng)
         mean = int(lens.float().mean())
         uniform = Case(batch, 1, mean, *MODELS[model], dtype, gen)
+        rates = [uniform.kv_bytes() / 1e6 / graph_ms(lambda: uniform.triton(), 25, 100)]
+        del uniform
         ragged = Case(batch, 1, hi, *MODELS[model], dtype, gen)
-        for run in runs:
-            ta.DECODE_RUN = run
-            rates = [uniform.kv_bytes() / 1e6 / graph_ms(lambda: uniform.triton(), 25, 100)]
-            for order in (lens.sort(descending=True).values, lens):
-                ragged.set_lengths(order.tolist())
-                rates.append(ragged.kv_bytes() / 1e6 / graph_ms(lambda: ragged.triton(), 25, 100))
-            log(f"  {model:10s} b={batch:<3d} ctx {lo}-{hi} (mean {mean}) run {run:<3d}: uniform {rates[0]:5.0f}  "
-                f"ragged longest first {rates[1]:5.0f}  ragged shuffled {rates[2]:5.0f}")
-        ta.DECODE_RUN = default
-        del uniform, ragged
+        for order in (lens.sort(descending=True).values, lens):
+            ragged.set_lengths(order.tolist())
+            rates.append(ragged.kv_bytes() / 1e6 / graph_ms(lambda: ragged.triton(), 25, 100))
+        log(f"  {model:10s} b={batch:<3d} ctx {lo}-{hi} (mean {mean}): uniform {rates[0]:5.0f}  "
+            f"ragged longest first {rates[1]:5.0f}  ragged shuffled {rates[2]:5.0f}")
+        del ragged
         torch.cuda.empty_cache()
 
 
@@ -305,8 +302,6 @@ def main():
                         help="only time the flash-decoding split factors at medium batches")
     parser.add_argument("--ragged", action="store_true",
                         help="only time decode over ragged contexts against uniform ones")
-    parser.add_argument("--runs", type=int, nargs="+", default=[ta.DECODE_RUN],
-                        help="with --ragged: the decode grid orders (DECODE_RUN) to time")
     args = parser.parse_args()
     assert DEVICE != "cuda" or torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dtype = getattr(torch, args.dtype)
@@ -322,10 +317,7 @@ def main():
     bw = copy_bandwidth()
     if args.tune_split or args.ragged:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
-        if args.tune_split:
-            tune_split(dtype, gen, log)
-        else:
-            tune_ragged(dtype, gen, log, args.runs)
+        (tune_split if args.tune_split else tune_ragged)(dtype, gen, log)
         return
     if args.tune_decode:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")

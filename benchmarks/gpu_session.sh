@@ -171,10 +171,10 @@ case "${1:-}" in
     python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 1 --top 14 2>&1 | tail -16
     ;;
   w1profile)
-    python3 benchmarks/attention_kernels.py --ragged --runs 1 2 4 8 16 32 256 2>&1 | tail -22
-    for model in qwen3-0.6b llama3-8b; do
+    python3 benchmarks/attention_kernels.py --ragged 2>&1 | tail -4
+    for model in llama3-8b qwen3-0.6b; do
       python3 benchmarks/throughput.py --model-config $M/$model.json --no-tqdm --profile --out "$OUT/$model" 2>&1 \
-        | tee "$OUT/${model}_profile.txt" | grep -B3 -A40 "steps by batch" | head -50 | sed "s/^/$model: /"
+        | grep -B3 -A40 "steps by batch" | head -50 | sed "s/^/$model: /"
     done
     ;;
   smallm)

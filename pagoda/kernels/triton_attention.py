@@ -83,11 +83,6 @@ SPLIT_PROGRAMS_PER_SM = 2
 SPLIT_MAX_SEGMENTS = 64
 SPLIT_MIN_TOKENS = 128
 
-# Decode grid order: runs of DECODE_RUN requests in batch order, each run all its KV heads one
-# after the other (and a request's segments side by side). Programs start in grid order and the
-# batch comes longest context first, so a short run keeps the longest programs starting first.
-DECODE_RUN = 1
-
 
 fix_interpreter_loop_bounds()
 
@@ -200,7 +195,7 @@ def _paged_attention_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
-        DECODE: tl.constexpr, DECODE_RUN: tl.constexpr, USE_PDL: tl.constexpr):
+        DECODE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     if DECODE:
         # At most one query token per request: no search (its dependent loads are most of a
@@ -208,14 +203,10 @@ def _paged_attention_kernel(
         # segments next to each other: programs start in grid order, so a batch ordered longest
         # context first starts its longest programs first and its shortest fill the last wave.
         NUM_KV_HEADS: tl.constexpr = NUM_HEADS // GROUP
-        RUN: tl.constexpr = NUM_SEGMENTS * DECODE_RUN        # programs of one KV head in a run
         pid = tl.program_id(0)
-        run = pid // (RUN * NUM_KV_HEADS)
-        kv_head = (pid // RUN) % NUM_KV_HEADS
         segment = pid % NUM_SEGMENTS
-        seq = run * DECODE_RUN + (pid % RUN) // NUM_SEGMENTS
-        if seq >= num_seqs:   # past the last request (the grid rounds up to whole runs)
-            return
+        kv_head = (pid // NUM_SEGMENTS) % NUM_KV_HEADS
+        seq = pid // (NUM_SEGMENTS * NUM_KV_HEADS)
         local_tile = 0
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -395,8 +386,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         part_m = part_l = part_acc = out  # unused
 
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    if decode:   # one tile per request, KV head and segment, in runs of DECODE_RUN requests
-        grid = (triton.cdiv(num_seqs, DECODE_RUN) * DECODE_RUN * num_kv_heads * num_segments,)
+    if decode:   # one tile per request, KV head and segment, flattened in batch order
+        grid = (num_seqs * num_kv_heads * num_segments,)
     else:        # query tile slots: an upper bound, from shapes only
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
     _paged_attention_kernel[grid](
@@ -409,7 +400,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         NUM_SEGMENTS=num_segments,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        LOOP_STAGES=tiles["num_stages"], DECODE=decode, DECODE_RUN=DECODE_RUN, **tiles, **pdl_launch(query.device))
+        LOOP_STAGES=tiles["num_stages"], DECODE=decode, **tiles, **pdl_launch(query.device))
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc, num_seqs,

@@ -114,16 +114,6 @@ def test_split_kv_decode(num_segments, request):
                     DTYPES[-1], seed_for(request), num_segments=num_segments)
 
 
-@pytest.mark.parametrize("run", [2, 3])
-@pytest.mark.parametrize("num_segments", [1, 4])
-def test_decode_grid_runs(run, num_segments, monkeypatch, request):
-    # Runs of several requests per KV head, the last run partial (5 requests in runs of 2 or 3):
-    # every (request, head) is attended once and the grid's spare slots write nothing.
-    monkeypatch.setattr(ta, "DECODE_RUN", run)
-    check_attention([1] * 5, [LONG, 300, 77, 17, 1], *HEADS[2], 128, 16, DTYPES[-1],
-                    seed_for(request), num_segments=num_segments)
-
-
 def test_split_kv_chosen_for_few_long_decodes(monkeypatch):
     dev = torch.device(DEVICE)
     assert ta._pick_num_segments(8, 1, 4000, dev) > 1          # batch 1, 8 KV heads
