@@ -172,9 +172,9 @@ case "${1:-}" in
     ;;
   w1profile)
     python3 benchmarks/attention_kernels.py --ragged 2>&1 | tail -4
-    for model in llama3-8b qwen3-0.6b; do
+    for model in qwen3-0.6b llama3-8b; do
       python3 benchmarks/throughput.py --model-config $M/$model.json --no-tqdm --profile --out "$OUT/$model" 2>&1 \
-        | grep -B3 -A40 "steps by batch" | head -50 | sed "s/^/$model: /"
+        | tee "$OUT/${model}_profile.txt" | grep -B3 -A40 "steps by batch" | head -50 | sed "s/^/$model: /"
     done
     ;;
   smallm)
