@@ -28,7 +28,7 @@
 #   BASE=dir bash benchmarks/gpu_session.sh pipeline  # attention tests, kernel micro-benchmarks BASE vs tree, W1/W2 A/B
 #   BASE=dir bash benchmarks/gpu_session.sh cand  # attention + linear tests; ragged attention, slab matmuls and
 #                                                 # W1/W2 both models, BASE against this tree
-#   bash benchmarks/gpu_session.sh closing   # W1 + W2 both models; W1's prefill steps alone, profiled; all GPU tests
+#   bash benchmarks/gpu_session.sh closing   # W1 + W2 both models; W1's prefill steps alone, profiled; GPU tests of today's kernels
 #   BASE=dir MID=dir bash benchmarks/gpu_session.sh order  # tests; ragged attention BASE vs tree; W2 batch 1
 #                                                 # MID vs tree, both models; W1 both models BASE vs tree
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
@@ -309,14 +309,16 @@ case "${1:-}" in
     ;;
   closing)
     # The session's figures first, then W1's prefill steps alone (every request stops after one
-    # token): their wall against GPU kernel time, and the host's hot spots; then every GPU test
+    # token): their wall against GPU kernel time, and the host's hot spots; then the GPU tests of the
+    # attention and batch-1 linear kernels and the engine
     w1 . main qwen3-0.6b; w1 . main llama3-8b
     w2 . main qwen3-0.6b "1 64"; w2 . main llama3-8b "1 64"
     python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --output-len 1 1 --profile \
       --out "$OUT/prefill" > "$OUT/prefill_profile.txt" 2>&1
     grep -E "^pagoda |prefill batch|decode  batch|all:|roofline|profiled run|^  [a-z]|^ +[0-9.]+ s " "$OUT/prefill_profile.txt" | head -40
     grep -A28 "Ordered by" "$OUT/prefill_profile.txt" | cut -c1-150
-    timeout 270 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_gpu.py 2>&1 | tail -4 \
+    timeout 270 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py tests/test_gpu.py \
+      tests/kernels/test_triton_ops.py::test_small_m_linear{,_k_chunks,_dispatch} 2>&1 | tail -4 \
       | tee "$OUT/closing_tests.txt"
     ;;
   *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|next|pipeline|cand|order|closing"; exit 2 ;;
