@@ -292,6 +292,51 @@ def tune_ragged(dtype, gen, log):
         torch.cuda.empty_cache()
 
 
+def time_mixed(dtype, gen, log, nd=256, chunks=15, total=8192):
+    """A W1 prefill step: 256 decodes (contexts 100-1,000) beside 15 prompt chunks (8,192 tokens
+    in all), attended in one launch against the backend's two (decodes apart), in a CUDA graph."""
+    from pagoda.model.layers.attention import AttentionMetadata, TritonAttentionBackend
+    log("\nA mixed step, one launch against decodes and prefills apart (ms)")
+    rng = torch.Generator().manual_seed(0)
+    for model, (num_heads, num_kv_heads, head_dim) in MODELS.items():
+        dec = torch.randint(100, 1001, (nd,), generator=rng).sort(descending=True).values.tolist()
+        chunk = (total - nd) // chunks
+        q_lens = [1] * nd + [chunk] * chunks
+        seq_lens = dec + [chunk] * chunks
+        blocks = [triton.cdiv(n, BLOCK_SIZE) for n in seq_lens]
+        width = max(blocks)
+        perm = torch.randperm(sum(blocks), generator=rng)
+        tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+        start = 0
+        for i, b in enumerate(blocks):
+            tables[i, :b] = perm[start:start + b]
+            start += b
+        kv_cache = torch.randn(2, sum(blocks), BLOCK_SIZE, num_kv_heads, head_dim, device=DEVICE,
+                               dtype=dtype, generator=gen)
+        n = sum(q_lens)
+        q = torch.randn(n, num_heads, head_dim, device=DEVICE, dtype=dtype, generator=gen)
+        qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+        seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        tables = tables.to(DEVICE)
+        scale = head_dim ** -0.5
+        out = torch.empty_like(q)
+        k = torch.zeros(n, num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
+        slots = torch.full((n,), -1, dtype=torch.long, device=DEVICE)   # (the new K/V: not timed)
+
+        def one_launch():
+            ta.write_kv_cache_triton(k, k, kv_cache, slots)
+            return ta.paged_attention_triton(q, kv_cache, tables, seq_t, qsl, scale, max(seq_lens), chunk, out=out)
+
+        md = AttentionMetadata(n, nd, slots, qsl, seq_t, tables, chunk, max(seq_lens), max(dec))
+        one = graph_ms(one_launch, 10, 50)
+        apart = graph_ms(lambda: TritonAttentionBackend.forward(q, k, k, kv_cache, md, scale), 10, 50)
+        err = rel_err(TritonAttentionBackend.forward(q, k, k, kv_cache, md, scale), one_launch())
+        log(f"  {model:10s} {nd} decodes + {chunks} x {chunk}-token prefills: one launch {one:6.3f}  "
+            f"apart {apart:6.3f}  (rel. difference {err:.1e})")
+        del kv_cache
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -302,6 +347,8 @@ def main():
                         help="only time the flash-decoding split factors at medium batches")
     parser.add_argument("--ragged", action="store_true",
                         help="only time decode over ragged contexts against uniform ones")
+    parser.add_argument("--mixed", action="store_true",
+                        help="only time a mixed step in one launch against decodes and prefills apart")
     args = parser.parse_args()
     assert DEVICE != "cuda" or torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     dtype = getattr(torch, args.dtype)
@@ -315,9 +362,9 @@ def main():
 
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
-    if args.tune_split or args.ragged:
+    if args.tune_split or args.ragged or args.mixed:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
-        (tune_split if args.tune_split else tune_ragged)(dtype, gen, log)
+        (tune_split if args.tune_split else tune_ragged if args.ragged else time_mixed)(dtype, gen, log)
         return
     if args.tune_decode:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")

@@ -28,10 +28,10 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   decode and prefill is the tile shape, and that is a launch-time choice (``_pick_tiles``, from
   the python int ``max_query_len``): 16 rows for decode (memory-bound: extra rows are wasted
   MMA work and registers), 128 rows for prefill (compute-bound: each K/V tile feeds more query
-  rows, and wgmma needs 64-row multiples). A mixed batch takes its longest request's tile, so
-  decodes riding along with a prefill run in 128-row tiles: more (idle-row) MMA work for the
-  same bytes, a fraction of such a step's time; a runner that orders decodes first could launch
-  the decode and prefill parts separately if a profile ever shows it.
+  rows, and wgmma needs 64-row multiples). A batch takes its longest request's tile, so the
+  attention backend launches a mixed step's decodes (first in the batch) and its prefills apart:
+  the prefills' launch is the batch from ``query_start_loc[num_decodes]`` on, so
+  ``query_start_loc[0]`` may be above 0 (``query`` and ``out`` are still the whole batch's).
 - Flash-decoding: with few sequences decoding, ``batch * num_kv_heads`` programs cannot fill
   132 SMs (batch 1 of Llama-3-8B: 8 programs). Then each request's context is split into
   ``NUM_SEGMENTS`` contiguous ranges of KV tiles, one program each; they write unnormalised
@@ -214,11 +214,12 @@ def _paged_attention_kernel(
         q_tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         segment = tl.program_id(2)
-        seq = _find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q)
+        # (-1 for the slots before the first request's when query_start_loc[0] > 0)
+        seq = tl.maximum(_find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q), 0)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
         local_tile = q_tile - (q_start // BLOCK_Q + seq)
-    if local_tile * BLOCK_Q >= q_len:  # spare slot of the upper-bound grid, or no query
+    if (local_tile < 0) | (local_tile * BLOCK_Q >= q_len):  # spare slot of the grid, or no query
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # tokens already in the cache before this step's queries
@@ -293,7 +294,8 @@ def _merge_segments_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_
     pdl_wait(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
-    if token >= tl.load(query_start_loc_ptr + num_seqs):  # padding rows: left untouched
+    # rows of no request (padding, or before query_start_loc[0]): left untouched
+    if (token < tl.load(query_start_loc_ptr)) | (token >= tl.load(query_start_loc_ptr + num_seqs)):
         return
     offs_s = tl.arange(0, NUM_SEGMENTS)
     offs_d = tl.arange(0, HEAD_DIM_P)
@@ -345,7 +347,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     ``reference.paged_attention``. ``query``: ``(num_tokens, num_heads, head_dim)`` (strided
     views fine, head_dim contiguous); ``kv_cache``: ``(2, num_blocks, block_size, num_kv_heads,
     head_dim)``; ``block_tables`` int32 ``(batch, max_blocks)``; ``seq_lens`` int32 ``(batch,)``;
-    ``query_start_loc`` int32 ``(batch + 1,)``. ``max_seq_len`` / ``max_query_len`` are python ints
+    ``query_start_loc`` int32 ``(batch + 1,)``; it may start above 0, for the requests of a larger
+    batch from that token on (``query`` and ``out`` still that batch's: other rows untouched). ``max_seq_len`` / ``max_query_len`` are python ints
     (upper bounds are fine); when given, the call makes no host sync and its grid depends only on
     them and on shapes (CUDA-graph capturable). Writes into ``out`` if given (rows past
     ``query_start_loc[-1]`` are left untouched) and returns it. ``num_segments`` forces the

@@ -137,6 +137,38 @@ def test_padding_requests(request):
     check_attention([1, 0, 1, 0], [50, 0, 21, 0], *HEADS[2], 64, 16, DTYPES[0], seed_for(request))
 
 
+@pytest.mark.parametrize("num_segments", [1, 4])
+def test_sub_batches_from_a_later_request(num_segments, request):
+    # The backend's mixed step: the decodes (first) in one launch, the requests after them in
+    # another, whose query_start_loc starts above 0; together they write every row once. Then
+    # the decodes of a batch that starts with a prefill: the rows before them stay untouched,
+    # split and merged or not.
+    gen = seed_for(request)
+    nd = 40   # more decodes than a prefill tile's query tokens: whole tile slots precede the prefills
+    q_lens = [1] * nd + [PREFILL // 2 + 3, 7]
+    seq_lens = [LONG, 33, 17] + [5 + i for i in range(nd - 3)] + [PREFILL + 29, 7 + 60]
+    query, kv_cache, tables, seq_lens_t, qsl = make_batch(q_lens, seq_lens, *HEADS[2], 128, 16, DTYPES[-1], gen)
+    scale = 128 ** -0.5
+    ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, scale)
+    out = torch.full_like(query, float("nan"))
+    ta.paged_attention_triton(query[:nd], kv_cache, tables[:nd], seq_lens_t[:nd], qsl[:nd + 1], scale, LONG, 1,
+                              out=out[:nd], num_segments=num_segments)
+    assert not out[:nd].isnan().any() and out[nd:].isnan().all()
+    ta.paged_attention_triton(query, kv_cache, tables[nd:], seq_lens_t[nd:], qsl[nd:], scale, max(seq_lens),
+                              max(q_lens), out=out)
+    assert not out.isnan().any() and rel_err(out, ref) < TOLERANCE[DTYPES[-1]]
+
+    q_lens, seq_lens = [PREFILL // 2, 1, 1], [PREFILL, LONG, 40]
+    query, kv_cache, tables, seq_lens_t, qsl = make_batch(q_lens, seq_lens, *HEADS[2], 128, 16, DTYPES[-1], gen)
+    ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, scale)
+    out = torch.full_like(query, float("nan"))
+    ta.paged_attention_triton(query, kv_cache, tables[1:], seq_lens_t[1:], qsl[1:], scale, LONG, 1, out=out,
+                              num_segments=num_segments)
+    first = q_lens[0]
+    assert out[:first].isnan().all(), "rows of no request were written"
+    assert rel_err(out[first:], ref[first:]) < TOLERANCE[DTYPES[-1]]
+
+
 def test_strided_views_and_default_out(request):
     gen = seed_for(request)
     num_heads, num_kv_heads, head_dim = HEADS[2][0], HEADS[2][1], 64
