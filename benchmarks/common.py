@@ -15,6 +15,32 @@ def dummy_model_dir(config_path: str) -> str:
     return folder
 
 
+def bar_chart(path: str, title: str, ylabel: str, groups: list[str], series: dict[str, list]) -> bool:
+    """Grouped bars (one group per entry of ``groups``, one bar per series; None leaves a gap)
+    saved as a PNG at ``path``. Skipped, returning False, where matplotlib is not installed
+    (it is no dependency of pagoda)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(groups) * max(1, len(series)) / 2, 3.5))
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g, v in enumerate(values) if v is not None]
+        bars = ax.bar(xs, [v for v in values if v is not None], width, label=name)
+        ax.bar_label(bars, fmt="%.3g", fontsize=7)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set(ylabel=ylabel, title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def add_knob_arg(parser) -> None:
     parser.add_argument("--knob", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="override a kernel module's tuning constant before the engine captures its "

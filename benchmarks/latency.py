@@ -14,8 +14,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Timer, add_knob_arg, apply_knob_args, dummy_model_dir, hf_model, host_profile,  # noqa: E402
-                    measure_ceilings, on_off, param_counts)
+from common import (Timer, add_knob_arg, apply_knob_args, bar_chart, dummy_model_dir, hf_model,  # noqa: E402
+                    host_profile, measure_ceilings, on_off, param_counts)
 
 
 def prompts_for(batch, length, vocab, seed=0):
@@ -115,6 +115,13 @@ def main():
     for r in rows:
         print(f"{r['engine']:12} {r['batch']:5d} {r['ttft_ms']:8.1f} {r['ms_per_step']:8.2f} "
               f"{r['floor_ms']:8.2f} {r['ms_per_step'] / r['floor_ms']:7.2f}")
+    batches = [r["batch"] for r in rows if r["engine"] == "pagoda"]
+    series = {engine: [next((r["ms_per_step"] for r in rows if r["engine"] == engine and r["batch"] == b), None)
+                       for b in batches] for engine in dict.fromkeys(r["engine"] for r in rows)}
+    series["floor"] = [r["floor_ms"] for r in rows if r["engine"] == "pagoda"]
+    plot = os.path.join(args.out, f"latency_{name}_{tag}.png")
+    if bar_chart(plot, f"W2 decode latency, {name}", "ms per step", [f"batch {b}" for b in batches], series):
+        print(f"plot: {plot}")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Timer, add_knob_arg, apply_knob_args, dummy_model_dir, hf_model, host_profile,  # noqa: E402
-                    measure_ceilings, on_off, param_counts)
+from common import (Timer, add_knob_arg, apply_knob_args, bar_chart, dummy_model_dir, hf_model,  # noqa: E402
+                    host_profile, measure_ceilings, on_off, param_counts)
 
 
 def make_requests(n, prompt_range, output_range, vocab, seed):
@@ -313,6 +313,8 @@ def main():
         result["ceilings"] = measure_ceilings()
         result["compute_floor_s"] = compute_floor(cfg, prompts, output_lens, result["ceilings"])
         result["kv_read_floor_s"] = kv_read_floor(cfg, prompts, output_lens, result["ceilings"])
+        # the roofline of the engine's own schedule at the ceilings just measured
+        result["schedule_floor"] = schedule_floor(args, prompts, output_lens, cfg, result["ceilings"])
         if args.hf:
             try:
                 result["hf"] = run_hf(args, prompts, output_lens)
@@ -333,9 +335,15 @@ def main():
     for r in rows:
         print(f"{r['engine']:18} {r['requests']:8d} {r.get('startup_s', float('nan')):9.1f} {r['elapsed_s']:8.1f} "
               f"{r['output_tok_s']:10.1f} {r['total_tok_s']:11.1f}")
-    if "compute_floor_s" in result:
-        print(f"compute floor {result['compute_floor_s']:.1f} s; pagoda at {result['elapsed_s'] / result['compute_floor_s']:.2f}x; "
-              f"KV-read floor {result['kv_read_floor_s']:.2f} s")
+    series = {r["engine"]: [r["output_tok_s"]] for r in rows}
+    if "schedule_floor" in result:
+        floor = result["schedule_floor"]
+        print(f"roofline of this schedule {floor['step_floor_s']:.2f} s ({floor['output_tok_s_at_floor']:.0f} output "
+              f"tok/s); pagoda at {result['elapsed_s'] / floor['step_floor_s']:.2f}x")
+        series["floor"] = [floor["output_tok_s_at_floor"]]
+    plot = os.path.join(args.out, f"throughput_{name}_{tag}.png")
+    if bar_chart(plot, f"W1 offline throughput, {name}", "output tok/s", [name], series):
+        print(f"plot: {plot}")
 
 
 if __name__ == "__main__":
