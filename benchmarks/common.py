@@ -41,6 +41,39 @@ def bar_chart(path: str, title: str, ylabel: str, groups: list[str], series: dic
     return True
 
 
+class TritonCompiles:
+    """The Triton kernel variants a with-block compiled, or loaded from Triton's disk cache
+    (each costs the process up to seconds), and the seconds spent: a timed run should have none."""
+
+    def __enter__(self):
+        self.kernels, self.seconds, self._start, self.runtime = [], 0.0, None, None
+        try:
+            import triton
+        except ImportError:                         # a CPU machine without triton: nothing to count
+            return self
+        self.runtime = triton.knobs.runtime
+        self.saved = (self.runtime.jit_cache_hook, self.runtime.jit_post_compile_hook)
+
+        def before(**kw):
+            self._start = time.perf_counter()
+            return False                            # (True would skip the compile)
+
+        def after(**kw):
+            self.seconds += time.perf_counter() - (self._start or time.perf_counter())
+            self.kernels.append(kw["fn"].name)
+
+        self.runtime.jit_cache_hook, self.runtime.jit_post_compile_hook = before, after
+        return self
+
+    def __exit__(self, *exc):
+        if self.runtime is not None:
+            self.runtime.jit_cache_hook, self.runtime.jit_post_compile_hook = self.saved
+
+    def summary(self) -> str:
+        names = sorted(set(self.kernels), key=self.kernels.index)
+        return f"{len(self.kernels)} ({self.seconds:.1f} s: {', '.join(names) or 'none'})"
+
+
 def add_knob_arg(parser) -> None:
     parser.add_argument("--knob", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="override a kernel module's tuning constant before the engine captures its "

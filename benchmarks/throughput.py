@@ -17,8 +17,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Timer, add_knob_arg, apply_knob_args, bar_chart, dummy_model_dir, hf_model,  # noqa: E402
-                    host_profile, measure_ceilings, on_off, param_counts)
+from common import (Timer, TritonCompiles, add_knob_arg, apply_knob_args, bar_chart, dummy_model_dir,  # noqa: E402
+                    hf_model, host_profile, measure_ceilings, on_off, param_counts)
 
 
 def make_requests(n, prompt_range, output_range, vocab, seed):
@@ -48,9 +48,11 @@ def run_pagoda(args, prompts, output_lens):
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=int(o), seed=None)
               for o in output_lens]
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    t0 = time.perf_counter()
-    outs = llm.generate(inputs, params, use_tqdm=not args.no_tqdm)
-    elapsed = time.perf_counter() - t0
+    with TritonCompiles() as compiles:
+        t0 = time.perf_counter()
+        outs = llm.generate(inputs, params, use_tqdm=not args.no_tqdm)
+        elapsed = time.perf_counter() - t0
+    print(f"Triton kernels compiled or loaded during the timed run: {compiles.summary()}")
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(p) for p in prompts)
     assert n_out == sum(output_lens), "every request must produce exactly max_tokens tokens"
@@ -67,7 +69,8 @@ def run_pagoda(args, prompts, output_lens):
             "async_scheduling": engine.async_scheduling, "prefix_caching": args.prefix_caching,
             "steps": engine.stats.num_steps,
             "preemptions": engine.stats.num_preemptions,
-            "kv_blocks": engine.config.cache.num_blocks - 1}
+            "kv_blocks": engine.config.cache.num_blocks - 1,
+            "triton_compiles_in_run": len(compiles.kernels), "triton_compile_s_in_run": compiles.seconds}
 
 
 KERNEL_KINDS = [("attention", ("paged_attention", "merge_segments")), ("sampling", ("sample", "softmax", "cumsum",
