@@ -202,11 +202,29 @@ class ModelRunner:
             logger.info("Captured CUDA graphs for %d batch sizes in %.1f s.", len(self.cuda_graphs.sizes),
                         time.perf_counter() - t0)
         if self.device.type == "cuda":
-            # Compile the one-kernel sampler now, not in the first request's step (seconds).
-            from pagoda.kernels.triton_sampling import sample_triton
-            one = torch.ones(1, device=self.device)
-            sample_triton(torch.zeros(1, self.arch.vocab_size, dtype=self.kv_dtype, device=self.device), one,
-                          one.long())
+            self._compile_kernels()
+
+    def _compile_kernels(self) -> None:
+        """Compile now, not inside the first requests' steps (a second or more each), what the
+        profiling run and the decode graphs did not: the one-kernel sampler, and the attention
+        kernel's prefill tiles, each through a mixed step (one decode, one prompt) that writes
+        no KV and reads only the null block."""
+        from pagoda.kernels import triton_attention
+        from pagoda.kernels.triton_sampling import sample_triton
+        one = torch.ones(1, device=self.device)
+        sample_triton(torch.zeros(1, self.arch.vocab_size, dtype=self.kv_dtype, device=self.device), one, one.long())
+        attn = self.model.model.layers[0].self_attn.attn
+        group = attn.num_heads // attn.num_kv_heads
+        for q_len in sorted({max(2, block_m // group) for block_m in triton_attention.TILES}):
+            n = 1 + q_len
+            int32 = dict(dtype=torch.int32, device=self.device)
+            md = AttentionMetadata(
+                n, 1, torch.full((n,), -1, dtype=torch.long, device=self.device),
+                torch.tensor([0, 1, n], **int32), torch.tensor([1, q_len], **int32),
+                torch.zeros(2, cdiv(q_len, self.block_size), **int32), q_len, q_len, 1)
+            positions = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(q_len)]).to(self.device)
+            with set_forward_context(md, self.backend):
+                self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions)
 
     # ------------------------------------------------------------------ request state
     def _add_request(self, r: NewRequestData) -> None:
