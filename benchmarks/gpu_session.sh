@@ -51,6 +51,14 @@ w2() {  # tree label model batches
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$3.json" --batch $4 \
     --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W2 $3 $2: /")
 }
+trees() {  # pattern benchmark args...: the benchmark in BASE, then in this tree; its lines matching
+           # the pattern, labelled by tree
+  pattern=$1; shift
+  for tree in "$BASE" .; do
+    (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/"$@" 2>&1 | grep -E "$pattern" \
+      | sed "s|^|$(basename $tree): |")
+  done
+}
 run() {  # label benchmark args...: the benchmark's result line, labelled
   label=$1; shift
   python3 benchmarks/$@ 2>&1 | grep "^pagoda " | sed "s/^/$label: /"
@@ -268,12 +276,8 @@ case "${1:-}" in
     # the micro-benchmark (decode, split, prefill) and end to end (W1 Qwen3 twice, W2 both models)
     python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py tests/test_gpu.py 2>&1 \
       | tail -3 | tee "$OUT/pipeline_tests.txt"
-    for tree in "$BASE" .; do
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/attention_kernels.py --no-tune 2>&1 \
-        | grep -E "^(llama|qwen)" | sed "s|^|$(basename $tree): |")
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/attention_kernels.py --tune-split 2>&1 \
-        | grep "b=" | sed "s|^|$(basename $tree): |")
-    done
+    trees "^(llama|qwen)" attention_kernels.py --no-tune
+    trees "b=" attention_kernels.py --tune-split
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
@@ -284,10 +288,7 @@ case "${1:-}" in
     # BASE against this tree: W1 Qwen3 twice, W2 Llama-3-8B, W1 Llama-3-8B
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
       tests/kernels/test_triton_ops.py -k "attention or linear" 2>&1 | tail -3 | tee "$OUT/cand_tests.txt"
-    for tree in "$BASE" .; do
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/attention_kernels.py --ragged 2>&1 \
-        | tail -4 | sed "s|^|$(basename $tree): |")
-    done
+    trees "Ragged|ctx" attention_kernels.py --ragged
     python3 benchmarks/linear_kernels.py 2>&1 | tail -24
     for rep in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
@@ -299,10 +300,7 @@ case "${1:-}" in
     # W2 batch 1 MID (grid, no prefetch) against this tree; W1 BASE against this tree
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
       tests/kernels/test_triton_ops.py -k "attention or linear" 2>&1 | tail -3 | tee "$OUT/order_tests.txt"
-    for tree in "$BASE" .; do
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/attention_kernels.py --ragged 2>&1 \
-        | tail -3 | sed "s|^|$(basename $tree): |")
-    done
+    trees "ctx" attention_kernels.py --ragged
     for model in qwen3-0.6b llama3-8b; do w2 "$MID" mid $model 1; w2 . new $model 1; done
     w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b
     w1 "$BASE" base llama3-8b; w1 . new llama3-8b
