@@ -13,13 +13,13 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   at ``query_start_loc[i] // BLOCK_Q + i``; a program finds its request by binary search over
   ``query_start_loc``. The number of slots, ``num_tokens // BLOCK_Q + num_seqs``, is an upper
   bound that depends only on tensor shapes, so the grid never depends on tensor values (CUDA-graph
-  capturable, no host sync); slots past a request's last tile exit at once. A decode-only batch
-  (``max_query_len == 1``) skips the search: tile ``i`` is request ``i``'s, and the grid has one
-  slot per request (no chain of dependent loads before a program's first K/V load), and a
-  1-D grid in batch order with each request's KV heads (and segments) side by side. Programs
-  start in grid order and the runner orders a batch longest context first, so over ragged
-  contexts the long programs start first and the short ones fill the last wave (in a
-  ``(requests, kv heads)`` grid the longest requests of the last KV head started last).
+  capturable, no host sync); slots past a request's last tile exit at once.
+- A decode-only batch (``max_query_len == 1``) skips the search (its chain of dependent loads
+  delays a program's first K/V load) and launches a 1-D grid, one program per request, KV head
+  and segment, in batch order with each request's KV heads side by side. Programs start in grid
+  order and the runner orders a batch longest context first, so over ragged contexts the long
+  programs start first and the short ones fill the last wave. (In a ``(requests, kv heads)``
+  grid the longest requests of the last KV heads started last and ended the kernel.)
 - Why unified rather than a prefill kernel + a decode kernel: the engine's steps are mixed
   (chunked prefill rides along with decodes), and one launch with one code path serves them all;
   prefill, chunked prefill over a cached prefix and decode are the same computation (the query
@@ -348,7 +348,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     views fine, head_dim contiguous); ``kv_cache``: ``(2, num_blocks, block_size, num_kv_heads,
     head_dim)``; ``block_tables`` int32 ``(batch, max_blocks)``; ``seq_lens`` int32 ``(batch,)``;
     ``query_start_loc`` int32 ``(batch + 1,)``; it may start above 0, for the requests of a larger
-    batch from that token on (``query`` and ``out`` still that batch's: other rows untouched). ``max_seq_len`` / ``max_query_len`` are python ints
+    batch from that token on (``query`` and ``out`` still that batch's: other rows untouched).
+    ``max_seq_len`` / ``max_query_len`` are python ints
     (upper bounds are fine); when given, the call makes no host sync and its grid depends only on
     them and on shapes (CUDA-graph capturable). Writes into ``out`` if given (rows past
     ``query_start_loc[-1]`` are left untouched) and returns it. ``num_segments`` forces the
