@@ -168,16 +168,14 @@ class TritonAttentionBackend:
         n, nd = md.num_actual_tokens, md.num_decodes
         write_kv_cache_triton(k, v, kv_cache, md.slot_mapping)
         out = torch.empty_like(q)
-        if 0 < nd < md.seq_lens.shape[0]:
-            # A mixed step: the decodes apart, in decode tiles (one launch would run them in the
-            # prefills' 128-row tiles), then the prefills, the requests from nd on.
+        # A mixed step's decodes apart, in decode tiles (one launch would run them in the
+        # prefills' 128-row tiles); then the rest of the batch, from request `first` on.
+        first = nd if nd < md.seq_lens.shape[0] else 0
+        if first:
             paged_attention_triton(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd],
                                    md.query_start_loc[:nd + 1], scale, md.max_decode_seq_len, 1, out=out[:nd])
-            paged_attention_triton(q[:n], kv_cache, md.block_tables[nd:], md.seq_lens[nd:],
-                                   md.query_start_loc[nd:], scale, md.max_seq_len, md.max_query_len, out=out[:n])
-        else:
-            paged_attention_triton(q[:n], kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
-                                   md.max_seq_len, md.max_query_len, out=out[:n])
+        paged_attention_triton(q[:n], kv_cache, md.block_tables[first:], md.seq_lens[first:],
+                               md.query_start_loc[first:], scale, md.max_seq_len, md.max_query_len, out=out[:n])
         return out
 
     @staticmethod
