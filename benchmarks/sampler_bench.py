@@ -1,6 +1,8 @@
 """The sampler alone on the GPU: device time (do_bench median) and host time to issue one call,
 for W1's batch shape (256 x Qwen3's 151,936 vocabulary) and batch 1, against another version
-of sampler.py (--old, e.g. main's) when given. The LM head's matmul is timed beside it.
+of sampler.py (--old, e.g. main's) when given. The LM head's matmul is timed beside it. The
+one-kernel path ("temperature, one kernel") comes from this tree's pagoda/kernels: compare
+kernels by running the script in two checkouts.
 
   python3 benchmarks/sampler_bench.py --old ../pagoda/runner/sampler.py
 """
@@ -16,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = {
     "greedy": dict(temperature=0.0),
     "temperature": dict(temperature=0.6),
+    "temperature, one kernel": dict(temperature=0.6, kernel=True),   # the engine's path (seeds set)
     "top_p 0.9": dict(temperature=0.8, top_p=0.9),
     "top_k 50": dict(temperature=0.8, top_k=50),
     "top_k 50 + top_p 0.9": dict(temperature=0.8, top_k=50, top_p=0.9),
@@ -42,6 +45,8 @@ def metadata(mod, b, cfg):
         top_k=None if top_k is None else torch.full((b,), top_k, device=dev),
         top_p=None if top_p is None else torch.full((b,), top_p, device=dev),
         min_p=None, generators=gens)
+    if cfg.get("kernel"):
+        md.seeds = torch.randint(0, 2**62, (b,), device=dev)
     if hasattr(md, "max_top_k"):
         md.max_top_k = top_k or 0
         md.max_num_logprobs = cfg.get("logprobs")
