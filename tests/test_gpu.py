@@ -86,7 +86,7 @@ def test_async_scheduling_matches_sync_on_the_gpu(dummy_qwen3):
 
 
 def test_one_kernel_sampler_seeds(dummy_qwen3):
-    """Temperature-only rows take the Triton Gumbel-max sampler: a seeded request's tokens are
+    """Temperature-only rows take the one-kernel Triton sampler: a seeded request's tokens are
     the same alone and in any batch, different seeds differ, unseeded requests differ."""
     llm = dummy_qwen3
     prompt = {"prompt_token_ids": list(range(1, 40))}

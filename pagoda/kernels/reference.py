@@ -138,10 +138,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Gumbel-max sampling given the noise (the oracle of ``triton_sampling.sample_triton``):
-    ``argmax(logits / temperature + noise)`` per row, the plain argmax where ``temperature``
-    is 0."""
-    x = logits.float()
-    noisy = (x / temperature.clamp(min=1e-30)[:, None] + noise).argmax(-1)
-    return torch.where(temperature > 0, noisy, x.argmax(-1))
+def inverse_cdf_sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sampling by inverting the CDF of ``softmax(logits / temperature)`` at ``u * total`` per
+    row (float64), the first index whose cumulative mass passes it; the plain argmax where
+    ``temperature`` is 0. The oracle of ``triton_sampling.sample_triton``, given its uniforms."""
+    x = logits.double()
+    probs = (x / temperature.double().clamp(min=1e-30)[:, None]).softmax(-1)
+    cdf = probs.cumsum(-1)
+    drawn = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    return torch.where(temperature > 0, drawn.clamp(max=x.shape[-1] - 1), x.argmax(-1))

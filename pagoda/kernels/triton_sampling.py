@@ -3,16 +3,20 @@
 
 Why: in torch, sampling a batch is a float copy of the logits, a division, a softmax, a cumsum
 and a search: five passes over a (batch, vocabulary) tensor (256 x 151,936 floats at batch
-256: 0.8 ms of GPU time and a dozen launches). This kernel reads the logits once.
+256: 0.8 ms of GPU time and a dozen launches). The Gumbel-max kernel that came next read the
+logits once but drew a Philox number and took two logarithms for every logit: about 145
+instructions each, 0.19 ms a step at batch 256 (BENCHMARKS.md).
 
-How: the Gumbel-max trick. ``argmax_i(logit_i / T + g_i)`` with ``g_i = -log(-log(u_i))``,
-``u_i`` uniform, is distributed exactly as ``softmax(logit / T)``, so a row is one pass that
-keeps a running max. The uniforms come from Philox keyed by a per-row 64-bit seed (four per
-call, ``tl.rand4x``: the random numbers, not the bytes, were this kernel's cost): the noise of
-a row depends only on its seed, never on the batch,
-so a seeded request reproduces its output whatever shares the step (the runner derives the
-seed from the request's seed and its output position). Greedy rows (``T = 0``) take the plain
-argmax, first index on ties, as ``torch.argmax`` does.
+How: inverse CDF with one uniform number per row, in two passes over the row (one program per
+row). The first keeps the running max and the sum of ``exp2((x - max) * k)``, ``k = log2(e) /
+T`` (an online softmax normaliser). The second adds the same terms chunk by chunk until the sum
+passes ``u * total`` and scans only the chunk where it does: a few instructions a logit, and
+the row is in L2 for the second pass. The uniform comes from Philox keyed by the row's 64-bit
+seed, so the draw of a row depends only on its seed and logits, never on the batch (a seeded
+request reproduces its output whatever shares the step; the runner derives the seed from the
+request's seed and its output position). Greedy rows (``T = 0``) take the first pass's argmax,
+first index on ties, as ``torch.argmax`` does. A draw that float rounding pushes past the
+last term (probability about 1e-7) takes the argmax too.
 """
 import torch
 import triton
@@ -21,41 +25,15 @@ import triton.language as tl
 from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, pdl_launch, pdl_wait
 
 BLOCK_V = 4096
+LOG2E = tl.constexpr(1.4426950408889634)
 fix_interpreter_loop_bounds()
 
 
 @triton.jit
-def _gumbel(u):
-    """Standard Gumbel noise from uniforms in [0, 1) (u = 0 gives -inf: never picked, the
-    limit of the formula)."""
-    return -tl.log(-tl.log(u))
-
-
-@triton.jit
-def _chunk(logits_row, seed, start, vocab, temperature, BLOCK_V: tl.constexpr, SCORES: tl.constexpr):
-    """The best (score, column) of columns [start, start + BLOCK_V) of a row, or with SCORES
-    the noise itself. One Philox call gives four uniforms (tl.rand4x): quarter q of the chunk
-    takes the q-th, counters numbered per chunk, so the noise of a column depends only on the
-    seed and the column."""
-    Q: tl.constexpr = BLOCK_V // 4
-    u = tl.rand4x(seed, (start // 4) + tl.arange(0, Q))
-    best = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int32)
-    for q in tl.static_range(4):
-        cols = start + q * Q + tl.arange(0, Q)
-        g = _gumbel(u[q])
-        if SCORES:
-            tl.store(logits_row + cols, g, mask=cols < vocab)
-        else:
-            x = tl.load(logits_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            if temperature > 0:
-                x = x / temperature + g
-            x = tl.where(cols < vocab, x, float("-inf"))
-            m = tl.max(x, 0)
-            i = tl.argmax(x, 0, tie_break_left=True).to(tl.int32) + start + q * Q
-            best_idx = tl.where(m > best, i, best_idx)      # strictly: earlier columns win ties
-            best = tl.maximum(m, best)
-    return best, best_idx
+def _row_uniform(seed, zero):
+    """The row's uniform number in [0, 1): Philox at counter 0 of its seed (``zero``: an int32
+    0 tensor, the counter)."""
+    return tl.rand(seed, zero)
 
 
 @triton.jit
@@ -64,15 +42,45 @@ def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, out_ptr, vocab, strid
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)       # 0 for greedy rows
-    seed = tl.load(seeds_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
-    best = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int32)
+    cols = tl.arange(0, BLOCK_V)
+    k = LOG2E / tl.where(temperature > 0, temperature, 1.0)
+
+    # Pass 1: the max, its first index, and (sampled rows) the sum of exp2((x - max) * k).
+    m = tl.full([], float("-inf"), tl.float32)
+    best = tl.full([], 0, tl.int32)
+    total = tl.full([], 0.0, tl.float32)
     for start in range(0, vocab, BLOCK_V):
-        m, i = _chunk(base, seed, start, vocab, temperature, BLOCK_V, False)
-        best_idx = tl.where(m > best, i, best_idx)
-        best = tl.maximum(m, best)
-    tl.store(out_ptr + row, best_idx.to(tl.int64))
+        x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
+        chunk_max = tl.max(x, 0)
+        chunk_best = tl.argmax(x, 0, tie_break_left=True).to(tl.int32) + start
+        best = tl.where(chunk_max > m, chunk_best, best)       # strictly: earlier chunks win ties
+        new_m = tl.maximum(m, chunk_max)
+        if temperature > 0:
+            total = total * tl.math.exp2((m - new_m) * k) + tl.sum(tl.math.exp2((x - new_m) * k), 0)
+        m = new_m
+
+    token = best
+    if temperature > 0:
+        # Pass 2: the first column whose cumulative term passes u * total.
+        target = _row_uniform(tl.load(seeds_ptr + row), row * 0) * total
+        run = tl.full([], 0.0, tl.float32)
+        start = 0
+        found = 0
+        while (start < vocab) & (found == 0):
+            x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
+            p = tl.math.exp2((x - m) * k)
+            chunk_total = tl.sum(p, 0)
+            if run + chunk_total > target:
+                # (counting the columns at or under the target finds the first one past it; a
+                # column of zero mass never adds, so it is never the one)
+                idx = tl.sum((tl.cumsum(p, 0) + run <= target).to(tl.int32), 0)
+                if idx < BLOCK_V:   # else rounding: the scan's sum stayed under the target
+                    token = start + idx
+                    found = 1
+            run += chunk_total
+            start += BLOCK_V
+    tl.store(out_ptr + row, token.to(tl.int64))
 
 
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
@@ -90,16 +98,15 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
 
 
 @triton.jit
-def _noise_kernel(seeds_ptr, out_ptr, vocab, BLOCK_V: tl.constexpr):
+def _uniform_kernel(seeds_ptr, out_ptr):
     row = tl.program_id(0)
-    seed = tl.load(seeds_ptr + row)
-    for start in range(0, vocab, BLOCK_V):
-        _chunk(out_ptr + row.to(tl.int64) * vocab, seed, start, vocab, 1.0, BLOCK_V, True)
+    tl.store(out_ptr + row, _row_uniform(tl.load(seeds_ptr + row), row * 0))
 
 
-def gumbel_noise_triton(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The noise ``sample_triton`` adds for each row's seed, as a ``(batch, vocab)`` float32
-    tensor: lets the tests check the kernel against ``reference.gumbel_sample``."""
-    out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
-    _noise_kernel[(seeds.shape[0],)](seeds, out, vocab, BLOCK_V=BLOCK_V)
+def row_uniforms_triton(seeds: torch.Tensor) -> torch.Tensor:
+    """The uniform number ``sample_triton`` draws for each row's seed, float32 ``(batch,)``: lets
+    the tests check the kernel against ``reference.inverse_cdf_sample``."""
+    out = torch.empty(seeds.shape[0], dtype=torch.float32, device=seeds.device)
+    if seeds.shape[0]:
+        _uniform_kernel[(seeds.shape[0],)](seeds, out)
     return out

@@ -486,7 +486,7 @@ class ModelRunner:
 
     def _philox_seeds(self, states: list[CachedRequestState], rows: np.ndarray) -> np.ndarray:
         """Per-row seeds of the one-kernel GPU sampler: fresh ones from the engine's stream,
-        except for seeded requests, whose seed and output position alone fix the noise (so the
+        except for seeded requests, whose seed and output position alone fix the draw (so the
         output does not depend on the rest of the batch)."""
         seeds = self.rng.integers(0, 2**63 - 1, len(states), dtype=np.int64)
         for i in np.nonzero(self.seeded[rows])[0].tolist():

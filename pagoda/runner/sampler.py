@@ -1,5 +1,5 @@
 """Sampling for the whole batch in a few tensor ops: penalties, temperature, top-k / top-p /
-min-p, then one draw per row. A seeded request draws its noise from its own generator, so its
+min-p, then one draw per row. A seeded request draws its random number from its own generator, so its
 output does not depend on what else shares the batch."""
 from dataclasses import dataclass
 
