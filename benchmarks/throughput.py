@@ -31,7 +31,7 @@ def make_requests(n, prompt_range, output_range, vocab, seed):
 
 def run_pagoda(args, prompts, output_lens):
     from pagoda import LLM, SamplingParams
-    kwargs = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    kwargs = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,   # None: the engine's defaults
                   max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
                   async_scheduling=args.async_scheduling, enable_prefix_caching=args.prefix_caching)
     if args.max_model_len:
@@ -70,6 +70,8 @@ def run_pagoda(args, prompts, output_lens):
             "steps": engine.stats.num_steps,
             "preemptions": engine.stats.num_preemptions,
             "kv_blocks": engine.config.cache.num_blocks - 1,
+            "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
+            "max_num_seqs": engine.config.scheduler.max_num_seqs,
             "triton_compiles_in_run": len(compiles.kernels), "triton_compile_s_in_run": compiles.seconds}
 
 
@@ -179,7 +181,8 @@ def step_floor(cfg: dict, ceilings: dict, steps, token_kv_bytes: int) -> float:
                for requests, context, tokens in steps)
 
 
-def schedule_floor(args, prompts, output_lens, cfg: dict, ceilings: dict) -> dict:
+def schedule_floor(args, prompts, output_lens, cfg: dict, ceilings: dict, max_num_batched_tokens: int,
+                   max_num_seqs: int) -> dict:
     """The engine's scheduler run alone on the workload (a fake model: every step samples token
     7), no GPU needed: its steps, and their roofline (``step_floor``) at the given ceilings."""
     from pagoda.config import SchedulerConfig
@@ -191,7 +194,7 @@ def schedule_floor(args, prompts, output_lens, cfg: dict, ceilings: dict) -> dic
     block_size = 16
     max_len = max(len(p) + o for p, o in zip(prompts, output_lens))
     blocks = sum(-(-(len(p) + o) // block_size) for p, o in zip(prompts, output_lens)) + 1  # never preempts
-    sched = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len),
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_len),
                       KVCacheManager(blocks, block_size, enable_caching=args.prefix_caching))
     for i, (p, o) in enumerate(zip(prompts, output_lens)):
         sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=o, ignore_eos=True), None, max_tokens=o))
@@ -273,8 +276,9 @@ def main():
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (1,024 on an H200)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: the engine's (16,384 on an H200, as vLLM's offline default there)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -305,7 +309,9 @@ def main():
         with open(args.model_config) as f:
             cfg = json.load(f)
         ceilings = {"copy_bytes_per_s": args.schedule_floor[0] * 1e12, "bf16_flops_per_s": args.schedule_floor[1] * 1e12}
-        print(json.dumps(schedule_floor(args, prompts, output_lens, cfg, ceilings)))
+        # (without a GPU, the engine's defaults on an H200 unless given)
+        print(json.dumps(schedule_floor(args, prompts, output_lens, cfg, ceilings,
+                                        args.max_num_batched_tokens or 16384, args.max_num_seqs or 1024)))
         return
     result = run_pagoda(args, prompts, output_lens)
     rows = [result]
@@ -317,7 +323,8 @@ def main():
         result["compute_floor_s"] = compute_floor(cfg, prompts, output_lens, result["ceilings"])
         result["kv_read_floor_s"] = kv_read_floor(cfg, prompts, output_lens, result["ceilings"])
         # the roofline of the engine's own schedule at the ceilings just measured
-        result["schedule_floor"] = schedule_floor(args, prompts, output_lens, cfg, result["ceilings"])
+        result["schedule_floor"] = schedule_floor(args, prompts, output_lens, cfg, result["ceilings"],
+                                                  result["max_num_batched_tokens"], result["max_num_seqs"])
         if args.hf:
             try:
                 result["hf"] = run_hf(args, prompts, output_lens)

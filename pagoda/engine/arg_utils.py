@@ -16,6 +16,16 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
+def _batch_defaults(device: str) -> tuple[int, int]:
+    """Default (max_num_batched_tokens, max_num_seqs): vLLM's for offline use, 16,384 and 1,024
+    on GPUs of 70 GiB or more other than the A100 (H100, H200), else 8,192 and 256."""
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        if props.total_memory >= 70 * (1 << 30) and "a100" not in props.name.lower():
+            return 16384, 1024
+    return 8192, 256
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -70,8 +80,9 @@ class EngineArgs:
             raise ValueError(f"block_size must be one of 1, 8, 16, 32, 64, 128, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
-        max_num_seqs = self.max_num_seqs or 256
-        max_batched = self.max_num_batched_tokens or 8192
+        default_batched, default_seqs = _batch_defaults(device)
+        max_num_seqs = self.max_num_seqs or default_seqs
+        max_batched = self.max_num_batched_tokens or default_batched
         if max_batched < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1.")
         chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill

@@ -9,9 +9,15 @@ import torch
 from pagoda.model.layers.attention import AttentionMetadata, set_forward_context
 
 
+# Larger decode batches run eagerly: their launches are a small part of their GPU time, and
+# each graph costs capture time and memory (vLLM's default limit too).
+MAX_CAPTURE_SIZE = 512
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4] + list(range(8, max_num_seqs + 1, 8))
-    return sorted({min(s, max_num_seqs) for s in sizes})
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [1, 2, 4] + list(range(8, top + 1, 8)) + [top]    # (top: every batch up to it has a graph)
+    return sorted({min(s, top) for s in sizes})
 
 
 class CUDAGraphRunner:
