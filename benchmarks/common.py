@@ -46,7 +46,7 @@ class TritonCompiles:
     (each costs the process up to seconds), and the seconds spent: a timed run should have none."""
 
     def __enter__(self):
-        self.kernels, self.seconds, self._start, self.runtime = [], 0.0, None, None
+        self.kernels, self.variants, self.seconds, self._start, self.runtime = [], [], 0.0, None, None
         try:
             import triton
         except ImportError:                         # a CPU machine without triton: nothing to count
@@ -61,6 +61,9 @@ class TritonCompiles:
         def after(**kw):
             self.seconds += time.perf_counter() - (self._start or time.perf_counter())
             self.kernels.append(kw["fn"].name)
+            # which variant: its constexprs and specialized arguments, to find what a warm-up misses
+            consts = {k: v for k, v in kw.get("constants", {}).items() if isinstance(k, str) and k.isupper()}
+            self.variants.append(f"{kw['fn'].name} {consts} {kw.get('configs', [''])[0]}")
 
         self.runtime.jit_cache_hook, self.runtime.jit_post_compile_hook = before, after
         return self

@@ -29,6 +29,7 @@
 #   BASE=dir bash benchmarks/gpu_session.sh cand  # attention + linear tests; ragged attention, slab matmuls and
 #                                                 # W1/W2 both models, BASE against this tree
 #   bash benchmarks/gpu_session.sh closing   # W1 + W2 both models; W1's prefill steps alone, profiled; GPU tests of today's kernels
+#   bash benchmarks/gpu_session.sh profile8  # W1 both models: Triton compiles in the run, profile (steps, kernels)
 #   BASE=dir bash benchmarks/gpu_session.sh w1_7 [MODEL [ROUNDS]]  # W1: BASE, tree, tree at 8,192 / 256 (cand7)
 #   BASE=dir MID=dir bash benchmarks/gpu_session.sh order  # tests; ragged attention BASE vs tree; W2 batch 1
 #                                                 # MID vs tree, both models; W1 both models BASE vs tree
@@ -46,7 +47,7 @@ MA=$(realpath "$M")
 # A/B helpers: W1 / W2 of one model run from a checkout (BASE or .), results under $OUT/label
 w1() {  # tree label model
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config "$MA/$3.json" --no-tqdm \
-    --out "$OUT/$2" 2>&1 | grep -E "^pagoda |compiled|^roofline of this" | sed "s/^/W1 $3 $2: /")
+    --out "$OUT/$2" 2>&1 | grep -E "^pagoda |compiled|variant:|^roofline of this" | sed "s/^/W1 $3 $2: /")
 }
 w2() {  # tree label model batches
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$3.json" --batch $4 \
@@ -320,6 +321,19 @@ case "${1:-}" in
       tests/kernels/test_triton_ops.py::test_small_m_linear{,_k_chunks,_dispatch} 2>&1 | tail -4 \
       | tee "$OUT/closing_tests.txt"
     ;;
+  profile8)
+    # Where W1's time goes now, both models (after a warm-up run): the plain run with its Triton
+    # compiles (none expected since the attention kernel no longer specializes on metadata
+    # alignment), then the profiled runs: steps by batch size, GPU time by kernel kind, top kernels
+    python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --num-requests 64 \
+      --output-len 20 40 > /dev/null 2>&1
+    for model in qwen3-0.6b llama3-8b; do
+      python3 benchmarks/throughput.py --model-config $M/$model.json --no-tqdm --profile --out "$OUT/$model" \
+        > "$OUT/profile_$model.txt" 2>&1
+      grep -E "^pagoda |compiled|variant:|prefill batch|decode  batch|all:|roofline|profiled run|^  [a-z]|^ +[0-9.]+ s " \
+        "$OUT/profile_$model.txt" | cut -c1-160
+    done
+    ;;
   w1_7)
     # W1 after a warm-up run (the first W1 of a fresh machine runs 5-10% slow), for each model
     # ($2, default both) $3 rounds (default 2 for Qwen3-0.6B, 1 for Llama-3-8B): BASE; this tree
@@ -331,9 +345,9 @@ case "${1:-}" in
       for rep in $(seq $rounds); do
         w1 "$BASE" base $model; w1 . new $model
         python3 benchmarks/throughput.py --model-config $M/$model.json --no-tqdm --max-num-batched-tokens 8192 \
-          --max-num-seqs 256 2>&1 | grep -E "^pagoda |compiled|^roofline of this" | sed "s|^|W1 $model new 8192/256: |"
+          --max-num-seqs 256 2>&1 | grep -E "^pagoda |compiled|variant:|^roofline of this" | sed "s|^|W1 $model new 8192/256: |"
       done
     done
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|next|pipeline|cand|order|closing|w1_7"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|next|pipeline|cand|order|closing|w1_7|profile8"; exit 2 ;;
 esac

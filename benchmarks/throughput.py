@@ -53,6 +53,8 @@ def run_pagoda(args, prompts, output_lens):
         outs = llm.generate(inputs, params, use_tqdm=not args.no_tqdm)
         elapsed = time.perf_counter() - t0
     print(f"Triton kernels compiled or loaded during the timed run: {compiles.summary()}")
+    for variant in compiles.variants:
+        print(f"  variant: {variant[:400]}")
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(p) for p in prompts)
     assert n_out == sum(output_lens), "every request must produce exactly max_tokens tokens"
@@ -98,7 +100,7 @@ def profile_kernels(llm, inputs, params):
     for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"  {k:12} {v:7.3f} s  {v / total:6.1%}")
     top = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
-                 key=lambda e: -e.self_device_time_total)[:12]
+                 key=lambda e: -e.self_device_time_total)[:24]
     for e in top:
         print(f"    {e.self_device_time_total / 1e6:7.3f} s {e.count:8d}x  {e.key[:90]}")
 

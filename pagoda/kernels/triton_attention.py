@@ -182,8 +182,11 @@ def _find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 # Not specialized on the values that change every step (Triton would compile a variant for
-# each of: equal to 1, divisible by 16, neither): a cold compile costs about a second.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# each of: equal to 1, divisible by 16, neither), nor on the alignment of the per-request
+# metadata, which a mixed step passes from request `first` on (16-byte aligned or not with
+# `first`): a cold compile inside a run costs about a second.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         part_acc_ptr, part_m_ptr, part_l_ptr,       # flash-decoding scratch (NUM_SEGMENTS > 1)
@@ -286,7 +289,7 @@ def _paged_attention_kernel(
                  mask=row_valid[:, None])
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["query_start_loc_ptr"])
 def _merge_segments_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr,
                            num_seqs, stride_ot, stride_oh,
                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
