@@ -53,14 +53,19 @@ class Case:
     """One attention problem: paged inputs for Triton and the reference, dense ones for SDPA.
     All requests have the same context ``ctx``; the last ``q_len`` positions are queries."""
 
-    def __init__(self, batch, q_len, ctx, num_heads, num_kv_heads, head_dim, dtype, gen):
+    def __init__(self, batch, q_len, ctx, num_heads, num_kv_heads, head_dim, dtype, gen,
+                 block_size=BLOCK_SIZE, heads_outer=False):
         self.batch, self.q_len, self.ctx = batch, q_len, ctx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        blocks_per_seq = triton.cdiv(ctx, BLOCK_SIZE)
+        blocks_per_seq = triton.cdiv(ctx, block_size)
         num_blocks = batch * blocks_per_seq
         dev = DEVICE
-        self.kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim,
-                                    device=dev, dtype=dtype, generator=gen)
+        if heads_outer:  # each (block, KV head) one contiguous run of tokens: seen through a view
+            self.kv_cache = torch.randn(2, num_blocks, num_kv_heads, block_size, head_dim, device=dev,
+                                        dtype=dtype, generator=gen).transpose(2, 3)
+        else:
+            self.kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim,
+                                        device=dev, dtype=dtype, generator=gen)
         # Shuffled physical blocks, as in a cache after some churn.
         self.tables = torch.randperm(num_blocks, device=dev, generator=gen).view(
             batch, blocks_per_seq).to(torch.int32)
@@ -292,6 +297,36 @@ def tune_ragged(dtype, gen, log):
         torch.cuda.empty_cache()
 
 
+def tune_layout(dtype, gen, log):
+    """Decode attention with the cache's KV heads outside its tokens (each block and head one
+    contiguous run: 4 KB at block size 16, head_dim 128) against the engine's layout (a token's
+    KV heads side by side: 256-byte runs 2 KB apart), at block sizes 16 and 32; W1-like batches
+    (ragged, longest first) and a uniform one, in a CUDA graph. GB/s of KV read; the read
+    ceiling is a torch sum over 4 GiB."""
+    x = torch.empty(1 << 31, dtype=torch.bfloat16, device=DEVICE).normal_()
+    read = x.numel() * 2 / 1e6 / bench(lambda: x.sum(dtype=torch.float32))
+    del x
+    log(f"\nKV layouts (GB/s of KV read); read ceiling (torch sum) {read:.0f} GB/s")
+    rng = torch.Generator().manual_seed(0)
+    for model, batch, lo, hi in [("qwen3-0.6b", 256, 100, 1400), ("qwen3-0.6b", 128, 300, 2048),
+                                 ("llama3-8b", 256, 100, 1400), ("qwen3-0.6b", 64, 1024, 1024),
+                                 ("llama3-8b", 16, 4000, 4000)]:
+        lens = torch.randint(lo, hi + 1, (batch,), generator=rng).sort(descending=True).values.tolist()
+        row = []
+        for block_size in (16, 32):
+            for heads_outer in (False, True):
+                case = Case(batch, 1, hi, *MODELS[model], dtype, gen, block_size, heads_outer)
+                case.set_lengths(lens)
+                ref = case.reference(fp32=True)
+                err = rel_err(case.triton(), ref)
+                assert err < 2e-2, (model, block_size, heads_outer, err)
+                row.append(case.kv_bytes() / 1e6 / graph_ms(lambda: case.triton(), 25, 100))
+                del case, ref
+                torch.cuda.empty_cache()
+        log(f"  {model:10s} b={batch:<3d} ctx {lo}-{hi}: bs16 tokens-outer {row[0]:5.0f} heads-outer "
+            f"{row[1]:5.0f} | bs32 tokens-outer {row[2]:5.0f} heads-outer {row[3]:5.0f}")
+
+
 def time_mixed(dtype, gen, log, nd=256, chunks=15, total=8192):
     """A W1 prefill step: 256 decodes (contexts 100-1,000) beside 15 prompt chunks (8,192 tokens
     in all), attended in one launch against the backend's two (decodes apart), in a CUDA graph."""
@@ -347,6 +382,8 @@ def main():
                         help="only time the flash-decoding split factors at medium batches")
     parser.add_argument("--ragged", action="store_true",
                         help="only time decode over ragged contexts against uniform ones")
+    parser.add_argument("--layout", action="store_true",
+                        help="only time decode with the KV heads outside the tokens in each block")
     parser.add_argument("--mixed", action="store_true",
                         help="only time a mixed step in one launch against decodes and prefills apart")
     args = parser.parse_args()
@@ -362,9 +399,10 @@ def main():
 
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
-    if args.tune_split or args.ragged or args.mixed:
+    if args.tune_split or args.ragged or args.mixed or args.layout:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
-        (tune_split if args.tune_split else tune_ragged if args.ragged else time_mixed)(dtype, gen, log)
+        (tune_split if args.tune_split else tune_ragged if args.ragged else tune_layout if args.layout
+         else time_mixed)(dtype, gen, log)
         return
     if args.tune_decode:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
