@@ -29,6 +29,7 @@
 #   BASE=dir bash benchmarks/gpu_session.sh cand  # attention + linear tests; ragged attention, slab matmuls and
 #                                                 # W1/W2 both models, BASE against this tree
 #   bash benchmarks/gpu_session.sh closing   # W1 + W2 both models; W1's prefill steps alone, profiled; GPU tests of today's kernels
+#   bash benchmarks/gpu_session.sh closing8  # GPU tests (sampling, attention, engine), sampler alone, W1 + W2 both models
 #   bash benchmarks/gpu_session.sh profile8  # W1 both models: Triton compiles in the run, profile (steps, kernels)
 #   BASE=dir bash benchmarks/gpu_session.sh w1_7 [MODEL [ROUNDS]]  # W1: BASE, tree, tree at 8,192 / 256 (cand7)
 #   BASE=dir MID=dir bash benchmarks/gpu_session.sh order  # tests; ragged attention BASE vs tree; W2 batch 1
@@ -334,6 +335,17 @@ case "${1:-}" in
         "$OUT/profile_$model.txt" | cut -c1-160
     done
     ;;
+  closing8)
+    # The session's GPU tests (sampling kernel with its filters, attention, the engine), the
+    # sampler alone, then the figures: W1 both models (after a warm-up), W2 both models
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_sampling.py tests/test_sampler.py \
+      tests/test_gpu.py tests/kernels/test_triton_attention.py 2>&1 | tail -4 | tee "$OUT/closing8_tests.txt"
+    python3 benchmarks/sampler_bench.py --batch 256 64 1 2>&1 | grep -E "^ +[0-9]+ " | tee "$OUT/sampler.txt"
+    python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --num-requests 64 \
+      --output-len 20 40 > /dev/null 2>&1
+    w1 . main qwen3-0.6b; w1 . main qwen3-0.6b; w1 . main llama3-8b
+    w2 . main qwen3-0.6b "1 64"; w2 . main llama3-8b "1 64"
+    ;;
   w1_7)
     # W1 after a warm-up run (the first W1 of a fresh machine runs 5-10% slow), for each model
     # ($2, default both) $3 rounds (default 2 for Qwen3-0.6B, 1 for Llama-3-8B): BASE; this tree
@@ -349,5 +361,5 @@ case "${1:-}" in
       done
     done
     ;;
-  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|next|pipeline|cand|order|closing|w1_7|profile8"; exit 2 ;;
+  *) echo "usage: $0 kernels|ops|engine|llama|profile|prefix|async|final|sampler|host|ab|split|smallbatch|linear|w1profile|smallm|tail|pdl|medium|tiles|tlb|probe|next|pipeline|cand|order|closing|w1_7|profile8|closing8"; exit 2 ;;
 esac
