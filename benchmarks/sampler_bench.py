@@ -12,6 +12,7 @@ column maxima (kernels/triton_sampling.py).
 
   python3 benchmarks/sampler_bench.py --old ../pagoda/runner/sampler.py
   python3 benchmarks/sampler_bench.py --logit-scale 2 --batch 256 64 1
+  python3 benchmarks/sampler_bench.py --search-block 512    # the kernel's search step (tuning)
 """
 import argparse
 import importlib.util
@@ -91,9 +92,16 @@ def main():
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--batch", type=int, nargs="+", default=[256, 1])
     p.add_argument("--logit-scale", type=float, default=1.0, help="scales the logits (2: an LM's peaked rows)")
+    p.add_argument("--search-block", type=int, help="triton_sampling.SEARCH_BLOCK (tokens per search step)")
+    p.add_argument("--copy-block", type=int, help="triton_sampling.COPY_BLOCK (tokens per step of the copy)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
     import torch
+    from pagoda.kernels import triton_sampling
+    triton_sampling.SEARCH_BLOCK = args.search_block or triton_sampling.SEARCH_BLOCK
+    triton_sampling.COPY_BLOCK = args.copy_block or triton_sampling.COPY_BLOCK
+    print(f"kernel: SEARCH_BLOCK {triton_sampling.SEARCH_BLOCK}, COPY_BLOCK {triton_sampling.COPY_BLOCK}, "
+          f"logit scale {args.logit_scale:g}")
     versions = {"new": load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                          "pagoda/runner/sampler.py"), "new_sampler")}
     if args.old and os.path.exists(args.old):

@@ -139,9 +139,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def float_key(x: torch.Tensor) -> torch.Tensor:
-    """The order-preserving int32 image of float32 values (-0.0 just under +0.0): thresholds
-    on logits are thresholds on these keys."""
-    b = x.float().view(torch.int32)
+    """The order-preserving int32 image of float32 values (-0.0 as +0.0): thresholds on logits
+    are thresholds on these keys."""
+    b = (x.float() + 0.0).view(torch.int32)
     return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 

@@ -25,8 +25,8 @@ keeps ties in sort order), and the draw above runs over the kept tokens only. Mi
 direct: a token stays when its term ``exp2((x - max) * k)``, its probability over the max's,
 is at least min_p. Top-k's and top-p's are found exactly by a search over keys, the
 order-preserving int32 images of the logits: each pass counts (top-k) or sums the min-p-kept
-mass (top-p) of the tokens at or above 16 keys at once, a (16, 512) compare-and-sum a step,
-and keeps the interval where the count or the mass crosses its target (k; top_p of the mass
+mass (top-p) of the tokens at or above 16 keys at once (a compare, a select and an add per
+token and key) and keeps the interval where the count or the mass crosses its target (k; top_p of the mass
 that top-k and min-p keep), until it is one key wide. The keys are evenly spaced, at most 4
 passes for bf16 logits (16-bit keys) and 8 for float32, but the first pass spaces them evenly
 in value, where the logits are, which usually saves one. Top-p runs after top-k, over what
@@ -53,8 +53,8 @@ from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, pdl_launch,
 
 BLOCK_V = 4096
 LIST_CAP = 2 * BLOCK_V      # a row's list of candidates (at least BLOCK_V: it first holds the column maxima)
-SEARCH_BLOCK = 512          # tokens per step of a search pass: a (16, 512) compare-and-sum
-COPY_BLOCK = 2048           # tokens per step of the copy into the list (4096: 124 registers, at the limit)
+SEARCH_BLOCK = 256          # tokens a search pass compares with its 16 keys at once (two such a step)
+COPY_BLOCK = 1024           # tokens per step of the copy into the list (2048: its prefix sum spills)
 NUM_PIVOTS = tl.constexpr(16)
 LOG2E = tl.constexpr(1.4426950408889634)
 # Keys of narrower dtypes leave these low bits constant: dropping them shortens the search.
@@ -71,9 +71,10 @@ def _row_uniform(seed, zero):
 
 @triton.jit
 def _key(x, SHIFT: tl.constexpr):
-    """The order-preserving int32 image of float32 ``x`` (-0.0 just under +0.0), shifted right
-    past the low bits that values of the input dtype leave constant."""
-    b = x.to(tl.int32, bitcast=True)
+    """The order-preserving int32 image of float32 ``x``, shifted right past the low bits that
+    values of the input dtype leave constant. (+ 0.0 turns -0.0 into its equal +0.0: the max
+    of a row of zeros may be either.)"""
+    b = (x + 0.0).to(tl.int32, bitcast=True)
     return (b ^ ((b >> 31) & 0x7FFFFFFF)) >> SHIFT
 
 
@@ -86,23 +87,27 @@ def _key_value(key, SHIFT: tl.constexpr):
 
 @triton.jit
 def _at(vec, i, N: tl.constexpr):
+    """vec[i] for a runtime i (a reduction: registers cannot be indexed)."""
     return tl.sum(tl.where(tl.arange(0, N) == i, vec, 0), 0)
 
 
 @triton.jit
 def _reach(vals, n, pivots, m, k, min_p, mass, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """For each pivot key, the number (``mass`` false) or the min-p-kept mass (true) of the
-    list's ``n`` tokens at or above it: one pass, all pivots at once."""
+    list's ``n`` tokens at or above it: one pass, all pivots at once. Each thread sums its own
+    column, the threads' sums meeting once after the pass (a reduction a step took more
+    instructions than the compares), and has two loads in flight a step (a column of 256
+    tokens: 16 sums a thread; wider spills)."""
     cols = tl.arange(0, BLOCK)
-    reach = tl.zeros([NUM_PIVOTS], tl.float32)
-    for start in range(0, n, BLOCK):
-        valid = start + cols < n
-        x = tl.load(vals + start + cols, mask=valid, other=float("-inf")).to(tl.float32)
-        e = tl.math.exp2((x - m) * k)
-        w = tl.where(valid, tl.where(mass, tl.where(e >= min_p, e, 0.0), 1.0), 0.0)
-        above = _key(x, SHIFT)[None, :] >= pivots[:, None]
-        reach += tl.sum(tl.where(above, w[None, :], 0.0), 1)
-    return reach
+    reach = tl.zeros([NUM_PIVOTS, BLOCK], tl.float32)
+    for start in range(0, n, 2 * BLOCK):
+        for half in tl.static_range(2):
+            valid = start + half * BLOCK + cols < n
+            x = tl.load(vals + start + half * BLOCK + cols, mask=valid, other=float("-inf")).to(tl.float32)
+            e = tl.math.exp2((x - m) * k)
+            w = tl.where(valid, tl.where(mass, tl.where(e >= min_p, e, 0.0), 1.0), 0.0)
+            reach += tl.where(_key(x, SHIFT)[None, :] >= pivots[:, None], w[None, :], 0.0)
+    return tl.sum(reach, 1)
 
 
 @triton.jit
@@ -115,18 +120,18 @@ def _search(vals, n, lo, hi, floor, target, frac, m, k, min_p, mass, SHIFT: tl.c
     between the last that reaches the target and the next: evenly spaced in key, except the
     first pass's, evenly spaced in value from ``floor`` (when finite) to the max, where the
     logits are (keys crowd around 0 and run through empty exponents)."""
-    j = tl.arange(0, NUM_PIVOTS).to(tl.int64)
-    lo = lo.to(tl.int64)
+    j = tl.arange(0, NUM_PIVOTS)
+    floor = tl.maximum(floor, _key_value(lo, SHIFT))
+    lo = lo.to(tl.int64)        # (the span of 32-bit keys overflows int32)
     hi = hi.to(tl.int64)
-    floor = tl.maximum(floor, _key_value(lo.to(tl.int32), SHIFT))
     reach_lo = tl.full([], -1.0, tl.float32)
     passes = 0
     while hi - lo > 1:
-        q = lo + j * ((hi - lo + NUM_PIVOTS - 1) // NUM_PIVOTS)
+        q = (lo + j.to(tl.int64) * ((hi - lo + NUM_PIVOTS - 1) // NUM_PIVOTS)).to(tl.int32)
         if (passes == 0) & (floor > float("-inf")):
             by_value = floor + j.to(tl.float32) * ((m - floor) / NUM_PIVOTS)
-            q = tl.where(j == 0, lo, _key(by_value, SHIFT).to(tl.int64))
-        reach = _reach(vals, n, q.to(tl.int32), m, k, min_p, mass, SHIFT, SEARCH_BLOCK)
+            q = tl.where(j == 0, lo.to(tl.int32), _key(by_value, SHIFT))
+        reach = _reach(vals, n, q, m, k, min_p, mass, SHIFT, SEARCH_BLOCK)
         if passes == 0:
             target += frac * _at(reach, 0, NUM_PIVOTS)
         passes += 1
@@ -137,8 +142,8 @@ def _search(vals, n, lo, hi, floor, target, frac, m, k, min_p, mass, SHIFT: tl.c
             hi = lo + 1
         else:
             reach_lo = _at(reach, c - 1, NUM_PIVOTS)
-            hi = tl.where(c < NUM_PIVOTS, _at(q, c, NUM_PIVOTS), hi)
-            lo = _at(q, c - 1, NUM_PIVOTS)
+            hi = tl.where(c < NUM_PIVOTS, _at(q, c, NUM_PIVOTS).to(tl.int64), hi)
+            lo = _at(q, c - 1, NUM_PIVOTS).to(tl.int64)
     return lo.to(tl.int32), reach_lo
 
 
@@ -173,11 +178,11 @@ def _draw(vals, ids, n, t, target, m, k, min_p, HAS_IDS: tl.constexpr, FILTERED:
 
 
 @triton.jit
-def _compact(row, vocab, bound, m, k, min_p, list_vals, list_ids, LIST_CAP: tl.constexpr,
+def _compact(row, vocab, bound, m, k, min_p, total, list_vals, list_ids, LIST_CAP: tl.constexpr,
              SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """Copies the row's tokens with key at or above ``bound`` (values and ids, in vocabulary
     order) into the list, stopping once they overflow it. Returns their number and the row's
-    min-p-kept mass."""
+    min-p-kept mass (``total`` without min-p)."""
     cols = tl.arange(0, BLOCK)
     n = tl.full([], 0, tl.int32)
     norm = tl.full([], 0.0, tl.float32)
@@ -186,14 +191,17 @@ def _compact(row, vocab, bound, m, k, min_p, list_vals, list_ids, LIST_CAP: tl.c
         valid = start + cols < vocab
         x = tl.load(row + start + cols, mask=valid, other=float("-inf")).to(tl.float32)
         take = valid & (_key(x, SHIFT) >= bound)
-        pos = n + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(list_vals + pos, x, mask=take & (pos < LIST_CAP))
-        tl.store(list_ids + pos, start + cols, mask=take & (pos < LIST_CAP))
-        n += tl.sum(take.to(tl.int32), 0)
-        e = tl.math.exp2((x - m) * k)
-        norm += tl.sum(tl.where(e >= min_p, e, 0.0), 0)
+        taken = tl.sum(take.to(tl.int32), 0)
+        if taken > 0:       # (few chunks have candidates when the bound is tight)
+            pos = n + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(list_vals + pos, x, mask=take & (pos < LIST_CAP))
+            tl.store(list_ids + pos, start + cols, mask=take & (pos < LIST_CAP))
+        n += taken
+        if min_p > 0:
+            e = tl.math.exp2((x - m) * k)
+            norm += tl.sum(tl.where(e >= min_p, e, 0.0), 0)
         start += BLOCK
-    return n, norm
+    return n, tl.where(min_p > 0, norm, total)
 
 
 @triton.jit
@@ -251,7 +259,8 @@ def _sample_filtered(row, vocab, col_max, m, total, u, k, top_k, top_p, min_p, u
     n = tl.full([], LIST_CAP + 1, tl.int32)
     norm = tl.full([], -1.0, tl.float32)
     if found >= 0:
-        n, norm = _compact(row, vocab, bound, m, k, min_p, list_vals, list_ids, LIST_CAP, SHIFT, COPY_BLOCK)
+        n, norm = _compact(row, vocab, bound, m, k, min_p, total, list_vals, list_ids, LIST_CAP, SHIFT,
+                           COPY_BLOCK)
         tl.debug_barrier()
     if n <= LIST_CAP:
         token, t = _filter_and_draw(list_vals, list_ids, n, bound, norm, u, vocab, m, k, top_k, top_p,
@@ -267,8 +276,8 @@ def _sample_filtered(row, vocab, col_max, m, total, u, k, top_k, top_p, min_p, u
 def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                    list_vals_ptr, list_ids_ptr, out_ptr, thresholds_ptr, vocab, stride_row,
                    BLOCK_V: tl.constexpr, LIST_CAP: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-                   COPY_BLOCK: tl.constexpr, SHIFT: tl.constexpr, FILTERED: tl.constexpr, THRESHOLDS: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   COPY_BLOCK: tl.constexpr, SHIFT: tl.constexpr, FILTERED: tl.constexpr,
+                   THRESHOLDS: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)       # 0 for greedy rows
@@ -338,16 +347,18 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     if not batch:
         return out
     filtered = top_k is not None or top_p is not None or min_p is not None
-    lists = (out, out)
     if filtered:
+        assert LIST_CAP >= BLOCK_V
         # (the runner passes all three; a missing one costs a fill)
         top_k = torch.zeros(batch, dtype=torch.long, device=logits.device) if top_k is None else top_k
         top_p = torch.ones(batch, device=logits.device) if top_p is None else top_p
         min_p = torch.zeros(batch, device=logits.device) if min_p is None else min_p
         lists = (torch.empty(batch, LIST_CAP, dtype=torch.float32, device=logits.device),
                  torch.empty(batch, LIST_CAP, dtype=torch.int32, device=logits.device))
-    _sample_kernel[(batch,)](logits, temperature, seeds, top_k if filtered else out,
-                             top_p if filtered else out, min_p if filtered else out, *lists, out,
+    else:
+        top_k = top_p = min_p = out     # (unread)
+        lists = (out, out)
+    _sample_kernel[(batch,)](logits, temperature, seeds, top_k, top_p, min_p, *lists, out,
                              out if thresholds is None else thresholds, vocab, logits.stride(0),
                              BLOCK_V=BLOCK_V, LIST_CAP=LIST_CAP, SEARCH_BLOCK=SEARCH_BLOCK,
                              COPY_BLOCK=COPY_BLOCK, SHIFT=KEY_SHIFT[logits.dtype],

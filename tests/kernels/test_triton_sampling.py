@@ -217,6 +217,18 @@ def test_ties_at_the_threshold_stay():
     assert thresholds.tolist() == [1.0] * 4 and set(tokens.tolist()) <= {0, 1, 2, 3}
 
 
+def test_signed_zeros_are_one_value():
+    """-0.0 and +0.0 are equal logits, so a tie: a row of both keeps all of them under top-k 3
+    or top-p 0.5 (the max of such a row may come out as either)."""
+    logits = torch.zeros(2, 40, device=DEVICE)
+    logits[:, ::3] = -0.0
+    thresholds = torch.empty(2, device=DEVICE)
+    sample_triton(logits, torch.ones(2, device=DEVICE), torch.arange(2, device=DEVICE),
+                  torch.tensor([3, 0], device=DEVICE), torch.tensor([1.0, 0.5], device=DEVICE), None, thresholds)
+    assert (thresholds.cpu() == 0).all()
+    assert torch.equal(reference.float_key(logits[0]), torch.zeros(40, dtype=torch.int32, device=DEVICE))
+
+
 def test_filtered_draw_depends_on_seed_only(request):
     gen = gen_for(request)
     logits = torch.randn(4, 3000, generator=gen).to(DEVICE) * 2
