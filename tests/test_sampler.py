@@ -136,10 +136,10 @@ def test_kernel_keeps_what_the_torch_path_keeps():
     from pagoda.kernels import reference
     from pagoda.kernels.triton_sampling import sample_triton
     g = torch.Generator().manual_seed(6)
-    logits = torch.randn(8, 3000, generator=g) * 3
-    assert all(len(row.unique()) == 3000 for row in logits)
+    logits = torch.randn(8, 2000, generator=g) * 3
+    assert all(len(row.unique()) == 2000 for row in logits)
     temp = torch.tensor([1.0, 0.7, 1.3, 0.9, 1.0, 0.5, 1.1, 0.8])
-    top_k = torch.tensor([0, 40, 0, 1, 200, 0, 15, 3000])
+    top_k = torch.tensor([0, 40, 0, 1, 200, 0, 15, 2000])
     top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 0.95, 1.0, 0.7, 0.99])
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.01, 0.2, 0.05, 0.0])
     thresholds = torch.empty(8, device=DEVICE)
@@ -194,7 +194,9 @@ def test_engine_sends_filtered_batches_to_the_kernel(tmp_path, monkeypatch):
                eos_token_id=2, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
-    llm.llm_engine.executor.runner.one_kernel_sampler = True
+    runner = llm.llm_engine.executor.runner
+    runner.one_kernel_sampler = True
+    steps = runner.num_sampling_steps
     calls = []
     real = triton_sampling.sample_triton
     monkeypatch.setattr(triton_sampling, "sample_triton", lambda *a: calls.append(a) or real(*a))
@@ -208,7 +210,8 @@ def test_engine_sends_filtered_batches_to_the_kernel(tmp_path, monkeypatch):
     mixed = run([{"prompt_token_ids": [9, 10]}, prompt, {"prompt_token_ids": [11]}],
                 [SamplingParams(temperature=1.0, min_p=0.1, max_tokens=3, ignore_eos=True), seeded,
                  SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)])
-    assert mixed[1] == alone and len(calls) == 8
+    assert mixed[1] == alone and len(calls) == runner.num_sampling_steps - steps >= 8
     assert all(c[3] is not None and c[4] is not None and c[5] is not None for c in calls)
+    before = len(calls)
     run([prompt], [SamplingParams(top_p=0.9, logprobs=2, max_tokens=2)])
-    assert len(calls) == 8
+    assert len(calls) == before
