@@ -45,8 +45,8 @@ def run_pagoda(args, prompts, output_lens):
     t0 = time.perf_counter()
     llm = LLM(model, **kwargs)
     startup = time.perf_counter() - t0
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=int(o), seed=None)
-              for o in output_lens]
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, ignore_eos=True, max_tokens=int(o),
+                             seed=None) for o in output_lens]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     with TritonCompiles() as compiles:
         t0 = time.perf_counter()
@@ -231,7 +231,7 @@ def run_hf(args, prompts, output_lens):
     model = hf_model(args.model_config)
     n, out_len = args.hf_requests, args.hf_output_len
     gen = GenerationConfig(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=True,
-                           temperature=args.temperature, eos_token_id=-1, pad_token_id=0)
+                           temperature=args.temperature, top_p=args.top_p, eos_token_id=-1, pad_token_id=0)
     with Timer() as t:
         res = model.generate_batch(inputs=prompts[:n], generation_config=gen)
     n_out = sum(len(r.generated_tokens) for r in res.values())
@@ -277,6 +277,7 @@ def main():
     p.add_argument("--prompt-len", type=int, nargs=2, default=[100, 1024])
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
     p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=1.0, help="0.9: the spec's sample")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (1,024 on an H200)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -335,7 +336,7 @@ def main():
             except Exception as e:     # a baseline failure must not lose our own figures
                 result["hf_error"] = repr(e)
     result["workload"] = {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
-                          "output_len": args.output_len, "temperature": args.temperature,
+                          "output_len": args.output_len, "temperature": args.temperature, "top_p": args.top_p,
                           "dtype": args.dtype, "model": args.model_config or args.model or "SmolLM2-135M"}
     os.makedirs(args.out, exist_ok=True)
     name = os.path.splitext(os.path.basename(args.model_config or args.model or "smollm2"))[0]

@@ -106,6 +106,33 @@ def test_one_kernel_sampler_seeds(dummy_qwen3):
     assert other_seed != alone and unseeded[0] != unseeded[1]
 
 
+def test_one_kernel_sampler_filters(dummy_qwen3, monkeypatch):
+    """Top-k / top-p / min-p rows take the one-kernel sampler too: a seeded request's tokens are
+    the same alone and in any batch, and every step's sampling was one kernel call with the
+    filters."""
+    from pagoda.kernels import triton_sampling
+    llm = dummy_qwen3
+    calls = []
+    real = triton_sampling.sample_triton
+    monkeypatch.setattr(triton_sampling, "sample_triton", lambda *a: calls.append(a) or real(*a))
+    prompt = {"prompt_token_ids": list(range(1, 40))}
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=30, ignore_eos=True)
+    runner = llm.llm_engine.executor.runner
+    steps = runner.num_sampling_steps
+
+    def run(prompts, params):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    alone = run([prompt], [seeded])[0]
+    others = [{"prompt_token_ids": [i + 3] * (10 + i)} for i in range(20)]
+    filters = [dict(top_k=50), dict(top_k=5, top_p=0.5), dict(min_p=0.1), dict(top_p=0.99, min_p=0.02), {}]
+    firsts = [SamplingParams(temperature=1.0, max_tokens=5 + i, ignore_eos=True, **filters[i % 5]) for i in range(7)]
+    greedy = SamplingParams(temperature=0, top_k=3, max_tokens=12, ignore_eos=True)
+    mixed = run(others[:7] + [prompt] + others[7:], firsts + [seeded] + [greedy] * 13)
+    assert mixed[7] == alone
+    assert len(calls) == runner.num_sampling_steps - steps and all(c[4] is not None for c in calls)
+
+
 def test_rare_sampling_paths_async_equals_sync(dummy_qwen3):
     """Penalties, logit bias, min_tokens, logprobs, prompt logprobs and n>1 (forked blocks, a
     block copy) on the GPU: async scheduling gives the synchronous engine's outputs."""

@@ -112,3 +112,106 @@ def test_no_greedy_row_skips_the_argmax_and_draws_the_same():
         md.any_greedy = any_greedy
         outs.append(sample(logits, md).token_ids.tolist())
     assert outs[0] == outs[1]
+
+
+# ---------------------------------------------------------------- the one-kernel path
+# (Triton's CPU interpreter without a GPU; tests/kernels/test_triton_sampling.py checks the
+# kernel against its reference in depth.)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def filtered_meta(temperature, top_k, top_p, min_p, seeds=None):
+    """Metadata as the runner builds it for the kernel: all three filters, on the device."""
+    dev = lambda t: t.to(DEVICE)
+    md = meta(len(temperature), top_k=dev(top_k), top_p=dev(top_p), min_p=dev(min_p))
+    md.temperature, md.all_greedy = dev(temperature), bool((temperature == 0).all())
+    md.seeds = None if seeds is None else dev(seeds)
+    return md
+
+
+def test_kernel_keeps_what_the_torch_path_keeps():
+    """On logits without ties, the kernel's kept set (its threshold, and min-p) is the torch
+    path's (apply_top_k_top_p_min_p) on every row where no float rounding can move a boundary
+    (the float64 reference gives one set for top_p and min_p moved by 1e-5)."""
+    from pagoda.kernels import reference
+    from pagoda.kernels.triton_sampling import sample_triton
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(8, 2000, generator=g) * 3
+    assert all(len(row.unique()) == 2000 for row in logits)
+    temp = torch.tensor([1.0, 0.7, 1.3, 0.9, 1.0, 0.5, 1.1, 0.8])
+    top_k = torch.tensor([0, 40, 0, 1, 200, 0, 15, 2000])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 0.95, 1.0, 0.7, 0.99])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.01, 0.2, 0.05, 0.0])
+    thresholds = torch.empty(8, device=DEVICE)
+    md = filtered_meta(temp, top_k, top_p, min_p)
+    sample_triton(logits.to(DEVICE), md.temperature, torch.arange(8, device=DEVICE), md.top_k, md.top_p, md.min_p,
+                  thresholds)
+    probs = (logits.double() / temp[:, None].double()).softmax(-1)
+    kernel_kept = ((reference.float_key(logits) >= reference.float_key(thresholds.cpu())[:, None])
+                   & (probs >= probs.amax(-1, keepdim=True) * min_p[:, None]))
+    torch_md = meta(8, top_k=top_k, top_p=top_p, min_p=min_p)
+    torch_kept = apply_top_k_top_p_min_p(logits / temp[:, None], torch_md) > float("-inf")
+    slack = 1e-5
+    sure = (reference.sampling_mask(logits, temp, top_k, top_p * (1 - slack), min_p * (1 + slack))
+            == reference.sampling_mask(logits, temp, top_k, (top_p * (1 + slack)).clamp(max=1), min_p * (1 - slack)))
+    sure = sure.all(-1)
+    assert sure.sum() >= 7
+    assert torch.equal(kernel_kept[sure], torch_kept[sure])
+    assert kernel_kept.sum(-1)[3] == 1 and kernel_kept.sum(-1)[1] == 40
+
+
+def test_sample_with_seeds_takes_the_kernel(monkeypatch):
+    """sample() hands a batch with top-k / top-p / min-p to the kernel when the runner gave it
+    seeds: the kernel's tokens, drawn from the torch path's kept sets, argmax for greedy rows."""
+    from pagoda.kernels import triton_sampling
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(5, 2000, generator=g) * 3).to(DEVICE)
+    md = filtered_meta(torch.tensor([0.8, 0.0, 1.0, 0.6, 1.2]), torch.tensor([0, 5, 30, 0, 0]),
+                       torch.tensor([0.9, 0.9, 0.8, 1.0, 1.0]), torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0]),
+                       seeds=torch.tensor([11, 12, 13, 14, 15]))
+    calls = []
+    real = triton_sampling.sample_triton
+    monkeypatch.setattr(triton_sampling, "sample_triton", lambda *a: calls.append(a) or real(*a))
+    tokens = sample(logits, md).token_ids
+    assert len(calls) == 1 and calls[0][4] is md.top_p and calls[0][3] is md.top_k and calls[0][5] is md.min_p
+    assert torch.equal(tokens, real(logits, md.temperature, md.seeds, md.top_k, md.top_p, md.min_p))
+    torch_kept = apply_top_k_top_p_min_p(logits / md.temperature.clamp(min=1e-6)[:, None], md) > float("-inf")
+    assert torch_kept.gather(1, tokens[:, None]).all()
+    assert tokens[1] == logits[1].argmax()
+
+
+def test_engine_sends_filtered_batches_to_the_kernel(tmp_path, monkeypatch):
+    """With the one-kernel sampler on (as on CUDA; here in the interpreter, on a tiny dummy
+    model), batches with top-k / top-p / min-p take it with their filters; a seeded request
+    gives the same tokens alone and in a batch; a request asking logprobs keeps its batch on
+    the torch path."""
+    import json
+
+    from pagoda import LLM, SamplingParams
+    from pagoda.kernels import triton_sampling
+    cfg = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+               eos_token_id=2, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    runner = llm.llm_engine.executor.runner
+    runner.one_kernel_sampler = True
+    steps = runner.num_sampling_steps
+    calls = []
+    real = triton_sampling.sample_triton
+    monkeypatch.setattr(triton_sampling, "sample_triton", lambda *a: calls.append(a) or real(*a))
+
+    def run(prompts, params):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    seeded = SamplingParams(temperature=0.9, top_k=20, top_p=0.8, seed=7, max_tokens=4, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    alone = run([prompt], [seeded])[0]
+    mixed = run([{"prompt_token_ids": [9, 10]}, prompt, {"prompt_token_ids": [11]}],
+                [SamplingParams(temperature=1.0, min_p=0.1, max_tokens=3, ignore_eos=True), seeded,
+                 SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)])
+    assert mixed[1] == alone and len(calls) == runner.num_sampling_steps - steps >= 8
+    assert all(c[3] is not None and c[4] is not None and c[5] is not None for c in calls)
+    before = len(calls)
+    run([prompt], [SamplingParams(top_p=0.9, logprobs=2, max_tokens=2)])
+    assert len(calls) == before

@@ -138,12 +138,46 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def inverse_cdf_sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Sampling by inverting the CDF of ``softmax(logits / temperature)`` at ``u * total`` per
-    row (float64), the first index whose cumulative mass passes it; the plain argmax where
-    ``temperature`` is 0. The oracle of ``triton_sampling.sample_triton``, given its uniforms."""
+def float_key(x: torch.Tensor) -> torch.Tensor:
+    """The order-preserving int32 image of float32 values (-0.0 as +0.0): thresholds on logits
+    are thresholds on these keys."""
+    b = (x.float() + 0.0).view(torch.int32)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+def sampling_mask(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The tokens each row's filters keep (bool, like ``logits``), as ``sample_triton`` decides
+    them, in float64: min-p keeps the tokens whose probability is at least min_p times the
+    max's; top-k (0 or >= vocab: off) the tokens at or above the k-th largest logit; top-p (1:
+    off), over what those two keep, the tokens at or above the smallest logit whose strictly
+    larger kept tokens hold less than top_p of the kept mass. Thresholds keep every token tied
+    with the boundary (the sorted torch path keeps ties in sort order instead)."""
+    x = logits.float()
+    key = float_key(x).long()
+    vocab = x.shape[-1]
+    probs = (x.double() / temperature.double().clamp(min=1e-30)[:, None]).softmax(-1)
+    keep = probs >= probs.amax(-1, keepdim=True) * min_p.double()[:, None]
+    kth = key.sort(-1, descending=True).values.gather(-1, (top_k.long().clamp(1, vocab) - 1)[:, None])
+    keep &= (key >= kth) | ((top_k <= 0) | (top_k >= vocab))[:, None]
+    mass = probs * keep
+    asc, order = key.sort(-1)
+    at_or_below = mass.gather(-1, order).cumsum(-1).gather(-1, torch.searchsorted(asc, key, right=True) - 1)
+    total = mass.sum(-1, keepdim=True)
+    cut = torch.where(keep & (total - at_or_below < top_p.double()[:, None] * total), key, 2**40).amin(-1)
+    return keep & ((key >= cut[:, None]) | (top_p >= 1)[:, None])
+
+
+def inverse_cdf_sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                       keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Sampling by inverting the CDF of ``softmax(logits / temperature)`` (restricted to
+    ``keep``, e.g. a ``sampling_mask``) at ``u * total`` per row (float64), the first index
+    whose cumulative mass passes it; the plain argmax where ``temperature`` is 0. The oracle of
+    ``triton_sampling.sample_triton``, given its uniforms."""
     x = logits.double()
     probs = (x / temperature.double().clamp(min=1e-30)[:, None]).softmax(-1)
+    if keep is not None:
+        probs = probs * keep
     cdf = probs.cumsum(-1)
     drawn = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True).squeeze(-1)
     return torch.where(temperature > 0, drawn.clamp(max=x.shape[-1] - 1), x.argmax(-1))

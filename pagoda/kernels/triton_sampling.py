@@ -1,11 +1,12 @@
-"""Sampling from temperature-scaled logits in one Triton kernel (the GPU fast path of
-``pagoda.runner.sampler`` for rows without top-k / top-p / min-p, penalties or logprobs).
+"""Sampling in one Triton kernel: the GPU path of ``pagoda.runner.sampler`` for batches without
+penalties, logit bias, banned tokens or logprobs; temperature, top-k, top-p and min-p per row.
 
 Why: in torch, sampling a batch is a float copy of the logits, a division, a softmax, a cumsum
 and a search: five passes over a (batch, vocabulary) tensor (256 x 151,936 floats at batch
 256: 0.8 ms of GPU time and a dozen launches). The Gumbel-max kernel that came next read the
 logits once but drew a Philox number and took two logarithms for every logit: about 145
-instructions each, 0.19 ms a step at batch 256 (BENCHMARKS.md).
+instructions each, 0.19 ms a step at batch 256 (BENCHMARKS.md). Top-p sorted the vocabulary
+(5.2 ms at batch 256) and top-k ran torch.topk (1.6 ms).
 
 How: inverse CDF with one uniform number per row, in two passes over the row (one program per
 row). The first keeps the running max and the sum of ``exp2((x - max) * k)``, ``k = log2(e) /
@@ -17,6 +18,32 @@ request reproduces its output whatever shares the step; the runner derives the s
 request's seed and its output position). Greedy rows (``T = 0``) take the first pass's argmax,
 first index on ties, as ``torch.argmax`` does. A draw that float rounding pushes past the
 last term (probability about 1e-7) takes the argmax too.
+
+Filters, without sorting: each keeps the tokens whose logit is at or above a threshold, so all
+tokens tied with the boundary stay (as with vLLM's sort-based top-k; the sorted torch path
+keeps ties in sort order), and the draw above runs over the kept tokens only. Min-p's is
+direct: a token stays when its term ``exp2((x - max) * k)``, its probability over the max's,
+is at least min_p. Top-k's and top-p's are found exactly by a search over keys, the
+order-preserving int32 images of the logits: each pass counts (top-k) or sums the min-p-kept
+mass (top-p) of the tokens at or above 16 keys at once (a compare, a select and an add per
+token and key) and keeps the interval where the count or the mass crosses its target (k; top_p of the mass
+that top-k and min-p keep), until it is one key wide. The keys are evenly spaced, at most 4
+passes for bf16 logits (16-bit keys) and 8 for float32, but the first pass spaces them evenly
+in value, where the logits are, which usually saves one. Top-p runs after top-k, over what
+top-k keeps, as in ``sampler.apply_top_k_top_p_min_p``; ``reference.sampling_mask`` is this
+definition in torch.
+
+Passes over the whole vocabulary cost more than the draw, so the search runs on a short list
+when it can: the first pass also keeps each column's max (a column: the logits at one offset
+of every chunk, 38 at most for 151,936 tokens). At least k tokens reach the k-th largest
+column max, and the tokens at or above any key hold at least the column maxima's mass there,
+so the filters' thresholds lie at or above the key where the column maxima alone reach the
+target: a search over the 4096 maxima finds it (within a key or so of the k-th largest token for top-k <= 4096; for
+top-p when the kept set is much smaller than 4096 tokens, as in a model's next-token
+distribution). One pass copies the tokens at or above that bound, in vocabulary order, into
+the row's list (``LIST_CAP`` entries); the searches and the draw then run on it. A row whose
+bound is too low for the list (more tokens than fit, or a top-p set of many thousand tokens)
+searches the whole row: 3 or 4 passes for bf16 logits where the list took one copy.
 """
 import torch
 import triton
@@ -25,7 +52,13 @@ import triton.language as tl
 from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, pdl_launch, pdl_wait
 
 BLOCK_V = 4096
+LIST_CAP = 2 * BLOCK_V      # a row's list of candidates (at least BLOCK_V: it first holds the column maxima)
+SEARCH_BLOCK = 256          # tokens a search pass compares with its 16 keys at once (two such a step)
+COPY_BLOCK = 1024           # tokens per step of the copy into the list (2048: its prefix sum spills)
+NUM_PIVOTS = tl.constexpr(16)
 LOG2E = tl.constexpr(1.4426950408889634)
+# Keys of narrower dtypes leave these low bits constant: dropping them shortens the search.
+KEY_SHIFT = {torch.float32: 0, torch.float16: 13, torch.bfloat16: 16}
 fix_interpreter_loop_bounds()
 
 
@@ -37,8 +70,214 @@ def _row_uniform(seed, zero):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, out_ptr, vocab, stride_row,
-                   BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr):
+def _key(x, SHIFT: tl.constexpr):
+    """The order-preserving int32 image of float32 ``x``, shifted right past the low bits that
+    values of the input dtype leave constant. (+ 0.0 turns -0.0 into its equal +0.0: the max
+    of a row of zeros may be either.)"""
+    b = (x + 0.0).to(tl.int32, bitcast=True)
+    return (b ^ ((b >> 31) & 0x7FFFFFFF)) >> SHIFT
+
+
+@triton.jit
+def _key_value(key, SHIFT: tl.constexpr):
+    """The float32 value of a key (the inverse of ``_key``)."""
+    b = (key << SHIFT) | tl.where(key < 0, (1 << SHIFT) - 1, 0)
+    return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _at(vec, i, N: tl.constexpr):
+    """vec[i] for a runtime i (a reduction: registers cannot be indexed)."""
+    return tl.sum(tl.where(tl.arange(0, N) == i, vec, 0), 0)
+
+
+@triton.jit
+def _reach(vals, n, pivots, m, k, min_p, mass, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """For each pivot key, the number (``mass`` false) or the min-p-kept mass (true) of the
+    list's ``n`` tokens at or above it: one pass, all pivots at once. Each thread sums its own
+    column, the threads' sums meeting once after the pass (a reduction a step took more
+    instructions than the compares), and has two loads in flight a step (a column of 256
+    tokens: 16 sums a thread; wider spills)."""
+    cols = tl.arange(0, BLOCK)
+    reach = tl.zeros([NUM_PIVOTS, BLOCK], tl.float32)
+    for start in range(0, n, 2 * BLOCK):
+        for half in tl.static_range(2):
+            valid = start + half * BLOCK + cols < n
+            x = tl.load(vals + start + half * BLOCK + cols, mask=valid, other=float("-inf")).to(tl.float32)
+            e = tl.math.exp2((x - m) * k)
+            w = tl.where(valid, tl.where(mass, tl.where(e >= min_p, e, 0.0), 1.0), 0.0)
+            reach += tl.where(_key(x, SHIFT)[None, :] >= pivots[:, None], w[None, :], 0.0)
+    return tl.sum(reach, 1)
+
+
+@triton.jit
+def _search(vals, n, lo, hi, floor, target, frac, m, k, min_p, mass, SHIFT: tl.constexpr,
+            SEARCH_BLOCK: tl.constexpr):
+    """The largest key s in [lo, hi) that at least ``target + frac * reach(lo)`` of the list
+    reaches (a count or a mass, as ``_reach``), and its reach: the threshold that keeps as few
+    tokens as the target allows. Needs reach(hi) under the target; returns lo (reach -1) when
+    reach(lo) is under it too. Each pass evaluates lo and 15 more pivots and keeps the interval
+    between the last that reaches the target and the next: evenly spaced in key, except the
+    first pass's, evenly spaced in value from ``floor`` (when finite) to the max, where the
+    logits are (keys crowd around 0 and run through empty exponents)."""
+    j = tl.arange(0, NUM_PIVOTS)
+    floor = tl.maximum(floor, _key_value(lo, SHIFT))
+    lo = lo.to(tl.int64)        # (the span of 32-bit keys overflows int32)
+    hi = hi.to(tl.int64)
+    reach_lo = tl.full([], -1.0, tl.float32)
+    passes = 0
+    while hi - lo > 1:
+        q = (lo + j.to(tl.int64) * ((hi - lo + NUM_PIVOTS - 1) // NUM_PIVOTS)).to(tl.int32)
+        if (passes == 0) & (floor > float("-inf")):
+            by_value = floor + j.to(tl.float32) * ((m - floor) / NUM_PIVOTS)
+            q = tl.where(j == 0, lo.to(tl.int32), _key(by_value, SHIFT))
+        reach = _reach(vals, n, q, m, k, min_p, mass, SHIFT, SEARCH_BLOCK)
+        if passes == 0:
+            target += frac * _at(reach, 0, NUM_PIVOTS)
+        passes += 1
+        # (reach falls as the pivot rises, in float too: sums of non-negative terms in a fixed
+        # order, zeros for the tokens under the pivot; so the pivots reaching the target are a prefix)
+        c = tl.sum((reach >= target).to(tl.int32), 0)
+        if c == 0:
+            hi = lo + 1
+        else:
+            reach_lo = _at(reach, c - 1, NUM_PIVOTS)
+            hi = tl.where(c < NUM_PIVOTS, _at(q, c, NUM_PIVOTS).to(tl.int64), hi)
+            lo = _at(q, c - 1, NUM_PIVOTS).to(tl.int64)
+    return lo.to(tl.int32), reach_lo
+
+
+@triton.jit
+def _draw(vals, ids, n, t, target, m, k, min_p, HAS_IDS: tl.constexpr, FILTERED: tl.constexpr,
+          SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """The first of the list's tokens whose cumulative kept term passes ``target`` (-1 when
+    rounding leaves the sum under it), and the sum of the terms scanned: with an infinite
+    target, the kept mass. Kept (``FILTERED``): key at or above ``t``, term at least min_p."""
+    cols = tl.arange(0, BLOCK)
+    run = tl.full([], 0.0, tl.float32)
+    token = tl.full([], -1, tl.int32)
+    start = 0
+    while (start < n) & (token < 0):
+        x = tl.load(vals + start + cols, mask=start + cols < n, other=float("-inf")).to(tl.float32)
+        p = tl.math.exp2((x - m) * k)
+        if FILTERED:
+            p = tl.where((_key(x, SHIFT) >= t) & (p >= min_p), p, 0.0)
+        chunk_total = tl.sum(p, 0)
+        if run + chunk_total > target:
+            # (counting the columns at or under the target finds the first one past it; a
+            # column of zero mass never adds, so it is never the one)
+            i = tl.sum((tl.cumsum(p, 0) + run <= target).to(tl.int32), 0)
+            if i < BLOCK:   # else rounding: the scan's sum stayed under the target
+                if HAS_IDS:
+                    token = tl.load(ids + start + i)
+                else:
+                    token = start + i
+        run += chunk_total
+        start += BLOCK
+    return token, run
+
+
+@triton.jit
+def _compact(row, vocab, bound, m, k, min_p, total, list_vals, list_ids, LIST_CAP: tl.constexpr,
+             SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """Copies the row's tokens with key at or above ``bound`` (values and ids, in vocabulary
+    order) into the list, stopping once they overflow it. Returns their number and the row's
+    min-p-kept mass (``total`` without min-p)."""
+    cols = tl.arange(0, BLOCK)
+    n = tl.full([], 0, tl.int32)
+    norm = tl.full([], 0.0, tl.float32)
+    start = 0
+    while (start < vocab) & (n <= LIST_CAP):
+        valid = start + cols < vocab
+        x = tl.load(row + start + cols, mask=valid, other=float("-inf")).to(tl.float32)
+        take = valid & (_key(x, SHIFT) >= bound)
+        taken = tl.sum(take.to(tl.int32), 0)
+        if taken > 0:       # (few chunks have candidates when the bound is tight)
+            pos = n + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(list_vals + pos, x, mask=take & (pos < LIST_CAP))
+            tl.store(list_ids + pos, start + cols, mask=take & (pos < LIST_CAP))
+        n += taken
+        if min_p > 0:
+            e = tl.math.exp2((x - m) * k)
+            norm += tl.sum(tl.where(e >= min_p, e, 0.0), 0)
+        start += BLOCK
+    return n, tl.where(min_p > 0, norm, total)
+
+
+@triton.jit
+def _filter_and_draw(vals, ids, n, lo, norm, u, vocab, m, k, top_k, top_p, min_p, use_k, use_p,
+                     HAS_IDS: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr,
+                     SEARCH_BLOCK: tl.constexpr):
+    """Top-k, then top-p over what top-k and min-p keep, then the draw, over a list holding
+    every token the filters may keep, all at or above key ``lo`` (the row itself, or its
+    candidates). ``norm``, when positive, is the min-p-kept mass of the whole row (top-p's
+    total without top-k, when the list holds only candidates). Returns the token (-1:
+    rounding) and the threshold key."""
+    top = _key(m, SHIFT) + 1
+    t = lo
+    if use_k:
+        t, _ = _search(vals, n, lo, top, float("-inf"), top_k.to(tl.float32), 0.0, m, k, min_p,
+                       False, SHIFT, SEARCH_BLOCK)
+    kept = tl.full([], -1.0, tl.float32)
+    if use_p:
+        given = (norm > 0) & (use_k == 0)
+        t, kept = _search(vals, n, t, top, _top_p_floor(m, k, top_p, vocab), tl.where(given, top_p * norm, 0.0),
+                          tl.where(given, 0.0, top_p), m, k, min_p, True, SHIFT, SEARCH_BLOCK)
+    if kept < 0:
+        _, kept = _draw(vals, ids, n, t, float("inf"), m, k, min_p, HAS_IDS, True, SHIFT, BLOCK)
+    token, _ = _draw(vals, ids, n, t, u * kept, m, k, min_p, HAS_IDS, True, SHIFT, BLOCK)
+    return token, t
+
+
+@triton.jit
+def _top_p_floor(m, k, top_p, vocab):
+    """A logit under which top-p drops every token: each has less than (1 - top_p) / vocab of
+    the max's probability, so all of them together less than 1 - top_p of the kept mass."""
+    return m + tl.math.log2(tl.maximum(1.0 - top_p, 1e-30) / vocab) / k
+
+
+@triton.jit
+def _sample_filtered(row, vocab, col_max, m, total, u, k, top_k, top_p, min_p, use_k, use_p,
+                     list_vals, list_ids, LIST_CAP: tl.constexpr, SHIFT: tl.constexpr,
+                     BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, COPY_BLOCK: tl.constexpr):
+    """A row with filters: the bound from the column maxima, the list of candidates at or
+    above it when they fit, then the filters and the draw on the list or else the row."""
+    bound = tl.full([], -1, tl.int32)
+    found = tl.full([], -1.0, tl.float32)
+    if use_k | use_p:
+        columns = tl.minimum(vocab, BLOCK)
+        tl.store(list_vals + tl.arange(0, BLOCK), col_max)
+        tl.debug_barrier()
+        # Top-k: the k-th largest column max (k <= 4096). Top-p without top-k: the largest key
+        # whose column maxima hold top_p of the row's mass (none when all of them hold less).
+        lo = _key(tl.min(tl.where(tl.arange(0, BLOCK) < columns, col_max, float("inf")), 0), SHIFT)
+        bound, found = _search(list_vals, columns, lo, _key(m, SHIFT) + 1,
+                               tl.where(use_k, float("-inf"), _top_p_floor(m, k, top_p, vocab)),
+                               tl.where(use_k, top_k.to(tl.float32), top_p * total), 0.0, m, k, min_p,
+                               use_k == 0, SHIFT, SEARCH_BLOCK)
+        tl.debug_barrier()
+    n = tl.full([], LIST_CAP + 1, tl.int32)
+    norm = tl.full([], -1.0, tl.float32)
+    if found >= 0:
+        n, norm = _compact(row, vocab, bound, m, k, min_p, total, list_vals, list_ids, LIST_CAP, SHIFT,
+                           COPY_BLOCK)
+        tl.debug_barrier()
+    if n <= LIST_CAP:
+        token, t = _filter_and_draw(list_vals, list_ids, n, bound, norm, u, vocab, m, k, top_k, top_p,
+                                    min_p, use_k, use_p, True, SHIFT, BLOCK, SEARCH_BLOCK)
+    else:
+        lowest = _key(tl.full([], float("-inf"), tl.float32), SHIFT)
+        token, t = _filter_and_draw(row, list_ids, vocab, lowest, -1.0, u, vocab, m, k, top_k, top_p,
+                                    min_p, use_k, use_p, False, SHIFT, BLOCK, SEARCH_BLOCK)
+    return token, t
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                   list_vals_ptr, list_ids_ptr, out_ptr, thresholds_ptr, vocab, stride_row,
+                   BLOCK_V: tl.constexpr, LIST_CAP: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                   COPY_BLOCK: tl.constexpr, SHIFT: tl.constexpr, FILTERED: tl.constexpr,
+                   THRESHOLDS: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)       # 0 for greedy rows
@@ -46,10 +285,12 @@ def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, out_ptr, vocab, strid
     cols = tl.arange(0, BLOCK_V)
     k = LOG2E / tl.where(temperature > 0, temperature, 1.0)
 
-    # Pass 1: the max, its first index, and (sampled rows) the sum of exp2((x - max) * k).
+    # Pass 1: the max, its first index, and (sampled rows) the sum of exp2((x - max) * k);
+    # with filters, each column's max.
     m = tl.full([], float("-inf"), tl.float32)
     best = tl.full([], 0, tl.int32)
     total = tl.full([], 0.0, tl.float32)
+    col_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
     for start in range(0, vocab, BLOCK_V):
         x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
         chunk_max = tl.max(x, 0)
@@ -59,41 +300,70 @@ def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, out_ptr, vocab, strid
         if temperature > 0:
             total = total * tl.math.exp2((m - new_m) * k) + tl.sum(tl.math.exp2((x - new_m) * k), 0)
         m = new_m
+        if FILTERED:
+            col_max = tl.maximum(col_max, x)
 
     token = best
+    t = _key(tl.full([], float("-inf"), tl.float32), SHIFT)
     if temperature > 0:
-        # Pass 2: the first column whose cumulative term passes u * total.
-        target = _row_uniform(tl.load(seeds_ptr + row), row * 0) * total
-        run = tl.full([], 0.0, tl.float32)
-        start = 0
-        found = 0
-        while (start < vocab) & (found == 0):
-            x = tl.load(base + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
-            p = tl.math.exp2((x - m) * k)
-            chunk_total = tl.sum(p, 0)
-            if run + chunk_total > target:
-                # (counting the columns at or under the target finds the first one past it; a
-                # column of zero mass never adds, so it is never the one)
-                idx = tl.sum((tl.cumsum(p, 0) + run <= target).to(tl.int32), 0)
-                if idx < BLOCK_V:   # else rounding: the scan's sum stayed under the target
-                    token = start + idx
-                    found = 1
-            run += chunk_total
-            start += BLOCK_V
+        u = _row_uniform(tl.load(seeds_ptr + row), row * 0)
+        drawn = tl.full([], -1, tl.int32)
+        if FILTERED:
+            top_k = tl.load(top_k_ptr + row)
+            top_p = tl.load(top_p_ptr + row)
+            min_p = tl.load(min_p_ptr + row)
+            use_k = (top_k > 0) & (top_k < vocab)
+            use_p = top_p < 1.0
+            if use_k | use_p | (min_p > 0):
+                row_list = row.to(tl.int64) * LIST_CAP
+                drawn, t = _sample_filtered(base, vocab, col_max, m, total, u, k, top_k, top_p, min_p,
+                                            use_k, use_p, list_vals_ptr + row_list, list_ids_ptr + row_list,
+                                            LIST_CAP, SHIFT, BLOCK_V, SEARCH_BLOCK, COPY_BLOCK)
+            else:
+                drawn, _ = _draw(base, base, vocab, t, u * total, m, k, 0.0, False, False, SHIFT, BLOCK_V)
+        else:
+            drawn, _ = _draw(base, base, vocab, t, u * total, m, k, 0.0, False, False, SHIFT, BLOCK_V)
+        if drawn >= 0:
+            token = drawn
     tl.store(out_ptr + row, token.to(tl.int64))
+    if THRESHOLDS:
+        tl.store(thresholds_ptr + row, _key_value(t, SHIFT))
 
 
-def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``logits (batch, vocab)`` (any float dtype, unit stride along the
-    vocabulary): a draw from ``softmax(logits / temperature)``, or the argmax where
-    ``temperature`` is 0. ``temperature`` float32 and ``seeds`` int64, both ``(batch,)`` on the
-    logits' device. Capturable: no host sync, output allocated from shapes."""
+def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                  top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                  min_p: torch.Tensor | None = None, thresholds: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``logits (batch, vocab)`` (float32, float16 or bfloat16, unit stride
+    along the vocabulary): a draw from ``softmax(logits / temperature)`` restricted to what the
+    row's filters keep (``reference.sampling_mask``), or the argmax where ``temperature`` is 0.
+    ``temperature`` float32 and ``seeds`` int64, both ``(batch,)`` on the logits' device; the
+    optional filters ``(batch,)`` too: ``top_k`` integer (0 or >= vocab: off), ``top_p`` and
+    ``min_p`` float32 (1 and 0: off). ``thresholds`` (float32, tests): receives each row's
+    top-k/top-p threshold on the logits (-inf: none). Capturable: no host sync, buffers
+    allocated from shapes."""
     batch, vocab = logits.shape
     assert logits.stride(1) == 1 and temperature.shape == (batch,) and seeds.shape == (batch,)
     out = torch.empty(batch, dtype=torch.long, device=logits.device)
-    if batch:
-        _sample_kernel[(batch,)](logits, temperature, seeds, out, vocab, logits.stride(0),
-                                 BLOCK_V=BLOCK_V, num_warps=8, **pdl_launch(logits.device))
+    if not batch:
+        return out
+    filtered = top_k is not None or top_p is not None or min_p is not None
+    if filtered:
+        assert LIST_CAP >= BLOCK_V
+        # (the runner passes all three; a missing one costs a fill)
+        top_k = torch.zeros(batch, dtype=torch.long, device=logits.device) if top_k is None else top_k
+        top_p = torch.ones(batch, device=logits.device) if top_p is None else top_p
+        min_p = torch.zeros(batch, device=logits.device) if min_p is None else min_p
+        lists = (torch.empty(batch, LIST_CAP, dtype=torch.float32, device=logits.device),
+                 torch.empty(batch, LIST_CAP, dtype=torch.int32, device=logits.device))
+    else:
+        top_k = top_p = min_p = out     # (unread)
+        lists = (out, out)
+    _sample_kernel[(batch,)](logits, temperature, seeds, top_k, top_p, min_p, *lists, out,
+                             out if thresholds is None else thresholds, vocab, logits.stride(0),
+                             BLOCK_V=BLOCK_V, LIST_CAP=LIST_CAP, SEARCH_BLOCK=SEARCH_BLOCK,
+                             COPY_BLOCK=COPY_BLOCK, SHIFT=KEY_SHIFT[logits.dtype],
+                             FILTERED=filtered, THRESHOLDS=thresholds is not None, num_warps=8,
+                             **pdl_launch(logits.device))
     return out
 
 

@@ -96,6 +96,8 @@ class ModelRunner:
         mc, sc = config.model, config.scheduler
         torch.manual_seed(mc.seed)
         self.rng = np.random.default_rng(mc.seed)
+        # Sampling in one Triton kernel (runner/sampler.py) for the batches it covers.
+        self.one_kernel_sampler = self.device.type == "cuda"
         self.model = get_model(mc, self.device)
         self.arch = mc.arch
         self.block_size = config.cache.block_size
@@ -212,7 +214,9 @@ class ModelRunner:
         from pagoda.kernels import triton_attention
         from pagoda.kernels.triton_sampling import sample_triton
         one = torch.ones(1, device=self.device)
-        sample_triton(torch.zeros(1, self.arch.vocab_size, dtype=self.kv_dtype, device=self.device), one, one.long())
+        logits = torch.zeros(1, self.arch.vocab_size, dtype=self.kv_dtype, device=self.device)
+        sample_triton(logits, one, one.long())
+        sample_triton(logits, one, one.long(), one.long(), one * 0.9, one * 0)     # with filters
         attn = self.model.model.layers[0].self_attn.attn
         group = attn.num_heads // attn.num_kv_heads
         for q_len in sorted({max(2, block_m // group) for block_m in triton_attention.TILES}):
@@ -441,8 +445,8 @@ class ModelRunner:
 
     def _sampling_arrays(self, states: list[CachedRequestState], rows: np.ndarray) -> dict[str, np.ndarray]:
         """The sampling rows' parameters for the device: only those some row uses, plus Philox
-        seeds when the batch can take the one-kernel GPU sampler (temperature only: no top-k/p,
-        min-p, logprobs or per-request extras)."""
+        seeds when the batch can take the one-kernel GPU sampler (no logprobs or per-request
+        extras: penalties, logit bias, min_tokens), which then takes all three filters."""
         temp = self.temperature[rows]
         a = {"temperature": temp}
         top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
@@ -452,9 +456,11 @@ class ModelRunner:
             a["top_p"] = top_p
         if min_p.any():
             a["min_p"] = min_p
-        if (self.device.type == "cuda" and len(a) == 1 and not (temp == 0).all()
+        if (self.one_kernel_sampler and not (temp == 0).all()
                 and (self.num_logprobs[rows] == NO_LOGPROBS).all() and not self._special_rows(states, rows)):
             a["seeds"] = self._philox_seeds(states, rows)
+            if a.keys() & {"top_k", "top_p", "min_p"}:
+                a.update(top_k=top_k, top_p=top_p, min_p=min_p)
         return a
 
     def _special_rows(self, states: list[CachedRequestState], rows: np.ndarray) -> list[int]:

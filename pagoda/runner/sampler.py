@@ -1,6 +1,8 @@
 """Sampling for the whole batch in a few tensor ops: penalties, temperature, top-k / top-p /
 min-p, then one draw per row. A seeded request draws its random number from its own generator, so its
-output does not depend on what else shares the batch."""
+output does not depend on what else shares the batch. On CUDA, batches without penalties, logit
+bias, banned tokens or logprobs take one Triton kernel instead (kernels/triton_sampling.py: the
+same filters, thresholds found without sorting)."""
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +33,8 @@ class SamplingMetadata:
     # the CPU). True when unknown.
     any_greedy: bool = True
     # (B,) int64 per-row Philox seeds: set by the runner when the batch can take the one-kernel
-    # GPU path (temperature only: no top-k/p, min-p, penalties, bias or logprobs).
+    # GPU path (no penalties, bias, banned tokens or logprobs; top_k, top_p and min_p are then
+    # all set or all None).
     seeds: torch.Tensor | None = None
 
 
@@ -77,7 +80,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
 
 
 def _mask_sorted(sorted_logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Top-k then top-p over logits sorted in descending order (a prefix of the vocabulary)."""
+    """Top-k then top-p over logits sorted in descending order (a prefix of the vocabulary).
+    Tokens tied at the boundary stay or go in sort order; the one-kernel path keeps them all
+    (reference.sampling_mask)."""
     n = sorted_logits.shape[-1]
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if md.top_k is not None:
@@ -109,7 +114,8 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         return SamplerOutput(logits.argmax(-1), None, None, None, None)   # no float copy needed
     if md.seeds is not None:
         from pagoda.kernels.triton_sampling import sample_triton
-        return SamplerOutput(sample_triton(logits, md.temperature, md.seeds), None, None, None, None)
+        tokens = sample_triton(logits, md.temperature, md.seeds, md.top_k, md.top_p, md.min_p)
+        return SamplerOutput(tokens, None, None, None, None)
     raw = logits.float()
     logits = raw
     if md.logit_bias is not None:

@@ -1,5 +1,6 @@
 """The Triton sampling kernel (pagoda.kernels.triton_sampling) against its torch oracle
-(reference.inverse_cdf_sample, given the same uniforms), and the uniforms against their law.
+(reference.sampling_mask for top-k / top-p / min-p, reference.inverse_cdf_sample given the
+same uniforms), and the uniforms against their law.
 Without a CUDA device the kernels run in Triton's CPU interpreter (fp32, fp16); with one,
 compiled, bf16 included: ``pytest tests/kernels/test_triton_sampling.py -q``."""
 import math
@@ -8,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from pagoda.kernels import reference
+from pagoda.kernels import reference, triton_sampling
 from pagoda.kernels.triton_sampling import BLOCK_V, row_uniforms_triton, sample_triton
 
 ON_GPU = torch.cuda.is_available()
@@ -103,3 +104,155 @@ def test_empirical_distribution(request):
     freq = torch.bincount(tokens.cpu(), minlength=5).double() / n
     p = (logits[0].cpu().double() / temp).softmax(-1)
     assert ((freq - p).abs() <= 4 * (p * (1 - p) / n).sqrt() + 1e-9).all(), (freq, p)
+
+
+# ---------------------------------------------------------------- top-k / top-p / min-p
+# Relative slack for the sandwich below: the kernel sums masses in float32 (exp2 approximate on
+# the GPU), the reference in float64.
+SLACK = 1e-4
+
+
+def filter_rows(vocab):
+    """(temperature, top_k, top_p, min_p) rows mixing every filter and combination."""
+    return torch.tensor([
+        [0.0, 5, 0.5, 0.0],          # greedy: the argmax whatever the filters
+        [0.8, 0, 1.0, 0.0],          # temperature only, in a filtered batch
+        [1.0, 1, 1.0, 0.0],          # k = 1
+        [0.7, 50, 1.0, 0.0],
+        [1.0, vocab, 1.0, 0.0],      # k >= vocab: off
+        [1.3, vocab - 1, 1.0, 0.0],  # all but one
+        [1.0, 0, 0.9, 0.0],
+        [0.6, 0, 1e-6, 0.0],         # tiny top_p: the max alone
+        [1.5, 0, 0.999, 0.0],        # thousands of tokens
+        [0.9, 20, 0.5, 0.0],
+        [1.0, 0, 1.0, 0.1],          # min-p alone
+        [1.2, 0, 0.95, 0.05],
+        [0.8, 10, 0.8, 0.02],        # all three
+    ], dtype=torch.float64).T
+
+
+def run_filtered(logits, rows, seeds):
+    temp, top_k, top_p, min_p = (rows[0].float(), rows[1].long(), rows[2].float(), rows[3].float())
+    dev = logits.device
+    thresholds = torch.empty(logits.shape[0], device=dev)
+    tokens = sample_triton(logits, temp.to(dev), seeds, top_k.to(dev), top_p.to(dev), min_p.to(dev), thresholds)
+    return tokens.cpu(), thresholds.cpu(), (temp, top_k, top_p, min_p)
+
+
+def check_against_reference(logits, rows, seeds, u):
+    """The kernel's kept set lies between the reference's at top_p and min_p moved by SLACK
+    (so it is exactly the reference's where those agree: at least half the rows, the others
+    keeping thousands of tokens), and its draw is the reference's given the same uniform (up
+    to the rounding of a CDF step). Returns the kept sets."""
+    tokens, thr, (temp, top_k, top_p, min_p) = run_filtered(logits, rows, seeds)
+    x = logits.cpu().float()
+    lower = reference.sampling_mask(x, temp, top_k, torch.where(top_p < 1, top_p * (1 - SLACK), 1.0),
+                                    min_p * (1 + SLACK))
+    upper = reference.sampling_mask(x, temp, top_k, (top_p * (1 + SLACK)).clamp(max=1), min_p * (1 - SLACK))
+    probs = (x.double() / temp.double().clamp(min=1e-30)[:, None]).softmax(-1)
+    kept = ((reference.float_key(x) >= reference.float_key(thr)[:, None])
+            & (probs >= probs.amax(-1, keepdim=True) * min_p.double()[:, None]))
+    sampled = temp > 0
+    assert (lower <= kept)[sampled].all() and (kept <= upper)[sampled].all()
+    tight = (lower == upper).all(-1) & sampled
+    assert tight.sum() >= 0.5 * sampled.sum()
+    assert torch.equal(tokens[~sampled], x.argmax(-1)[~sampled]), "greedy rows must be the exact argmax"
+    assert upper.gather(1, tokens[:, None])[sampled].all()
+    # The draw over the kept set: u * total in the token's CDF interval, up to float32 rounding.
+    mass = probs * kept
+    cdf = mass.cumsum(-1)
+    target = (u.cpu().double() * cdf[:, -1])[:, None]
+    hi = cdf.gather(1, tokens[:, None])
+    lo = hi - mass.gather(1, tokens[:, None])
+    tol = 1e-5 * cdf[:, -1:]
+    assert ((lo <= target + tol) & (target <= hi + tol))[tight].all()
+    ref = reference.inverse_cdf_sample(x, temp, u.cpu(), kept)
+    assert (tokens == ref)[tight].float().mean() >= 0.75
+    return kept, tight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_filters_match_reference(request, dtype, vocab):
+    gen = gen_for(request)
+    rows = filter_rows(vocab)
+    batch = rows.shape[1]
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(DEVICE, dtype)
+    seeds = random_seeds(batch, gen)
+    kept, tight = check_against_reference(logits, rows, seeds, row_uniforms_triton(seeds))
+    assert tight[2:6].all() and tight[7], "top-k alone and a tiny top-p: no rounding can move them"
+    assert kept[4].all() and kept[3].sum() >= 50 and kept[7].sum() >= 1   # (more: ties at the boundary)
+
+
+def test_filters_take_every_path(request, monkeypatch):
+    """Small chunks and a short candidate list reach every path on a small vocabulary: the
+    list (top-k 5, top-p of a few tokens), no bound from the column maxima (k beyond the
+    columns, a flat top-p), and a list that overflows (a tie at the k-th place wider than the
+    list: the whole tie stays)."""
+    monkeypatch.setattr(triton_sampling, "BLOCK_V", 256)
+    monkeypatch.setattr(triton_sampling, "LIST_CAP", 512)
+    gen = gen_for(request)
+    vocab = 3001
+    rows = torch.tensor([[1.0, 5, 1.0, 0.0], [0.7, 0, 0.6, 0.0], [1.0, 300, 1.0, 0.0],
+                         [2.0, 0, 0.99, 0.0], [1.0, 10, 0.9, 0.0], [1.0, 10, 1.0, 0.3]], dtype=torch.float64).T
+    logits = torch.randn(6, vocab, generator=gen) * 3
+    logits[3] *= 0.05                               # flat: top-p keeps most of the row
+    tie = torch.randperm(vocab, generator=gen)[:600]
+    logits[4:, tie] = logits[4:].amax(-1, keepdim=True) + 1   # 600 tokens tied at the max
+    seeds = random_seeds(6, gen)
+    kept = check_against_reference(logits.to(DEVICE), rows, seeds, row_uniforms_triton(seeds))[0].sum(-1)
+    assert kept[0] == 5 and kept[2] == 300 and kept[3] > 512 and kept[4] == 600 and kept[5] == 600
+
+
+def test_ties_at_the_threshold_stay():
+    """A threshold keeps every token tied with the boundary: top-k 2 over [3, 1, 1, 1, -5, ...]
+    keeps four tokens, and so does top-p 0.8, which needs the max (0.70 of the mass) and part
+    of the tie (0.095 each)."""
+    logits = torch.tensor([3.0, 1.0, 1.0, 1.0] + [-5.0] * 60, device=DEVICE).expand(4, -1).contiguous()
+    thresholds = torch.empty(4, device=DEVICE)
+    one = torch.ones(4, device=DEVICE)
+    tokens = sample_triton(logits, one, torch.arange(4, device=DEVICE) * 7919,
+                           torch.tensor([2, 2, 0, 0], device=DEVICE), torch.tensor([1.0, 1.0, 0.8, 0.8], device=DEVICE),
+                           None, thresholds)
+    assert thresholds.tolist() == [1.0] * 4 and set(tokens.tolist()) <= {0, 1, 2, 3}
+
+
+def test_signed_zeros_are_one_value():
+    """-0.0 and +0.0 are equal logits, so a tie: a row of both keeps all of them under top-k 3
+    or top-p 0.5 (the max of such a row may come out as either)."""
+    logits = torch.zeros(2, 40, device=DEVICE)
+    logits[:, ::3] = -0.0
+    thresholds = torch.empty(2, device=DEVICE)
+    sample_triton(logits, torch.ones(2, device=DEVICE), torch.arange(2, device=DEVICE),
+                  torch.tensor([3, 0], device=DEVICE), torch.tensor([1.0, 0.5], device=DEVICE), None, thresholds)
+    assert (thresholds.cpu() == 0).all()
+    assert torch.equal(reference.float_key(logits[0]), torch.zeros(40, dtype=torch.int32, device=DEVICE))
+
+
+def test_filtered_draw_depends_on_seed_only(request):
+    gen = gen_for(request)
+    logits = torch.randn(4, 1500, generator=gen).to(DEVICE) * 2
+    seeds = random_seeds(4, gen)
+    temp = torch.full((4,), 0.9, device=DEVICE)
+    top_k = torch.tensor([0, 40, 0, 7], device=DEVICE)
+    top_p = torch.tensor([0.8, 1.0, 0.95, 0.5], device=DEVICE)
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0], device=DEVICE)
+    flip = sample_triton(logits.flip(0), temp, seeds.flip(0), top_k.flip(0), top_p.flip(0), min_p.flip(0)).flip(0)
+    assert torch.equal(sample_triton(logits, temp, seeds, top_k, top_p, min_p), flip)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="20,000 rows: too slow for the interpreter")
+def test_filtered_empirical_distribution(request):
+    """Token frequencies over many seeds follow softmax(x / T) renormalised over the kept set."""
+    n, temp = 20_000, 0.7
+    logits = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3, 1.5], device=DEVICE).expand(n, -1).contiguous()
+    for top_k, top_p, min_p in [(3, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.2), (4, 0.9, 0.1)]:
+        f = lambda v, dtype=None: torch.full((n,), v, device=DEVICE, dtype=dtype)
+        tokens = sample_triton(logits, f(temp), random_seeds(n, gen_for(request)), f(top_k, torch.long), f(top_p),
+                               f(min_p))
+        keep = reference.sampling_mask(logits[:1].cpu(), torch.tensor([temp]), torch.tensor([top_k]),
+                                       torch.tensor([top_p]), torch.tensor([min_p]))[0]
+        p = (logits[0].cpu().double() / temp).softmax(-1) * keep
+        p /= p.sum()
+        freq = torch.bincount(tokens.cpu(), minlength=6).double() / n
+        assert ((freq - p).abs() <= 4 * (p * (1 - p) / n).sqrt() + 1e-9).all(), (top_k, top_p, min_p, freq, p)
