@@ -340,10 +340,15 @@ case "${1:-}" in
     # sampler alone, then the figures: W1 both models (after a warm-up), W2 both models
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_sampling.py tests/test_sampler.py \
       tests/test_gpu.py tests/kernels/test_triton_attention.py 2>&1 | tail -4 | tee "$OUT/closing8_tests.txt"
-    python3 benchmarks/sampler_bench.py --batch 256 64 1 2>&1 | grep -E "^ +[0-9]+ " | tee "$OUT/sampler.txt"
+    for scale in 1 2; do
+      python3 benchmarks/sampler_bench.py --batch 256 1 --logit-scale $scale 2>&1 | grep -E "^ +[0-9]+ " \
+        | grep -v "temperature [+,]" | sed "s/^/scale $scale: /" | tee -a "$OUT/sampler.txt"
+    done
     python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --num-requests 64 \
       --output-len 20 40 > /dev/null 2>&1
-    w1 . main qwen3-0.6b; w1 . main qwen3-0.6b; w1 . main llama3-8b
+    w1 . main qwen3-0.6b; w1 . main qwen3-0.6b
+    run "W1 qwen3-0.6b top_p 0.9" throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --top-p 0.9
+    w1 . main llama3-8b
     w2 . main qwen3-0.6b "1 64"; w2 . main llama3-8b "1 64"
     ;;
   w1_7)
