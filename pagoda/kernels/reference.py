@@ -168,6 +168,15 @@ def sampling_mask(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return keep & ((key >= cut[:, None]) | (top_p >= 1)[:, None])
 
 
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max sampling given the noise (the oracle of ``triton_sampling.sample_triton`` for
+    rows without filters): ``argmax(logits / temperature + noise)`` per row, the plain argmax
+    where ``temperature`` is 0."""
+    x = logits.float()
+    noisy = (x / temperature.clamp(min=1e-30)[:, None] + noise).argmax(-1)
+    return torch.where(temperature > 0, noisy, x.argmax(-1))
+
+
 def inverse_cdf_sample(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
                        keep: torch.Tensor | None = None) -> torch.Tensor:
     """Sampling by inverting the CDF of ``softmax(logits / temperature)`` (restricted to

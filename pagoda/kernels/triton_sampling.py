@@ -273,6 +273,31 @@ def _sample_filtered(row, vocab, col_max, m, total, u, k, top_k, top_p, min_p, u
 
 
 @triton.jit
+def _gumbel_chunk(row, seed, start, vocab, temperature, BLOCK_V: tl.constexpr, NOISE: tl.constexpr):
+    """The best (score, column) of ``logit / T + g`` over columns [start, start + BLOCK_V) of a
+    row, ``g`` standard Gumbel noise; with NOISE, writes the noise there instead (tests). One
+    Philox call gives four uniforms (tl.rand4x): quarter q of the chunk takes the q-th, counters
+    numbered per chunk, so the noise of a column depends only on the seed and the column."""
+    Q: tl.constexpr = BLOCK_V // 4
+    u = tl.rand4x(seed, (start // 4) + tl.arange(0, Q))
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int32)
+    for q in tl.static_range(4):
+        cols = start + q * Q + tl.arange(0, Q)
+        g = -tl.log(-tl.log(u[q]))          # u = 0 gives -inf: never picked, the formula's limit
+        if NOISE:
+            tl.store(row + cols, g, mask=cols < vocab)
+        else:
+            x = tl.load(row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            x = tl.where(cols < vocab, x / temperature + g, float("-inf"))
+            score = tl.max(x, 0)
+            idx = tl.argmax(x, 0, tie_break_left=True).to(tl.int32) + start + q * Q
+            best_idx = tl.where(score > best, idx, best_idx)      # strictly: earlier columns win ties
+            best = tl.maximum(score, best)
+    return best, best_idx
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                    list_vals_ptr, list_ids_ptr, out_ptr, thresholds_ptr, vocab, stride_row,
                    BLOCK_V: tl.constexpr, LIST_CAP: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
@@ -285,8 +310,33 @@ def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, top_k_ptr, top_p_ptr,
     cols = tl.arange(0, BLOCK_V)
     k = LOG2E / tl.where(temperature > 0, temperature, 1.0)
 
-    # Pass 1: the max, its first index, and (sampled rows) the sum of exp2((x - max) * k);
-    # with filters, each column's max.
+    # Rows without filters: Gumbel-max, one pass. Rows with filters: a first pass (the max, its
+    # first index, the sum of exp2((x - max) * k), each column's max), then the filters and the
+    # inverse-CDF draw over what they keep. Greedy rows: the first pass's argmax.
+    filtered_row = tl.full([], 0, tl.int32)
+    top_k = tl.full([], 0, tl.int64)
+    top_p = tl.full([], 1.0, tl.float32)
+    min_p = tl.full([], 0.0, tl.float32)
+    if FILTERED:
+        top_k = tl.load(top_k_ptr + row).to(tl.int64)
+        top_p = tl.load(top_p_ptr + row)
+        min_p = tl.load(min_p_ptr + row)
+        filtered_row = ((temperature > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0) | (min_p > 0))).to(tl.int32)
+    use_k = (top_k > 0) & (top_k < vocab)
+    use_p = top_p < 1.0
+    if (temperature > 0) & (filtered_row == 0):
+        seed = tl.load(seeds_ptr + row)
+        best_score = tl.full([], float("-inf"), tl.float32)
+        best_idx = tl.full([], 0, tl.int32)
+        for start in range(0, vocab, BLOCK_V):
+            score, idx = _gumbel_chunk(base, seed, start, vocab, temperature, BLOCK_V, False)
+            best_idx = tl.where(score > best_score, idx, best_idx)      # strictly: earlier chunks win ties
+            best_score = tl.maximum(score, best_score)
+        tl.store(out_ptr + row, best_idx.to(tl.int64))
+        if THRESHOLDS:
+            tl.store(thresholds_ptr + row, float("-inf"))
+        return
+
     m = tl.full([], float("-inf"), tl.float32)
     best = tl.full([], 0, tl.int32)
     total = tl.full([], 0.0, tl.float32)
@@ -297,32 +347,19 @@ def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, top_k_ptr, top_p_ptr,
         chunk_best = tl.argmax(x, 0, tie_break_left=True).to(tl.int32) + start
         best = tl.where(chunk_max > m, chunk_best, best)       # strictly: earlier chunks win ties
         new_m = tl.maximum(m, chunk_max)
-        if temperature > 0:
+        if filtered_row:
             total = total * tl.math.exp2((m - new_m) * k) + tl.sum(tl.math.exp2((x - new_m) * k), 0)
-        m = new_m
-        if FILTERED:
             col_max = tl.maximum(col_max, x)
+        m = new_m
 
     token = best
     t = _key(tl.full([], float("-inf"), tl.float32), SHIFT)
-    if temperature > 0:
+    if filtered_row:
         u = _row_uniform(tl.load(seeds_ptr + row), row * 0)
-        drawn = tl.full([], -1, tl.int32)
-        if FILTERED:
-            top_k = tl.load(top_k_ptr + row)
-            top_p = tl.load(top_p_ptr + row)
-            min_p = tl.load(min_p_ptr + row)
-            use_k = (top_k > 0) & (top_k < vocab)
-            use_p = top_p < 1.0
-            if use_k | use_p | (min_p > 0):
-                row_list = row.to(tl.int64) * LIST_CAP
-                drawn, t = _sample_filtered(base, vocab, col_max, m, total, u, k, top_k, top_p, min_p,
-                                            use_k, use_p, list_vals_ptr + row_list, list_ids_ptr + row_list,
-                                            LIST_CAP, SHIFT, BLOCK_V, SEARCH_BLOCK, COPY_BLOCK)
-            else:
-                drawn, _ = _draw(base, base, vocab, t, u * total, m, k, 0.0, False, False, SHIFT, BLOCK_V)
-        else:
-            drawn, _ = _draw(base, base, vocab, t, u * total, m, k, 0.0, False, False, SHIFT, BLOCK_V)
+        row_list = row.to(tl.int64) * LIST_CAP
+        drawn, t = _sample_filtered(base, vocab, col_max, m, total, u, k, top_k, top_p, min_p,
+                                    use_k, use_p, list_vals_ptr + row_list, list_ids_ptr + row_list,
+                                    LIST_CAP, SHIFT, BLOCK_V, SEARCH_BLOCK, COPY_BLOCK)
         if drawn >= 0:
             token = drawn
     tl.store(out_ptr + row, token.to(tl.int64))
@@ -379,4 +416,21 @@ def row_uniforms_triton(seeds: torch.Tensor) -> torch.Tensor:
     out = torch.empty(seeds.shape[0], dtype=torch.float32, device=seeds.device)
     if seeds.shape[0]:
         _uniform_kernel[(seeds.shape[0],)](seeds, out)
+    return out
+
+
+@triton.jit
+def _noise_kernel(seeds_ptr, out_ptr, vocab, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    seed = tl.load(seeds_ptr + row)
+    for start in range(0, vocab, BLOCK_V):
+        _gumbel_chunk(out_ptr + row.to(tl.int64) * vocab, seed, start, vocab, 1.0, BLOCK_V, True)
+
+
+def gumbel_noise_triton(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The noise ``sample_triton`` adds to each unfiltered row for its seed, a ``(batch, vocab)``
+    float32 tensor: lets the tests check the kernel against ``reference.gumbel_sample``."""
+    out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
+    if seeds.shape[0]:
+        _noise_kernel[(seeds.shape[0],)](seeds, out, vocab, BLOCK_V=BLOCK_V)
     return out
