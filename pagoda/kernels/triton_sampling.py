@@ -3,25 +3,33 @@ penalties, logit bias, banned tokens or logprobs; temperature, top-k, top-p and 
 
 Why: in torch, sampling a batch is a float copy of the logits, a division, a softmax, a cumsum
 and a search: five passes over a (batch, vocabulary) tensor (256 x 151,936 floats at batch
-256: 0.8 ms of GPU time and a dozen launches). The Gumbel-max kernel that came next read the
-logits once but drew a Philox number and took two logarithms for every logit: about 145
-instructions each, 0.19 ms a step at batch 256 (BENCHMARKS.md). Top-p sorted the vocabulary
-(5.2 ms at batch 256) and top-k ran torch.topk (1.6 ms).
+256: 0.8 ms of GPU time and a dozen launches). Top-p sorted the vocabulary (5.2 ms at batch
+256) and top-k ran torch.topk (1.6 ms).
 
-How: inverse CDF with one uniform number per row, in two passes over the row (one program per
-row). The first keeps the running max and the sum of ``exp2((x - max) * k)``, ``k = log2(e) /
-T`` (an online softmax normaliser). The second adds the same terms chunk by chunk until the sum
-passes ``u * total`` and scans only the chunk where it does: a few instructions a logit, and
-the row is in L2 for the second pass. The uniform comes from Philox keyed by the row's 64-bit
-seed, so the draw of a row depends only on its seed and logits, never on the batch (a seeded
-request reproduces its output whatever shares the step; the runner derives the seed from the
-request's seed and its output position). Greedy rows (``T = 0``) take the first pass's argmax,
-first index on ties, as ``torch.argmax`` does. A draw that float rounding pushes past the
-last term (probability about 1e-7) takes the argmax too.
+How, for rows without filters: Gumbel-max, one pass over the row (one program per row).
+``argmax_i(logit_i / T + g_i)`` with ``g_i = -log(-log(u_i))``, ``u_i`` uniform, is
+distributed exactly as ``softmax(logit / T)``. The uniforms come from Philox keyed by the
+row's 64-bit seed (four per call, ``tl.rand4x``), so the draw of a row depends only on its seed
+and logits, never on the batch (the runner derives the seed from the request's seed and its
+output position). And it barely depends on the logits' last bits: a perturbation moves the
+draw only where two noisy scores nearly tie. An inverse-CDF draw (one uniform per row, two
+cheap passes: 0.10 against 0.22 ms at batch 256 on the H200) moves to the neighbouring token
+whenever rounding moves the cumulative sum across a step, which a flat distribution over
+151,936 tokens makes frequent: seeded requests of a float32 dummy model changed tokens
+between batches every 10-13 steps (BENCHMARKS.md, seventh session), so that a seeded request
+would not reproduce whatever shares the batch. Greedy rows (``T = 0``) take the plain argmax,
+first index on ties, as ``torch.argmax`` does.
+
+How, for rows with top-k, top-p or min-p: a first pass keeps the running max and the sum of
+``exp2((x - max) * k)``, ``k = log2(e) / T`` (an online softmax normaliser); the filters'
+thresholds come next (below); the draw is by inverse CDF over the kept tokens, with one
+Philox number per row, as the torch path draws (``sampler.draw``): it adds the kept terms
+chunk by chunk until the sum passes ``u * total`` and scans only the chunk where it does. A
+draw that float rounding pushes past the last term (probability about 1e-7) takes the argmax.
 
 Filters, without sorting: each keeps the tokens whose logit is at or above a threshold, so all
 tokens tied with the boundary stay (as with vLLM's sort-based top-k; the sorted torch path
-keeps ties in sort order), and the draw above runs over the kept tokens only. Min-p's is
+keeps ties in sort order), and the draw runs over the kept tokens only. Min-p's is
 direct: a token stays when its term ``exp2((x - max) * k)``, its probability over the max's,
 is at least min_p. Top-k's and top-p's are found exactly by a search over keys, the
 order-preserving int32 images of the logits: each pass counts (top-k) or sums the min-p-kept
@@ -347,21 +355,23 @@ def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, top_k_ptr, top_p_ptr,
         chunk_best = tl.argmax(x, 0, tie_break_left=True).to(tl.int32) + start
         best = tl.where(chunk_max > m, chunk_best, best)       # strictly: earlier chunks win ties
         new_m = tl.maximum(m, chunk_max)
-        if filtered_row:
-            total = total * tl.math.exp2((m - new_m) * k) + tl.sum(tl.math.exp2((x - new_m) * k), 0)
-            col_max = tl.maximum(col_max, x)
+        if FILTERED:
+            if filtered_row:
+                total = total * tl.math.exp2((m - new_m) * k) + tl.sum(tl.math.exp2((x - new_m) * k), 0)
+                col_max = tl.maximum(col_max, x)
         m = new_m
 
     token = best
     t = _key(tl.full([], float("-inf"), tl.float32), SHIFT)
-    if filtered_row:
-        u = _row_uniform(tl.load(seeds_ptr + row), row * 0)
-        row_list = row.to(tl.int64) * LIST_CAP
-        drawn, t = _sample_filtered(base, vocab, col_max, m, total, u, k, top_k, top_p, min_p,
-                                    use_k, use_p, list_vals_ptr + row_list, list_ids_ptr + row_list,
-                                    LIST_CAP, SHIFT, BLOCK_V, SEARCH_BLOCK, COPY_BLOCK)
-        if drawn >= 0:
-            token = drawn
+    if FILTERED:   # (the variant without filters gets no lists: nothing to compile here)
+        if filtered_row:
+            u = _row_uniform(tl.load(seeds_ptr + row), row * 0)
+            row_list = row.to(tl.int64) * LIST_CAP
+            drawn, t = _sample_filtered(base, vocab, col_max, m, total, u, k, top_k, top_p, min_p,
+                                        use_k, use_p, list_vals_ptr + row_list, list_ids_ptr + row_list,
+                                        LIST_CAP, SHIFT, BLOCK_V, SEARCH_BLOCK, COPY_BLOCK)
+            if drawn >= 0:
+                token = drawn
     tl.store(out_ptr + row, token.to(tl.int64))
     if THRESHOLDS:
         tl.store(thresholds_ptr + row, _key_value(t, SHIFT))
