@@ -156,11 +156,11 @@ def _search(vals, n, lo, hi, floor, target, frac, m, k, min_p, mass, SHIFT: tl.c
 
 
 @triton.jit
-def _draw(vals, ids, n, t, target, m, k, min_p, HAS_IDS: tl.constexpr, FILTERED: tl.constexpr,
-          SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+def _draw(vals, ids, n, t, target, m, k, min_p, HAS_IDS: tl.constexpr, SHIFT: tl.constexpr,
+          BLOCK: tl.constexpr):
     """The first of the list's tokens whose cumulative kept term passes ``target`` (-1 when
     rounding leaves the sum under it), and the sum of the terms scanned: with an infinite
-    target, the kept mass. Kept (``FILTERED``): key at or above ``t``, term at least min_p."""
+    target, the kept mass. Kept: key at or above ``t``, term at least min_p."""
     cols = tl.arange(0, BLOCK)
     run = tl.full([], 0.0, tl.float32)
     token = tl.full([], -1, tl.int32)
@@ -168,8 +168,7 @@ def _draw(vals, ids, n, t, target, m, k, min_p, HAS_IDS: tl.constexpr, FILTERED:
     while (start < n) & (token < 0):
         x = tl.load(vals + start + cols, mask=start + cols < n, other=float("-inf")).to(tl.float32)
         p = tl.math.exp2((x - m) * k)
-        if FILTERED:
-            p = tl.where((_key(x, SHIFT) >= t) & (p >= min_p), p, 0.0)
+        p = tl.where((_key(x, SHIFT) >= t) & (p >= min_p), p, 0.0)
         chunk_total = tl.sum(p, 0)
         if run + chunk_total > target:
             # (counting the columns at or under the target finds the first one past it; a
@@ -232,8 +231,8 @@ def _filter_and_draw(vals, ids, n, lo, norm, u, vocab, m, k, top_k, top_p, min_p
         t, kept = _search(vals, n, t, top, _top_p_floor(m, k, top_p, vocab), tl.where(given, top_p * norm, 0.0),
                           tl.where(given, 0.0, top_p), m, k, min_p, True, SHIFT, SEARCH_BLOCK)
     if kept < 0:
-        _, kept = _draw(vals, ids, n, t, float("inf"), m, k, min_p, HAS_IDS, True, SHIFT, BLOCK)
-    token, _ = _draw(vals, ids, n, t, u * kept, m, k, min_p, HAS_IDS, True, SHIFT, BLOCK)
+        _, kept = _draw(vals, ids, n, t, float("inf"), m, k, min_p, HAS_IDS, SHIFT, BLOCK)
+    token, _ = _draw(vals, ids, n, t, u * kept, m, k, min_p, HAS_IDS, SHIFT, BLOCK)
     return token, t
 
 
