@@ -32,6 +32,8 @@
 #   bash benchmarks/gpu_session.sh closing8  # GPU tests (sampling, attention, engine), sampler alone, W1 + W2 both models
 #   bash benchmarks/gpu_session.sh profile8  # W1 both models: Triton compiles in the run, profile (steps, kernels)
 #   BASE=dir bash benchmarks/gpu_session.sh w1_7 [MODEL [ROUNDS]]  # W1: BASE, tree, tree at 8,192 / 256 (cand7)
+#   bash benchmarks/gpu_session.sh gemm9     # GPU tests of the final sampler, the sampler alone, tiled GEMM probe
+#   bash benchmarks/gpu_session.sh host9     # W1's prefill steps: host phases, allocator retries, cProfile; W1 + W2
 #   BASE=dir MID=dir bash benchmarks/gpu_session.sh order  # tests; ragged attention BASE vs tree; W2 batch 1
 #                                                 # MID vs tree, both models; W1 both models BASE vs tree
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
@@ -334,6 +336,28 @@ case "${1:-}" in
       grep -E "^pagoda |compiled|variant:|prefill batch|decode  batch|all:|roofline|profiled run|^  [a-z]|^ +[0-9.]+ s " \
         "$OUT/profile_$model.txt" | cut -c1-160
     done
+    ;;
+  gemm9)
+    # The sampler kernel as merged last session (not yet run on a GPU), then the tiled GEMM
+    # against cuBLAS over a tile sweep
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_sampling.py tests/test_sampler.py \
+      tests/test_gpu.py 2>&1 | tail -4 | tee "$OUT/gemm9_tests.txt"
+    python3 benchmarks/sampler_bench.py --batch 256 1 2>&1 | grep -E "^ +[0-9]+ " | tee "$OUT/sampler.txt"
+    timeout 300 python3 benchmarks/gemm_probe.py 2>&1 | tee "$OUT/gemm_probe.txt"
+    ;;
+  host9)
+    # Is W1's prefill host-bound (41 ms a step, the host never waiting)? Phases of the prefill
+    # steps at W1's mean prompt length, then with cProfile; then the figures with main's code
+    for m in qwen3-0.6b llama3-8b; do
+      python3 benchmarks/step_overhead.py --model-config $M/$m.json --prefill --num-requests 256 --prompt-len 562 \
+        2>&1 | grep -v Warning | tail -11 | sed "s/^/$m: /"
+    done
+    python3 benchmarks/step_overhead.py --model-config $M/qwen3-0.6b.json --prefill --num-requests 256 \
+      --prompt-len 562 --cprofile 2>&1 | grep -v Warning | tail -45 > "$OUT/prefill_cprofile.txt"
+    python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --num-requests 64 \
+      --output-len 20 40 > /dev/null 2>&1
+    w1 . main qwen3-0.6b; w1 . main qwen3-0.6b; w1 . main llama3-8b
+    w2 . main qwen3-0.6b "1 64"; w2 . main llama3-8b "1 64"
     ;;
   closing8)
     # The session's GPU tests (sampling kernel with its filters, attention, the engine), the

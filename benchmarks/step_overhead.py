@@ -33,19 +33,27 @@ def timed(totals, name, fn):
     return wrapper
 
 
+def torch_alloc_retries() -> int:
+    import torch
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model-config", default=None)
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=20, help="decode steps to time")
+    p.add_argument("--prefill", action="store_true",
+                   help="time the prefill steps (every prompt, default batch limits) instead of decode steps")
+    p.add_argument("--cprofile", action="store_true", help="also print the host's top functions (cProfile)")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: the engine's)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
     from pagoda import LLM, SamplingParams
     from pagoda.runner import model_runner as mr
     from pagoda.sampling_params import RequestOutputKind
-    kw = dict(max_model_len=1024, dtype="bfloat16", async_scheduling=args.async_scheduling)
+    kw = dict(max_model_len=max(1024, args.prompt_len + 64), dtype="bfloat16", async_scheduling=args.async_scheduling)
     if args.model_config:
         llm = LLM(dummy_model_dir(args.model_config), load_format="dummy", skip_tokenizer_init=True, **kw)
     else:
@@ -57,10 +65,14 @@ def main():
                            # FINAL_ONLY as LLM.generate sets it: no RequestOutput until a request ends
                            SamplingParams(temperature=0.6, max_tokens=10_000, ignore_eos=True,
                                           output_kind=RequestOutputKind.FINAL_ONLY))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()                       # prefill everything first; then time pure decode steps
-    engine.step()
-    engine.step()
+    def prefilling():
+        return any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values())
+
+    if not args.prefill:
+        while prefilling():
+            engine.step()                   # prefill everything first; then time pure decode steps
+        engine.step()
+        engine.step()
     totals = collections.defaultdict(float)
     engine.scheduler.schedule = timed(totals, "schedule", engine.scheduler.schedule)
     runner.execute_model = timed(totals, "execute", runner.execute_model)
@@ -71,10 +83,27 @@ def main():
     runner._record_sampled = timed(totals, "record_sampled", runner._record_sampled)
     engine.scheduler.update_from_output = timed(totals, "update", engine.scheduler.update_from_output)
     engine.output_processor.process = timed(totals, "update", engine.output_processor.process)
+    profiler = None
+    if args.cprofile:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
+    retries = torch_alloc_retries()
     t0 = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
+    if args.prefill:
+        args.steps = 0
+        while prefilling():
+            engine.step()
+            args.steps += 1
+    else:
+        for _ in range(args.steps):
+            engine.step()
     wall = (time.perf_counter() - t0) / args.steps
+    retries = torch_alloc_retries() - retries
+    if profiler is not None:
+        import pstats
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     mr.AsyncRunnerOutput.get_output = get_output
     ms = {k: v / args.steps * 1e3 for k, v in totals.items()}
     per_step = {
@@ -88,10 +117,11 @@ def main():
     result = {"device": str(runner.device), "batch": args.num_requests, "async_scheduling": engine.async_scheduling,
               "ms_per_step": per_step, "host_ms_per_step": host}
     os.makedirs(args.out, exist_ok=True)
-    tag = "async" if engine.async_scheduling else "sync"
+    tag = ("prefill_" if args.prefill else "") + ("async" if engine.async_scheduling else "sync")
     with open(os.path.join(args.out, f"step_overhead_{runner.device.type}_{tag}.json"), "w") as f:
         json.dump(result, f, indent=2)
-    print(f"decode step, batch {args.num_requests}, on {runner.device}, async scheduling {engine.async_scheduling}:")
+    print(f"CUDA allocator retries (each frees cached memory after a device sync) in the timed steps: {retries}")
+    print(f"{'prefill' if args.prefill else 'decode'} step ({args.steps} timed), batch {args.num_requests}, on {runner.device}, async scheduling {engine.async_scheduling}:")
     for k in PHASES + ["wall"]:
         print(f"  {k:24} {per_step[k]:9.2f} ms")
     print(f"  host time per step (wall - wait for the device): {host:.2f} ms ({host / per_step['wall']:.1%} of the step)")

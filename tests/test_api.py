@@ -153,3 +153,16 @@ def test_seed_first_code_sample(smollm_path):
         c = out.outputs[0]
         assert 1 <= len(c.token_ids) <= 512 and c.text and c.finish_reason in ("stop", "length")
     assert_no_leaks(llm)
+
+
+def test_sampling_params_clone_shares_no_container():
+    # The engine clones a user's params and fills in stop ids: the user's object must not change.
+    p = SamplingParams(stop=["x"], stop_token_ids=[3], logit_bias={5: 1.0}, seed=7)
+    q = p.clone()
+    q.stop.append("y")
+    q.stop_token_ids.append(4)
+    q.logit_bias[6] = 2.0
+    q.all_stop_token_ids.add(9)
+    q.seed = 8
+    assert (p.stop, p.stop_token_ids, p.logit_bias, p.all_stop_token_ids, p.seed) == (["x"], [3], {5: 1.0}, {3}, 7)
+    assert (q.stop, q.stop_token_ids, q.logit_bias, q.all_stop_token_ids) == (["x", "y"], [3, 4], {5: 1.0, 6: 2.0}, {3, 9})
