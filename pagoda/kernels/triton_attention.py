@@ -181,6 +181,34 @@ def _find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i, l_i, acc, qk_scale,
+                 stride_kb, stride_ks, stride_kh, offs_d, d_valid,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One K/V tile of TILE_N context tokens into the online softmax (m_i, l_i, acc)."""
+    offs_n = t * TILE_N + tl.arange(0, TILE_N)
+    n_valid = offs_n < kv_end
+    # Each context token through the block table: (physical block, offset in block).
+    block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    kv_off = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+    kv_mask = n_valid[:, None] & d_valid[None, :]
+    # Masked loads return 0, never stale cache contents (which may be NaN).
+    k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows with nothing allowed yet keep m = -inf; subtract 0 there so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # Not specialized on the values that change every step (Triton would compile a variant for
 # each of: equal to 1, divisible by 16, neither), nor on the alignment of the per-request
 # metadata, which a mixed step passes from request `first` on (16-byte aligned or not with
@@ -199,7 +227,7 @@ def _paged_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
         DECODE: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
+    # (pdl_wait comes after the tiles of the old context: see the K/V loops)
     if DECODE:
         # At most one query token per request: no search (its dependent loads are most of a
         # short context's start-up). A 1-D grid in batch order, a request's KV heads and
@@ -250,30 +278,22 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)                # running sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # tl.range with num_stages: the kernel-level num_stages does not pipeline this loop, whose
-    # loads are indirect (block table -> K/V); without it each tile's loads wait in turn.
-    for t in tl.range(tile_lo, tile_hi, num_stages=LOOP_STAGES):
-        offs_n = t * TILE_N + tl.arange(0, TILE_N)
-        n_valid = offs_n < kv_end
-        # Each context token through the block table: (physical block, offset in block).
-        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        kv_off = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        # Masked loads return 0, never stale cache contents (which may be NaN).
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # Rows with nothing allowed yet keep m = -inf; subtract 0 there so exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # The tiles wholly before this step's new tokens, before waiting for the previous kernel
+    # (PDL): that kernel writes only the new tokens' K/V (write_kv_cache_triton), and everything
+    # else this kernel reads was written by kernels that had completed before it could start.
+    # So the attention's first loads overlap that kernel instead of following it. tl.range with
+    # num_stages: the kernel-level num_stages does not pipeline these loops, whose loads are
+    # indirect (block table -> K/V); without it each tile's loads wait in turn.
+    tile_mid = tl.minimum(tl.maximum(context_len // TILE_N, tile_lo), tile_hi)
+    for t in tl.range(tile_lo, tile_mid, num_stages=LOOP_STAGES):
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i, l_i,
+                                     acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
+                                     BLOCK_SIZE, TILE_N, DOT_PRECISION)
+    pdl_wait(USE_PDL)
+    for t in tl.range(tile_mid, tile_hi, num_stages=LOOP_STAGES):
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i, l_i,
+                                     acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
+                                     BLOCK_SIZE, TILE_N, DOT_PRECISION)
 
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
