@@ -33,6 +33,19 @@ def timed(totals, name, fn):
     return wrapper
 
 
+def print_runtime_calls(prof, wall_s: float) -> None:
+    """The CUDA runtime / driver calls by host time (a synchronizing call shows up long), and how
+    busy the GPU was over the traced steps."""
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events if e.self_device_time_total > 0) / 1e6
+    print(f"traced steps: wall {wall_s * 1e3:.1f} ms, GPU kernels {gpu * 1e3:.1f} ms ({gpu / wall_s:.0%} busy)")
+    calls = sorted((e for e in events if e.key.startswith(("cuda", "cu")) and e.self_cpu_time_total > 0),
+                   key=lambda e: -e.self_cpu_time_total)[:12]
+    for e in calls:
+        print(f"  {e.key[:40]:40s} {e.count:7d} calls {e.self_cpu_time_total / 1e3:9.2f} ms host "
+              f"({e.self_cpu_time_total / max(e.count, 1):.1f} us each)")
+
+
 def torch_alloc_retries() -> int:
     import torch
     return torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
@@ -47,6 +60,8 @@ def main():
     p.add_argument("--prefill", action="store_true",
                    help="time the prefill steps (every prompt, default batch limits) instead of decode steps")
     p.add_argument("--cprofile", action="store_true", help="also print the host's top functions (cProfile)")
+    p.add_argument("--trace", action="store_true",
+                   help="also print the CUDA runtime calls' host time (torch.profiler): where the host blocks")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: the engine's)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
@@ -89,6 +104,11 @@ def main():
         profiler = cProfile.Profile()
         profiler.enable()
     retries = torch_alloc_retries()
+    trace = None
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile
+        trace = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        trace.__enter__()
     t0 = time.perf_counter()
     if args.prefill:
         args.steps = 0
@@ -100,6 +120,9 @@ def main():
             engine.step()
     wall = (time.perf_counter() - t0) / args.steps
     retries = torch_alloc_retries() - retries
+    if trace is not None:
+        trace.__exit__(None, None, None)
+        print_runtime_calls(trace, wall * args.steps)
     if profiler is not None:
         import pstats
         profiler.disable()

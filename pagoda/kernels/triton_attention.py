@@ -97,11 +97,12 @@ def _write_kv_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ma
                            stride_cslot, stride_chead,
                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
     token = tl.program_id(0)
+    # (the slot mapping is a step input, written before the previous kernel started)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token (CUDA-graph batches): nothing to write
         return
+    pdl_wait(USE_PDL)
     offs_h = tl.arange(0, HEADS_P)[:, None]
     offs_d = tl.arange(0, HEAD_DIM_P)[None, :]
     mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM)
@@ -314,12 +315,13 @@ def _merge_segments_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_
                            num_seqs, stride_ot, stride_oh,
                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HEAD_DIM_P: tl.constexpr, NUM_SEGMENTS: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
-    # rows of no request (padding, or before query_start_loc[0]): left untouched
+    # rows of no request (padding, or before query_start_loc[0]): left untouched. (A step
+    # input: read before waiting for the attention kernel.)
     if (token < tl.load(query_start_loc_ptr)) | (token >= tl.load(query_start_loc_ptr + num_seqs)):
         return
+    pdl_wait(USE_PDL)
     offs_s = tl.arange(0, NUM_SEGMENTS)
     offs_d = tl.arange(0, HEAD_DIM_P)
     part = (token.to(tl.int64) * NUM_HEADS + head) * NUM_SEGMENTS + offs_s
