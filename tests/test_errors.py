@@ -181,3 +181,16 @@ def test_bad_engine_arguments(smollm_path):
         LLM(smollm_path, max_model_len=100000)
     with pytest.raises(ValueError, match="KV cache holds"):
         LLM(smollm_path, num_gpu_blocks_override=4, max_model_len=1024)
+
+
+def test_dropped_engine_is_freed_without_the_cyclic_gc(smollm_path):
+    # The engine freezes the GC heap at start-up (gc.freeze), so a reference cycle through it
+    # would never be collected: it must be freed by reference counting alone.
+    import gc
+    import weakref
+    llm = LLM(smollm_path, kv_cache_memory_bytes=1 << 26, max_model_len=256)
+    still_works(llm)
+    assert gc.get_freeze_count() > 0
+    engine, model = weakref.ref(llm.llm_engine), weakref.ref(llm.llm_engine.executor.runner.model)
+    del llm
+    assert engine() is None and model() is None

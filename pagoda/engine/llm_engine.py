@@ -1,6 +1,7 @@
 """The engine: add requests, then step until done. One step = schedule, execute, update,
 detokenize; with async scheduling the update and detokenization of step N run while the device
 runs step N+1."""
+import gc
 import itertools
 import logging
 import time
@@ -41,6 +42,12 @@ class LLMEngine:
         self.eos_token_id = self._eos_token_id()
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight = None         # (SchedulerOutput, AsyncRunnerOutput) of the step on the device
+        # What exists now (torch, the model, its CUDA graphs: ~450,000 objects) lives as long as
+        # the engine. Frozen, the cyclic GC no longer rescans it: one full collection, which adding
+        # W1's 256 requests triggered, took 0.1-0.16 s on this CPU. (The engine holds no reference
+        # cycles: dropped, it is still freed, by reference counting.)
+        gc.collect()
+        gc.freeze()
         logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens.", time.time() - t0,
                     num_blocks - 1, config.cache.block_size)
 
