@@ -36,7 +36,7 @@
 #   bash benchmarks/gpu_session.sh host9     # W1's prefill steps: host phases, allocator retries, cProfile; W1 + W2
 #   BASE=dir bash benchmarks/gpu_session.sh prewait9  # attention + engine tests; BASE vs tree interleaved:
 #                                                 # W2 Llama-3-8B batch 64, W1 both models
-#   bash benchmarks/gpu_session.sh final9    # tests; W1's prefill steps traced (CUDA runtime calls); W1 + W2 both models
+#   bash benchmarks/gpu_session.sh final9    # tests; host time per eager launch; W1 + W2 both models
 #   BASE=dir MID=dir bash benchmarks/gpu_session.sh order  # tests; ragged attention BASE vs tree; W2 batch 1
 #                                                 # MID vs tree, both models; W1 both models BASE vs tree
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
@@ -374,12 +374,11 @@ case "${1:-}" in
     w1 "$BASE" base llama3-8b; w1 . new llama3-8b
     ;;
   final9)
-    # Tests of the kernels changed today, W1's prefill steps traced (where does the host block?),
+    # Tests of the kernels changed today, host time per eager launch (W1's prefill steps are host-bound),
     # then the figures: W1 both models (after a warm-up), W2 both models
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py tests/test_gpu.py \
       2>&1 | tail -3 | tee "$OUT/final9_tests.txt"
-    python3 benchmarks/step_overhead.py --model-config $M/qwen3-0.6b.json --prefill --num-requests 256 \
-      --prompt-len 562 --trace 2>&1 | grep -v -i "warn\|USDT" | tail -26 | tee "$OUT/prefill_trace.txt"
+    python3 benchmarks/host_launch.py 2>&1 | tail -8 | tee "$OUT/host_launch.txt"
     python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --num-requests 64 \
       --output-len 20 40 > /dev/null 2>&1
     w1 . main qwen3-0.6b; w1 . main qwen3-0.6b; w1 . main llama3-8b
