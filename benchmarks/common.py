@@ -81,13 +81,18 @@ def add_knob_arg(parser) -> None:
     parser.add_argument("--knob", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="override a kernel module's tuning constant before the engine captures its "
                              "graphs, e.g. triton_attention.SPLIT_PROGRAMS_PER_SM=8 or "
-                             "triton_linear.MAX_M=0 (repeatable): A/B runs of one constant")
+                             "triton_linear.MAX_M=0 (repeatable): A/B runs of one constant; blas=cublaslt "
+                             "picks torch's BLAS library for the GEMMs")
 
 
 def apply_knob_args(args) -> None:
     import importlib
     for knob in args.knob:
         target, value = knob.split("=", 1)
+        if target == "blas":
+            import torch
+            torch.backends.cuda.preferred_blas_library(value)
+            continue
         module_name, name = target.rsplit(".", 1)
         module = importlib.import_module(f"pagoda.kernels.{module_name}")
         assert hasattr(module, name), f"pagoda.kernels.{module_name} has no {name}"

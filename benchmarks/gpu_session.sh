@@ -383,6 +383,10 @@ case "${1:-}" in
       --output-len 20 40 > /dev/null 2>&1
     w1 . main qwen3-0.6b; w1 . main qwen3-0.6b; w1 . main llama3-8b
     w2 . main qwen3-0.6b "1 64"; w2 . main llama3-8b "1 64"; w2 . main llama3-8b 64
+    run "W1 qwen3-0.6b blas=cublaslt" throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --knob blas=cublaslt \
+      --out "$OUT/lt"
+    run "W1 llama3-8b blas=cublaslt" throughput.py --model-config $M/llama3-8b.json --no-tqdm --knob blas=cublaslt \
+      --out "$OUT/lt"
     ;;
   closing8)
     # The session's GPU tests (sampling kernel with its filters, attention, the engine), the
