@@ -37,6 +37,7 @@
 #   BASE=dir bash benchmarks/gpu_session.sh prewait9  # attention + engine tests; BASE vs tree interleaved:
 #                                                 # W2 Llama-3-8B batch 64, W1 both models
 #   bash benchmarks/gpu_session.sh final9    # tests; host time per eager launch; W1 + W2 both models
+#   BASE=dir bash benchmarks/gpu_session.sh w1ab9  # W1 Qwen3-0.6B, BASE vs tree interleaved, 3 rounds (both warmed up)
 #   BASE=dir MID=dir bash benchmarks/gpu_session.sh order  # tests; ragged attention BASE vs tree; W2 batch 1
 #                                                 # MID vs tree, both models; W1 both models BASE vs tree
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
@@ -387,6 +388,15 @@ case "${1:-}" in
       --out "$OUT/lt"
     run "W1 llama3-8b blas=cublaslt" throughput.py --model-config $M/llama3-8b.json --no-tqdm --knob blas=cublaslt \
       --out "$OUT/lt"
+    ;;
+  w1ab9)
+    # Does the attention's pre-wait cost W1 Qwen3-0.6B anything? BASE against this tree on one
+    # machine, each tree's Triton cache warmed first
+    for tree in "$BASE" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
+        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
+    done
+    for run in 1 2 3; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     ;;
   closing8)
     # The session's GPU tests (sampling kernel with its filters, attention, the engine), the
