@@ -33,6 +33,7 @@
 #   bash benchmarks/gpu_session.sh profile8  # W1 both models: Triton compiles in the run, profile (steps, kernels)
 #   BASE=dir bash benchmarks/gpu_session.sh w1_7 [MODEL [ROUNDS]]  # W1: BASE, tree, tree at 8,192 / 256 (cand7)
 #   bash benchmarks/gpu_session.sh gemm9     # GPU tests of the final sampler, the sampler alone, tiled GEMM probe
+#                                            # (gemm_probe.py: branch tile-gemm-probe)
 #   bash benchmarks/gpu_session.sh host9     # W1's prefill steps: host phases, allocator retries, cProfile; W1 + W2
 #   BASE=dir bash benchmarks/gpu_session.sh prewait9  # attention + engine tests; BASE vs tree interleaved:
 #                                                 # W2 Llama-3-8B batch 64, W1 both models
@@ -347,7 +348,7 @@ case "${1:-}" in
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_sampling.py tests/test_sampler.py \
       tests/test_gpu.py 2>&1 | tail -4 | tee "$OUT/gemm9_tests.txt"
     python3 benchmarks/sampler_bench.py --batch 256 1 2>&1 | grep -E "^ +[0-9]+ " | tee "$OUT/sampler.txt"
-    timeout 300 python3 benchmarks/gemm_probe.py 2>&1 | tee "$OUT/gemm_probe.txt"
+    timeout 300 python3 benchmarks/gemm_probe.py 2>&1 | tee "$OUT/gemm_probe.txt"   # (branch tile-gemm-probe)
     ;;
   host9)
     # Is W1's prefill host-bound (41 ms a step, the host never waiting)? Phases of the prefill
