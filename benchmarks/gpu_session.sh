@@ -380,7 +380,7 @@ case "${1:-}" in
     # then the figures: W1 both models (after a warm-up), W2 both models
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py tests/test_gpu.py \
       2>&1 | tail -3 | tee "$OUT/final9_tests.txt"
-    python3 benchmarks/host_launch.py 2>&1 | tail -8 | tee "$OUT/host_launch.txt"
+    python3 benchmarks/host_launch.py 2>&1 | tail -10 | tee "$OUT/host_launch.txt"
     python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --num-requests 64 \
       --output-len 20 40 > /dev/null 2>&1
     w1 . main qwen3-0.6b; w1 . main qwen3-0.6b; w1 . main llama3-8b

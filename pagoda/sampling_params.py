@@ -99,8 +99,8 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def clone(self) -> "SamplingParams":
-        # Not deepcopy: that took 0.2 ms a request, a noticeable share of a 256-request batch's
-        # set-up. The containers hold only ints, floats and strings, so copying them suffices.
+        # Not deepcopy (45 us a call on the development CPU, 4x this; two calls a request). The
+        # containers hold only ints, floats and strings, so copying them suffices.
         new = object.__new__(type(self))
         new.__dict__.update({k: type(v)(v) if isinstance(v, (list, dict, set)) else v
                              for k, v in self.__dict__.items()})
