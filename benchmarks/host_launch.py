@@ -3,7 +3,7 @@ prefill steps of Qwen3-0.6B take 32 ms of host time to queue their forward (abou
 where the GPU needs about 31 ms (BENCHMARKS.md). Each op is queued many times without waiting for
 the device; the host's microseconds per call are printed.
 
-  python3 benchmarks/host_launch.py
+  python3 benchmarks/host_launch.py [--cprofile]   # with cProfile of 2,000 RMSNorm launches
 """
 import os
 import sys
@@ -27,6 +27,23 @@ def host_us(fn, calls: int = 200) -> float:
     return us
 
 
+def profile_launches(norm_w, calls: int = 2000) -> None:
+    """cProfile of one Triton launch path (RMSNorm), repeated: where its host time goes."""
+    import cProfile
+    import pstats
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    triton_ops.rms_norm(x, norm_w, 1e-6, out=out)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        triton_ops.rms_norm(x, norm_w, 1e-6, out=out)
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def main():
     dev, dtype = "cuda", torch.bfloat16
     w = torch.randn(4096, 1024, device=dev, dtype=dtype)
@@ -44,6 +61,8 @@ def main():
         print(f"{f'triton rms_norm, {m} rows':44s} {host_us(lambda: triton_ops.rms_norm(x, norm_w, 1e-6)):14.1f}")
         print(f"{f'torch.empty_like, {m} rows':44s} {host_us(lambda: torch.empty_like(x)):14.1f}")
     print(f"{'index_put (input_ids[dst] = src)':44s} {host_us(lambda: ids.__setitem__(dst, src)):14.1f}")
+    if "--cprofile" in sys.argv:
+        profile_launches(norm_w)
 
 
 if __name__ == "__main__":
