@@ -136,6 +136,20 @@ def graph_ms(fn, warmup: int = 10, rep: int = 50) -> float:
     return triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
 
 
+def host_seconds(fn, calls: int = 200) -> float:
+    """Host time per call of ``fn`` (queueing GPU work without waiting for it), after one
+    warm-up call; the device is drained before and after."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    seconds = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    return seconds
+
+
 def measure_ceilings() -> dict:
     """Device copy bandwidth (bytes read + written) and bf16 8192^3 matmul rate, measured now."""
     import torch

@@ -7,24 +7,17 @@ the device; the host's microseconds per call are printed.
 """
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pagoda.kernels import triton_ops  # noqa: E402
+from common import host_seconds  # noqa: E402  (the script's folder is on sys.path)
 
 
-def host_us(fn, calls: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return us
+def host_us(fn) -> float:
+    return host_seconds(fn) * 1e6
 
 
 def profile_launches(norm_w, calls: int = 2000) -> None:

@@ -20,9 +20,9 @@ import inspect
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import host_seconds  # noqa: E402  (the script's folder is on sys.path)
 
 CONFIGS = {
     "greedy": dict(temperature=0.0),
@@ -73,16 +73,9 @@ def filtered(cfg):
 
 
 def time_call(fn, reps=30):
-    import torch
     import triton.testing
     device_ms = triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    host_ms = (time.perf_counter() - t0) / reps * 1e3
-    torch.cuda.synchronize()
-    return device_ms, host_ms
+    return device_ms, host_seconds(fn, reps) * 1e3
 
 
 def main():
