@@ -42,10 +42,11 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   capturing a CUDA graph: it only sets how many segments there are).
 - Programmatic dependent launch: the kernel before this one writes nothing it reads but this
   step's new K/V (it is the KV write; for a mixed step's second launch, the decodes' attention,
-  which writes only their outputs), and every earlier kernel has completed when this one starts. So a program
-  attends to the tiles wholly before its new tokens first and only then waits (``pdl_wait``):
-  its first, dependent loads (block table, K/V) overlap the KV write instead of following it.
-  On the H200 this took W2 Llama-3-8B batch 64 from 6.60 to 6.35 ms a step.
+  which writes only their outputs), and every earlier kernel has completed when this one
+  starts. So a program attends to the tiles wholly before its new tokens first and only then
+  waits (``pdl_wait``): its first, dependent loads (block table, K/V) overlap the KV write
+  instead of following it. On the H200 this took W2 Llama-3-8B batch 64 from 6.60 to 6.35 ms
+  a step.
 - Numerics: K/V tiles in the cache dtype, ``tl.dot`` into fp32, online softmax in fp32 with
   ``exp2`` (scale * log2(e) folded into the scores), P cast to the value dtype for the second
   dot (as flash-attention does). fp32 inputs use exact ("ieee") dots, not tf32.

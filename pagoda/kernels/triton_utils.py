@@ -35,7 +35,11 @@ def fix_interpreter_loop_bounds() -> None:
 # then wait (pdl_wait) until the previous kernel's writes are visible, so the launch and start-up
 # overlap the previous kernel's tail. A kernel that calls pdl_wait before its first memory
 # access is correct whichever kernel precedes it (Triton, cuBLAS, torch); before it, a kernel
-# may only read what no kernel of the forward pass writes (weights). 1 on, 0 off.
+# may only read what no kernel still running can write: weights, the step's inputs, and what
+# kernels before the previous one wrote (the previous kernel's programs let this one launch only
+# after their own wait). That last holds only if at least one program of each launch reaches
+# pdl_wait: a launch whose programs all exited before waiting could complete before its
+# predecessor. 1 on, 0 off.
 USE_PDL = 1
 
 
