@@ -8,6 +8,7 @@ below the device's; with async scheduling it overlaps the device's work on the n
 """
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -104,24 +105,23 @@ def main():
         profiler = cProfile.Profile()
         profiler.enable()
     retries = torch_alloc_retries()
-    trace = None
-    if args.trace:
-        from torch.profiler import ProfilerActivity, profile
-        trace = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        trace.__enter__()
-    t0 = time.perf_counter()
-    if args.prefill:
-        args.steps = 0
-        while prefilling():
-            engine.step()
-            args.steps += 1
-    else:
-        for _ in range(args.steps):
-            engine.step()
-    wall = (time.perf_counter() - t0) / args.steps
+    with contextlib.ExitStack() as stack:
+        trace = None
+        if args.trace:
+            from torch.profiler import ProfilerActivity, profile
+            trace = stack.enter_context(profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]))
+        t0 = time.perf_counter()
+        if args.prefill:
+            args.steps = 0
+            while prefilling():
+                engine.step()
+                args.steps += 1
+        else:
+            for _ in range(args.steps):
+                engine.step()
+        wall = (time.perf_counter() - t0) / args.steps
     retries = torch_alloc_retries() - retries
     if trace is not None:
-        trace.__exit__(None, None, None)
         print_runtime_calls(trace, wall * args.steps)
     if profiler is not None:
         import pstats
@@ -144,7 +144,8 @@ def main():
     with open(os.path.join(args.out, f"step_overhead_{runner.device.type}_{tag}.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(f"CUDA allocator retries (each frees cached memory after a device sync) in the timed steps: {retries}")
-    print(f"{'prefill' if args.prefill else 'decode'} step ({args.steps} timed), batch {args.num_requests}, on {runner.device}, async scheduling {engine.async_scheduling}:")
+    print(f"{'prefill' if args.prefill else 'decode'} step ({args.steps} timed), batch {args.num_requests}, "
+          f"on {runner.device}, async scheduling {engine.async_scheduling}:")
     for k in PHASES + ["wall"]:
         print(f"  {k:24} {per_step[k]:9.2f} ms")
     print(f"  host time per step (wall - wait for the device): {host:.2f} ms ({host / per_step['wall']:.1%} of the step)")
