@@ -196,3 +196,30 @@ def test_a_whole_cached_prompt_still_computes_its_last_token():
     kv.free(a)
     assert kv.reset_prefix_cache() is True
     assert kv.get_computed_blocks(again).num_tokens == 0 and kv.pool.num_cached_blocks == 0
+
+
+def test_block_hashes_chain_each_block_and_extend_incrementally():
+    # The hash of block i covers its parent's hash and its own token ids (with the cache salt in
+    # block 0), however the request's tokens arrived: all at once, or a few per step.
+    import hashlib
+
+    import numpy as np
+    bs, tokens = 4, [(5 * k + 3) % 97 for k in range(23)]
+    expected, parent = [], b""
+    for i in range(len(tokens) // bs):
+        h = hashlib.sha256(parent)
+        h.update(np.asarray(tokens[i * bs:(i + 1) * bs], dtype=np.int64).tobytes())
+        if i == 0:
+            h.update(repr(("salt",)).encode())
+        parent = h.digest()
+        expected.append(parent)
+    kv = KVCacheManager(num_blocks=16, block_size=bs)
+    whole = Request("a", tokens, SamplingParams(), None, 8, cache_salt="salt")
+    assert kv.block_hashes(whole) == expected
+    grown = Request("b", tokens[:6], SamplingParams(), None, 32, cache_salt="salt")
+    assert kv.block_hashes(grown) == expected[:1]
+    for t in tokens[6:]:
+        grown.append_output_token(t)
+        kv.block_hashes(grown)
+    assert grown.block_hashes == expected
+    assert kv.block_hashes(Request("c", tokens, SamplingParams(), None, 8))[1:] != expected[1:]  # no salt
