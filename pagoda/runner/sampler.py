@@ -1,8 +1,8 @@
 """Sampling for the whole batch in a few tensor ops: penalties, temperature, top-k / top-p /
-min-p, then one draw per row. A seeded request draws its random number from its own generator, so its
-output does not depend on what else shares the batch. On CUDA, batches without penalties, logit
-bias, banned tokens or logprobs take one Triton kernel instead (kernels/triton_sampling.py: the
-same filters, thresholds found without sorting)."""
+min-p, then one draw per row. A seeded request draws its random number from its own generator,
+so its output does not depend on what else shares the batch. On CUDA, batches without
+penalties, logit bias, banned tokens or logprobs take one Triton kernel instead
+(kernels/triton_sampling.py: the same filters, thresholds found without sorting)."""
 from dataclasses import dataclass
 
 import torch
