@@ -19,33 +19,59 @@ from pagoda.kernels import triton_attention as ta  # noqa: E402
 
 POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
             "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
+            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+            "cos_sin_ptr": "*fp32", "norm_ptr": "*bf16"}
 SCALARS = ["qk_scale", "num_seqs", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
-           "stride_kb", "stride_ks", "stride_kh", "stride_bt"]
+           "stride_kb", "stride_ks", "stride_kh", "stride_bt", "stride_cs", "eps"]
 
 
-def compile_kernel(block_m: int, num_segments: int, use_pdl: bool = False):
-    """The kernel for Qwen3-0.6B heads (16 q / 8 kv, head_dim 128), bf16, block size 16."""
+def compile_kernel(block_m: int, num_segments: int, use_pdl: bool = False, rope: bool = True):
+    """The kernel for Qwen3-0.6B heads (16 q / 8 kv, head_dim 128, q norm + rotary), bf16,
+    block size 16."""
     tiles = ta.TILES[block_m]
     const = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, HEAD_DIM_P=128, BLOCK_SIZE=16, BLOCK_M=block_m,
                  BLOCK_Q=block_m // 2, TILE_N=tiles["TILE_N"], NUM_SEGMENTS=num_segments, DOT_PRECISION="tf32",
-                 LOOP_STAGES=tiles["num_stages"], DECODE=block_m == 16, USE_PDL=use_pdl)
+                 LOOP_STAGES=tiles["num_stages"], DECODE=block_m == 16, SKIP_DECODES=False, HAS_ROPE=rope, HAS_NORM=rope,
+                 USE_PDL=use_pdl)
     sig = dict(POINTERS)
-    sig.update({name: ("fp32" if name == "qk_scale" else "i32") for name in SCALARS})
+    sig.update({name: ("fp32" if name in ("qk_scale", "eps") else "i32") for name in SCALARS})
     sig.update({name: "constexpr" for name in const})
     names = ta._paged_attention_kernel.arg_names
+    # As the launches specialise them: pointers and strides divisible by 16 (not the values
+    # that change every step, num_seqs among them, and not stride_bt: do_not_specialize)
+    aligned = [n for n in list(POINTERS) + SCALARS if n not in ("qk_scale", "num_seqs", "eps", "stride_bt")]
     src = ASTSource(fn=ta._paged_attention_kernel, signature=sig,
-                    constexprs={(names.index(n),): v for n, v in const.items()})
+                    constexprs={(names.index(n),): v for n, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"],
                                    "launch_pdl": use_pdl})
 
 
+def ptxas_usage(kernel) -> str:
+    """Registers and spills of the kernel's PTX assembled for sm_90a (``ptxas -v``)."""
+    import re
+    import subprocess
+    import tempfile
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return f"{regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} bytes spilled"
+
+
 def main():
     for block_m, segments, label in [(16, 1, "decode"), (16, 4, "decode, split KV"), (128, 1, "prefill")]:
-        ir = compile_kernel(block_m, segments).asm["ttgir"]
-        print(f"{label:18s} BLOCK_M={block_m:<3d} segments={segments}: "
-              f"{ir.count('async_copy_global_to_local')} async copies, {ir.count('async_wait')} waits")
+        for rope in (False, True):
+            kernel = compile_kernel(block_m, segments, rope=rope)
+            ir = kernel.asm["ttgir"]
+            print(f"{label:18s} BLOCK_M={block_m:<3d} segments={segments} rope={rope!s:5s}: "
+                  f"{ir.count('async_copy_global_to_local')} async copies, {ir.count('async_wait')} waits, "
+                  f"{ptxas_usage(kernel)}")
     ptx = compile_kernel(16, 1, use_pdl=True).asm["ptx"]
     print(f"with USE_PDL: griddepcontrol.wait {ptx.count('griddepcontrol.wait')}x, "
           f"launch_dependents {ptx.count('griddepcontrol.launch_dependents')}x in the PTX")

@@ -41,6 +41,11 @@
 #   BASE=dir bash benchmarks/gpu_session.sh w1ab9  # W1 Qwen3-0.6B, BASE vs tree interleaved, 3 rounds (both warmed up)
 #   BASE=dir MID=dir bash benchmarks/gpu_session.sh order  # tests; ragged attention BASE vs tree; W2 batch 1
 #                                                 # MID vs tree, both models; W1 both models BASE vs tree
+#   BASE=dir bash benchmarks/gpu_session.sh rope10  # tests; rotary folded into the KV write + attention: BASE vs
+#                                                 # tree interleaved, W2 + W1 both models; W1 prefill host profile
+#   BASE=dir A1=dir bash benchmarks/gpu_session.sh rope10b  # rope10's failing tests in full; W1 Qwen3 BASE / A1 / tree
+#   BASE=dir A2=dir bash benchmarks/gpu_session.sh graphs10  # tests; W1 Qwen3 BASE / A2 / tree, W1 Llama A2 / tree
+#   A2=dir bash benchmarks/gpu_session.sh final10  # graph tests; W1 prefill step phases A2 vs tree; W2 both models
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -399,6 +404,60 @@ case "${1:-}" in
         --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
     done
     for run in 1 2 3; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
+    ;;
+  rope10)
+    # The rotary embedding (and Qwen3's q/k norms) folded into the KV-write and attention kernels:
+    # GPU tests, then BASE against this tree interleaved; then where a W1 prefill step's host time goes
+    timeout 280 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      tests/kernels/test_triton_ops.py tests/kernels/test_triton_backend.py tests/test_gpu.py \
+      2>&1 | tail -4 | tee "$OUT/rope10_tests.txt"
+    for tree in "$BASE" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
+        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
+    done
+    for run in 1 2; do w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"; done
+    w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
+    for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
+    python3 benchmarks/step_overhead.py --model-config $M/qwen3-0.6b.json --prefill --num-requests 256 \
+      --prompt-len 562 --cprofile 2>&1 | grep -v Warning | tail -60 > "$OUT/prefill_cprofile.txt"
+    ;;
+  rope10b)
+    # The two tests that failed in rope10, in full, and in BASE; W1 Qwen3-0.6B BASE / A1 (the fold
+    # with the queries' positions loaded) / this tree (positions from the context), interleaved
+    for tree in . "$BASE"; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 150 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_gpu.py tests/kernels/test_triton_backend.py -k "one_kernel_sampler_filters or matches_torch" \
+        2>&1 | grep -v Warning | tail -25 | sed "s|^|$(basename $tree): |")
+    done
+    for tree in "$BASE" "$A1" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
+        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
+    done
+    for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 "$A1" a1 qwen3-0.6b; w1 . new qwen3-0.6b; done
+    ;;
+  graphs10)
+    # CUDA graphs of mixed steps, on top of the rope fold (A2): GPU tests; then W1 Qwen3-0.6B
+    # BASE / A2 / this tree interleaved, W1 Llama-3-8B A2 / this tree
+    timeout 280 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      tests/kernels/test_triton_backend.py tests/test_gpu.py 2>&1 | tail -4 | tee "$OUT/graphs10_tests.txt"
+    for tree in "$BASE" "$A2" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
+        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
+    done
+    for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 "$A2" a2 qwen3-0.6b; w1 . new qwen3-0.6b; done
+    w1 "$A2" a2 llama3-8b; w1 . new llama3-8b
+    ;;
+  final10)
+    # The graph tests fixed for the GPU, a W1 prefill step's phases in A2 (eager prefill steps)
+    # against this tree (mixed-step graphs), W2 both models
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_backend.py tests/test_gpu.py \
+      -k "graph_forward or cuda_graphs_match" 2>&1 | tail -4 | tee "$OUT/final10_tests.txt"
+    for tree in "$A2" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/step_overhead.py --model-config $MA/qwen3-0.6b.json \
+        --prefill --num-requests 256 --prompt-len 562 --out "$OUT/$(basename $tree)" 2>&1 | grep -v Warning \
+        | tail -9 | sed "s|^|$(basename $tree): |")
+    done
+    w2 . main qwen3-0.6b "1 64"; w2 . main llama3-8b "1 64"
     ;;
   closing8)
     # The session's GPU tests (sampling kernel with its filters, attention, the engine), the

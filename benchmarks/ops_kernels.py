@@ -9,7 +9,6 @@ Ops, per decoder layer as the model calls them:
                          the qkv slices (as llama.py calls them; two calls, timed together)
   - qk_norm_3d_view:     the same, Triton reading (tokens, heads, head_dim) views of the qkv
                          output in place of the copies (what llama.py could pass)
-  - rotary:              q and k, strided slices of the qkv output (Triton in place)
   - silu_and_mul:        (tokens, 2 * intermediate) -> (tokens, intermediate)
 at decode (1, 64, 256 tokens) and prefill (8192 tokens) shapes of Qwen3-0.6B and Llama-3-8B.
 
@@ -36,7 +35,6 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pagoda.kernels import reference  # noqa: E402
 from pagoda.kernels import triton_ops  # noqa: E402
-from pagoda.model.layers.rotary import RotaryEmbedding  # noqa: E402
 
 MODELS = {  # hidden, q heads, kv heads, head_dim, intermediate, rope theta, qk norm
     "qwen3-0.6b": (1024, 16, 8, 128, 3072, 1e6, True),
@@ -70,7 +68,7 @@ def compiled_reference():
     """The torch path through torch.compile (inductor): the alternative issue 3 asks to measure
     against hand-written Triton. One compiled function per op; each new shape recompiles."""
     import types
-    names = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+    names = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
     return types.SimpleNamespace(**{n: torch.compile(getattr(reference, n)) for n in names})
 
 
@@ -88,8 +86,6 @@ def cases(model: str, tokens: int, compiled):
     qkv = rnd(tokens, q_size + 2 * kv_size)
     q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
     w_head = rnd(hd, shift=1.0)
-    rope = RotaryEmbedding(hd, 40960, theta).to(dev)
-    positions = torch.randint(0, 40960, (tokens,), device=dev, generator=g)
     gate_up = rnd(tokens, 2 * inter)
 
     def qk_norm(ops):
@@ -98,17 +94,6 @@ def cases(model: str, tokens: int, compiled):
     def qk_norm_view(ops):  # the kernel reads the (tokens, heads, head_dim) views: no copies
         return (ops.rms_norm(q.unflatten(-1, (nh, hd)), w_head, EPS),
                 ops.rms_norm(k.unflatten(-1, (nkv, hd)), w_head, EPS))
-
-    def rotary(ops):
-        return ops.rotary_embedding(positions, q, k, rope.cos_sin_cache, hd)
-
-    def check_rotary():
-        q0, k0 = q.clone(), k.clone()
-        ref = reference.rotary_embedding(positions, q0, k0, rope.cos_sin_cache, hd)
-        out = triton_ops.rotary_embedding(positions, q, k, rope.cos_sin_cache, hd)
-        err = max(rel_err(o, r) for o, r in zip(out, ref))
-        q.copy_(q0), k.copy_(k0)
-        return err
 
     def check(op, *args):
         out, ref = getattr(triton_ops, op)(*args), getattr(reference, op)(*args)
@@ -124,8 +109,6 @@ def cases(model: str, tokens: int, compiled):
             lambda: triton_ops.fused_add_rms_norm(x, residual, w, EPS),
             4 * tokens * hidden * el, lambda: check("fused_add_rms_norm", x, residual, w, EPS),
             lambda: compiled.fused_add_rms_norm(x, residual, w, EPS)),
-        "rotary": (lambda: rotary(reference), lambda: rotary(triton_ops),
-                   2 * tokens * (q_size + kv_size) * el, check_rotary, lambda: rotary(compiled)),
         "silu_and_mul": (lambda: reference.silu_and_mul(gate_up), lambda: triton_ops.silu_and_mul(gate_up),
                          3 * tokens * inter * el, lambda: check("silu_and_mul", gate_up),
                          lambda: compiled.silu_and_mul(gate_up)),

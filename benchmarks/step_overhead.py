@@ -1,6 +1,8 @@
-"""Where one engine step's wall time goes: scheduling, input preparation, the model forward,
-logits + sampling, waiting for the device, and the bookkeeping after (scheduler update,
-detokenization, outputs). The host's own time per step (wall minus the wait) must stay far
+"""Where one engine step's wall time goes: scheduling, input preparation, the upload of the
+step's inputs, the model forward, logits, sampling, the runner's other work (new requests'
+state, sampling parameters), waiting for the device, and the bookkeeping after (scheduler
+update, detokenization, outputs). A phase that takes long for what it queues is where the host
+waits for the device. The host's own time per step (wall minus the wait) must stay far
 below the device's; with async scheduling it overlaps the device's work on the next step.
 
   python benchmarks/step_overhead.py                      # SmolLM2 on this CPU, 256 requests
@@ -19,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import dummy_model_dir, on_off  # noqa: E402
 
-PHASES = ["schedule", "prepare_inputs", "forward", "logits_and_sample", "wait_for_device",
-          "update_and_detokenize"]
+PHASES = ["schedule", "prepare_inputs", "upload", "forward", "logits", "sample", "other_execute",
+          "wait_for_device", "update_and_detokenize"]
 
 
 def timed(totals, name, fn):
@@ -94,6 +96,10 @@ def main():
     runner.execute_model = timed(totals, "execute", runner.execute_model)
     runner._prepare_inputs = timed(totals, "prepare_inputs", runner._prepare_inputs)
     runner._forward = timed(totals, "forward", runner._forward)
+    runner._upload = timed(totals, "upload", runner._upload)
+    runner.model.compute_logits = timed(totals, "logits", runner.model.compute_logits)
+    sample = mr.sample
+    mr.sample = timed(totals, "sample", sample)
     get_output = mr.AsyncRunnerOutput.get_output
     mr.AsyncRunnerOutput.get_output = timed(totals, "get_output", get_output)
     runner._record_sampled = timed(totals, "record_sampled", runner._record_sampled)
@@ -127,11 +133,13 @@ def main():
         import pstats
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    mr.AsyncRunnerOutput.get_output = get_output
-    ms = {k: v / args.steps * 1e3 for k, v in totals.items()}
+    mr.AsyncRunnerOutput.get_output, mr.sample = get_output, sample
+    ms = collections.defaultdict(float, {k: v / args.steps * 1e3 for k, v in totals.items()})
     per_step = {
-        "schedule": ms["schedule"], "prepare_inputs": ms["prepare_inputs"], "forward": ms["forward"],
-        "logits_and_sample": ms["execute"] - ms["prepare_inputs"] - ms["forward"],
+        "schedule": ms["schedule"], "prepare_inputs": ms["prepare_inputs"], "upload": ms["upload"],
+        "forward": ms["forward"], "logits": ms["logits"], "sample": ms["sample"],
+        "other_execute": ms["execute"] - sum(ms[k] for k in ("prepare_inputs", "upload", "forward", "logits",
+                                                             "sample")),
         "wait_for_device": ms["get_output"] - ms["record_sampled"],
         "update_and_detokenize": ms["update"] + ms["record_sampled"],
         "wall": wall * 1e3,

@@ -1,11 +1,12 @@
 """Defaults a vLLM user would get: the batch budget by device (vLLM's offline defaults), and
-the decode batch sizes captured as CUDA graphs."""
+the batch sizes captured as CUDA graphs (decode and mixed steps)."""
 from types import SimpleNamespace
 
 import torch
 
 from pagoda.engine import arg_utils
-from pagoda.runner.cuda_graph import MAX_CAPTURE_SIZE, capture_sizes
+from pagoda.runner.cuda_graph import (MAX_CAPTURE_SIZE, MAX_MIXED_CAPTURE, CUDAGraphRunner, capture_sizes,
+                                      mixed_capture_sizes)
 
 
 def test_batch_defaults_follow_vllm(monkeypatch):
@@ -22,3 +23,20 @@ def test_capture_sizes_stop_at_the_limit():
     assert capture_sizes(1) == [1] and capture_sizes(12) == [1, 2, 4, 8, 12]
     assert capture_sizes(256)[-1] == 256 and len(capture_sizes(256)) == 3 + 32
     assert capture_sizes(1024)[-1] == MAX_CAPTURE_SIZE == capture_sizes(MAX_CAPTURE_SIZE)[-1]
+
+
+def test_mixed_step_sizes_and_which_steps_take_a_graph():
+    ladder = [64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert mixed_capture_sizes(16384) == ladder and ladder[-1] == MAX_MIXED_CAPTURE
+    assert mixed_capture_sizes(1000) == ladder[:8] + [1000]
+    assert mixed_capture_sizes(24) == [24]
+    graphs = CUDAGraphRunner(None, None, max_num_seqs=1024, max_num_batched_tokens=16384, max_blocks=4,
+                             max_model_len=64, device=torch.device("cpu"))
+    assert graphs.graph_key(5, 5) == ("decode", 8)
+    assert graphs.graph_key(600, 600) == ("mixed", 768)           # decodes beyond the decode graphs
+    assert graphs.graph_key(3, 100) == ("mixed", 128)
+    assert graphs.graph_key(40, 2048) == ("mixed", 2048)
+    assert graphs.graph_key(40, 2049) is None and graphs.graph_key(256, 16384) is None    # eager
+    # room for as many requests as a step of that size can hold
+    assert len(graphs._metadata(("mixed", 128)).seq_lens) == 128
+    assert len(graphs._metadata(("mixed", 2048)).seq_lens) == 1024

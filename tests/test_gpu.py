@@ -66,6 +66,41 @@ def dummy_qwen3(tmp_path_factory):
                skip_tokenizer_init=True, gpu_memory_utilization=0.5)
 
 
+def test_cuda_graphs_match_eager(dummy_qwen3, monkeypatch):
+    """The decode and mixed-step graphs (padded batches; the attention's two launches that skip
+    each other's requests) give the eager forward's greedy tokens, float32. Requests join while
+    others decode, so steps mix prompts and decodes."""
+    engine = dummy_qwen3.llm_engine
+    runner = engine.executor.runner
+    graphs = runner.cuda_graphs
+    used = []
+    monkeypatch.setattr(graphs, "run", lambda key, *a, run=graphs.run: used.append(key[0]) or run(key, *a))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[(13 * i + 7 * j) % 3000 + 1 for j in range(5 + 29 * i)] for i in range(10)]
+
+    def generate(tag):
+        done = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{tag}{i:02d}", {"prompt_token_ids": p}, params)
+            if i % 3 == 2:                      # a few decode steps before the next ones join
+                for _ in range(2):
+                    done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        return [done[k] for k in sorted(done)]
+
+    dummy_qwen3.reset_prefix_cache()
+    with_graphs = generate("graphs")
+    assert {"decode", "mixed"} <= set(used)
+    dummy_qwen3.reset_prefix_cache()
+    runner.cuda_graphs = None
+    try:
+        eager = generate("eager")
+    finally:
+        runner.cuda_graphs = graphs
+    assert with_graphs == eager and len(eager) == len(prompts)
+
+
 def test_async_scheduling_matches_sync_on_the_gpu(dummy_qwen3):
     """Async and sync scheduling give the same greedy and seeded tokens. All 40 requests run at
     once and end by length, so both modes run the same batches; only the host's order of work

@@ -9,6 +9,8 @@ request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]`` of ``query``
 are the *last* positions of its ``seq_lens[i]`` context tokens (the ones before them are already
 in the cache). Decode is the case of one query token; prefill and chunked prefill are longer.
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -100,6 +102,16 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     sum (in the inputs' dtype) is the next residual. The inputs are left unchanged."""
     x = x + residual
     return rms_norm(x, weight, eps), x
+
+
+class Rope(NamedTuple):
+    """The rotary embedding of a step's new tokens: their positions and the cos/sin table, plus
+    the per-head RMSNorm weights applied to q and k first where the model has them (Qwen3)."""
+    positions: torch.Tensor                    # (num_tokens,) integer
+    cos_sin_cache: torch.Tensor                # (max_position, head_dim) float32: cos | sin
+    q_norm_weight: torch.Tensor | None = None  # (head_dim,)
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -1,7 +1,8 @@
 """Triton kernels for the elementwise ops of a decoder layer: RMSNorm (alone, and fused with the
-residual add), rotary embedding, SiLU-and-mul. Same functions, (positional) signatures and
-semantics as their torch versions in ``pagoda.kernels.reference`` (the CPU path and the tests'
-oracle), except that ``rotary_embedding`` works in place; the others also take ``out=`` tensors.
+residual add), SiLU-and-mul. Same functions, (positional) signatures and semantics as their
+torch versions in ``pagoda.kernels.reference`` (the CPU path and the tests' oracle); they also
+take ``out=`` tensors. (The rotary embedding has no kernel: the KV-write and attention kernels
+apply it as they read k and q, see ``triton_attention``.)
 
 Why: in eager torch each of these is 5-10 tiny kernels (RMSNorm alone is float, pow, mean, add,
 rsqrt, mul, to, mul); at decode they cost far more in launches and Python than in bytes. Here
@@ -113,91 +114,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     ``out=x, residual_out=residual`` (both contiguous) makes it in place, vLLM style: each
     program reads its whole row before it writes it."""
     return _launch_rms_norm(x, residual, weight, eps, out, residual_out)
-
-
-# --------------------------------------------------------------------------------------------
-# Rotary embedding
-
-
-@triton.jit
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_norm_ptr, k_norm_ptr,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
-                   num_q_heads, num_k_heads, q_chunks, eps,
-                   HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                   HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
-    # Grid (tokens, q_chunks + k_chunks): a program rotates BLOCK_H heads of q or of k of one
-    # token, in place (loop-free, and at decode still several programs per token). With
-    # HAS_NORM each head is RMS-normalised first (Qwen3's q/k norms: two launches fewer).
-    t = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    if chunk < q_chunks:
-        base, stride_h, num_heads, norm_ptr = q_ptr + t * stride_qt, stride_qh, num_q_heads, q_norm_ptr
-    else:
-        base, stride_h, num_heads, norm_ptr = k_ptr + t * stride_kt, stride_kh, num_k_heads, k_norm_ptr
-        chunk -= q_chunks
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    cos = tl.load(cache_ptr + pos * stride_cache + d, mask=d < HALF, other=0.0)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + d, mask=d < HALF, other=0.0)[None, :]
-    h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (h < num_heads)[:, None] & (d < HALF)[None, :]
-    p1 = base + (h.to(tl.int64) * stride_h)[:, None] + d[None, :]   # first halves; + HALF: second
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    if HAS_NORM:  # the roundings of rms_norm: normalised back to the dtype, then times the weight
-        rstd = tl.math.rsqrt((tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * HALF) + eps)
-        w1 = tl.load(norm_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(norm_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-        x1f = ((x1f * rstd[:, None]).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
-        x2f = ((x2f * rstd[:, None]).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
-    tl.store(p1, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-    tl.store(p1 + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
-
-
-def _heads_layout(x: torch.Tensor, head_dim: int):
-    """(token stride, head stride, heads) of x: (tokens, heads * head_dim) or (tokens, heads,
-    head_dim), each head's head_dim elements contiguous; rows may be strided (qkv slices)."""
-    assert x.stride(-1) == 1, "the last dim must be contiguous"
-    if x.dim() == 3:
-        assert x.shape[2] == head_dim
-        return x.stride(0), x.stride(1), x.shape[1]
-    assert x.dim() == 2 and x.shape[1] % head_dim == 0
-    return x.stride(0), head_dim, x.shape[1] // head_dim
-
-
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, head_dim: int, q_norm_weight: torch.Tensor | None = None,
-                     k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half rotary embedding of q and k IN PLACE (unlike the torch version; q and k
-    may be strided column slices of one qkv buffer), each head first RMS-normalised with
-    ``q_norm_weight`` / ``k_norm_weight`` (head_dim,) if given. Returns ``(q, k)``."""
-    num_tokens = q.shape[0]
-    assert positions.shape == (num_tokens,) and k.shape[0] == num_tokens
-    assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1
-    stride_qt, stride_qh, num_q_heads = _heads_layout(q, head_dim)
-    stride_kt, stride_kh, num_k_heads = _heads_layout(k, head_dim)
-    if num_tokens == 0:
-        return q, k
-    assert q.dtype == k.dtype, "q and k must share a dtype"
-    positions = positions.contiguous()
-    half = head_dim // 2
-    BLOCK_D = triton.next_power_of_2(half)
-    BLOCK_H = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, 1024 // BLOCK_D))
-    q_chunks = triton.cdiv(num_q_heads, BLOCK_H)
-    has_norm = q_norm_weight is not None
-    if has_norm:
-        assert k_norm_weight is not None and q_norm_weight.shape == k_norm_weight.shape == (head_dim,)
-        assert q_norm_weight.is_contiguous() and k_norm_weight.is_contiguous()
-    _rotary_kernel[(num_tokens, q_chunks + triton.cdiv(num_k_heads, BLOCK_H))](
-        positions, q, k, cos_sin_cache, q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
-        stride_qt, stride_qh, stride_kt, stride_kh,
-        cos_sin_cache.stride(0), num_q_heads, num_k_heads, q_chunks, eps,
-        HALF=half, BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, HAS_NORM=has_norm,
-        num_warps=_num_warps(2 * BLOCK_H * BLOCK_D), **pdl_launch(q.device))
-    return q, k
 
 
 # --------------------------------------------------------------------------------------------

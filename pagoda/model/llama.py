@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from pagoda.config import ArchConfig
+from pagoda.kernels.reference import Rope
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.attention import Attention
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -35,11 +36,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:       # per-head norms, fused into the rotary kernel
-            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        else:
-            q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # The rotary embedding and the per-head norms are applied by the attention backend (on
+        # the GPU inside its KV-write and attention kernels: no kernels of their own).
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+        return self.o_proj(self.attn(q, k, v, Rope(positions, self.rotary_emb.cos_sin_cache, *norms)))
 
 
 class LlamaMLP(nn.Module):

@@ -199,10 +199,11 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.config.enforce_eager:
             t0 = time.perf_counter()
             self.cuda_graphs = CUDAGraphRunner(self.model, self.backend, self.max_num_reqs,
+                                               self.config.scheduler.max_num_batched_tokens,
                                                self.block_table.shape[1], self.max_model_len, self.device)
             self.cuda_graphs.capture()
-            logger.info("Captured CUDA graphs for %d batch sizes in %.1f s.", len(self.cuda_graphs.sizes),
-                        time.perf_counter() - t0)
+            logger.info("Captured CUDA graphs for %d decode batch sizes and %d mixed-step sizes in %.1f s.",
+                        len(self.cuda_graphs.sizes), len(self.cuda_graphs.mixed_sizes), time.perf_counter() - t0)
         if self.device.type == "cuda":
             self._compile_kernels()
 
@@ -433,8 +434,9 @@ class ModelRunner:
         pending = None
         if "pending_dst" in t:
             pending = t["pending_dst"], self.last_sampled[t["pending_src"]]
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(num_reqs, num_tokens):
-            return self.cuda_graphs.run(t, pending)
+        key = self.cuda_graphs and self.cuda_graphs.graph_key(num_reqs, num_tokens)
+        if key:
+            return self.cuda_graphs.run(key, t, pending)
         if pending is not None:
             t["input_ids"][pending[0]] = pending[1]
         md = AttentionMetadata(num_tokens, b["num_decodes"], t["slot_mapping"], t["query_start_loc"],

@@ -299,3 +299,81 @@ def test_decode_cuda_graph_and_no_sync(request):
     torch.cuda.synchronize()
     ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, scale)
     assert not out.isnan().any() and rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary embedding (and Qwen3's per-head q/k norms), applied by the KV write to the keys and by
+# the attention to the queries as they read them: against reference.rotary_embedding first.
+
+EPS = 1e-6
+
+
+def rope_inputs(num_tokens, head_dim, norm, dtype, gen, scaling=None, pos_dtype=torch.int64):
+    from pagoda.model.layers.rotary import RotaryEmbedding
+    max_pos = 2 * LONG
+    table = RotaryEmbedding(head_dim, max_pos, 1e6 if head_dim == 128 else 1e4, scaling).cos_sin_cache
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen, dtype=pos_dtype)
+    w_q, w_k = (torch.randn(2, head_dim, generator=gen) * 0.2 + 1.0).to(DEVICE, dtype) if norm else (None, None)
+    return reference.Rope(positions.to(DEVICE), table.to(DEVICE), w_q, w_k, EPS)
+
+
+def rotated(rope, q, k):
+    """The torch path: (q, k) rotated (and normed) by the reference, in the inputs' dtype."""
+    return reference.rotary_embedding(rope.positions.long(), q.flatten(1), k.flatten(1), rope.cos_sin_cache,
+                                      q.shape[-1], rope.q_norm_weight, rope.k_norm_weight, rope.eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm", [False, True], ids=["rope", "norm+rope"])
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(2, 64), (3, 128), (8, 128)])
+def test_write_kv_cache_rotates_keys(num_kv_heads, head_dim, norm, dtype, request):
+    gen = seed_for(request)
+    num_blocks, block_size, num_tokens = 9, 16, 37
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    # keys and values as strided slices of a fused qkv output, in the cache's dtype
+    qkv = (torch.randn(num_tokens, 4 + 2 * num_kv_heads, head_dim, generator=gen) * 2 + 0.3).to(DEVICE, dtype)
+    key, value = qkv[:, 4:4 + num_kv_heads], qkv[:, 4 + num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size - 1, generator=gen)[:num_tokens].to(DEVICE)
+    slots[::5] = -1
+    rope = rope_inputs(num_tokens, head_dim, norm, dtype, gen, pos_dtype=torch.int32 if norm else torch.int64)
+    qkv_before = qkv.clone()
+    expected = kv_cache.clone()
+    valid = slots >= 0
+    rot_k = rotated(rope, key, key)[1].view_as(key)
+    reference.write_kv_cache(rot_k[valid], value[valid], expected, slots[valid])
+    ta.write_kv_cache_triton(key, value, kv_cache, slots, rope)
+    assert torch.equal(kv_cache[1], expected[1])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(kv_cache[0], expected[0]) < tol
+    assert torch.equal(qkv, qkv_before), "the keys themselves must be left unchanged"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm", [False, True], ids=["rope", "norm+rope"])
+@pytest.mark.parametrize("case", ["decode_long", "prefill", "mixed"])
+def test_paged_attention_rotates_queries(case, norm, dtype, request):
+    gen = seed_for(request)
+    q_lens, seq_lens = CASES[case]
+    num_heads, num_kv_heads = HEADS[1]
+    head_dim = 128
+    query, kv_cache, tables, seq_lens_t, qsl = make_batch(
+        q_lens, seq_lens, num_heads, num_kv_heads, head_dim, 16, dtype, gen)
+    # Llama-3's frequency scaling: the kernel takes any cos/sin table
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 512}
+    rope = rope_inputs(sum(q_lens), head_dim, norm, dtype, gen, scaling)
+    # the kernel rotates each query at its place in its context (what the runner's positions
+    # are), not at rope.positions: those are the reference's, and poison for the kernel
+    places = torch.cat([torch.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]).to(DEVICE)
+    rope_ref, rope = rope._replace(positions=places), rope._replace(positions=places * 0 - 10**6)
+    scale = head_dim ** -0.5
+    q_rot = rotated(rope_ref, query, query[:, :1])[0].view_as(query)
+    ref = reference.paged_attention(q_rot.float(), kv_cache.float(), tables, seq_lens_t, qsl, scale)
+    query_before = query.clone()
+    out = ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale, max(seq_lens), max(q_lens),
+                                    rope=rope)
+    assert torch.equal(query, query_before), "the queries themselves must be left unchanged"
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    # and not merely close to attention without rotary
+    assert rel_err(out, reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl,
+                                                  scale)) > 10 * TOLERANCE[dtype]

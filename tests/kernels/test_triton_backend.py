@@ -56,3 +56,62 @@ def test_start_up_compile_step_writes_nothing(tmp_path):
     runner.backend = TorchAttentionBackend
     llm.reset_prefix_cache()
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1, 5, 9, 2], [1] * 6, [7, 3]], ids=["mixed", "decodes", "prefills"])
+def test_graph_forward_matches_eager(tmp_path, q_lens):
+    """What a CUDA graph captures, the forward over the runner's padded buffers (for a mixed
+    step: the attention's two launches that each skip the other's requests), gives the eager
+    forward's hidden states and KV writes. On the CPU both run eagerly, the kernels in the
+    interpreter; on a GPU, compiled (the graphs themselves: tests/test_gpu.py)."""
+    from pagoda.model.layers.attention import AttentionMetadata, set_forward_context
+    from pagoda.runner.cuda_graph import CUDAGraphRunner
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, "qwen3")
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, max_model_len=128)
+    runner = llm.llm_engine.executor.runner
+    g = torch.Generator().manual_seed(sum(q_lens))
+    for cache in runner.kv_caches:       # old contexts: random K/V
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    bs = runner.block_size
+    seq_lens = [q + int(torch.randint(0, 60, (1,), generator=g)) for q in q_lens]
+    blocks = torch.randperm(runner.kv_caches[0].shape[1] - 1, generator=g)[:sum(-(-s // bs) for s in seq_lens)] + 1
+    tables, start = torch.zeros(len(q_lens), -(-max(seq_lens) // bs), dtype=torch.int32), 0
+    for i, s in enumerate(seq_lens):
+        tables[i, :-(-s // bs)] = blocks[start:start + -(-s // bs)]
+        start += -(-s // bs)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(q_lens, seq_lens)])
+    req = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    inputs = dict(input_ids=torch.randint(3, 512, (sum(q_lens),), generator=g), positions=positions,
+                  slot_mapping=tables[req, positions // bs].long() * bs + positions % bs,
+                  query_start_loc=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32),
+                  seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables)
+    inputs = {k: v.to(runner.device) for k, v in inputs.items()}
+    tables, positions = inputs["block_tables"], inputs["positions"]
+    before = [c.clone() for c in runner.kv_caches]
+
+    num_decodes = sum(q == 1 for q in q_lens)
+    md = AttentionMetadata(sum(q_lens), num_decodes, inputs["slot_mapping"], inputs["query_start_loc"],
+                           inputs["seq_lens"], tables, max(q_lens), max(seq_lens),
+                           max([s for q, s in zip(q_lens, seq_lens) if q == 1], default=0))
+    with torch.inference_mode(), set_forward_context(md, TritonAttentionBackend):
+        eager = runner.model(inputs["input_ids"], positions)
+    eager_caches = [c.clone() for c in runner.kv_caches]
+    for c, b in zip(runner.kv_caches, before):
+        c.copy_(b)
+
+    graphs = CUDAGraphRunner(runner.model, TritonAttentionBackend, runner.max_num_reqs, 64,
+                             tables.shape[1] + 2, 128, runner.device)
+    key = graphs.graph_key(len(q_lens), sum(q_lens))
+    assert key == (("decode", 8) if q_lens == [1] * 6 else ("mixed", 64))
+    # What an earlier, larger batch left in the buffers: padding must override it
+    graphs.input_ids.fill_(7)
+    graphs.positions.fill_(10**6)        # (padding tokens' positions are never read)
+    graphs.slot_mapping.fill_(5)         # a slot of block 0, which this batch does not use
+    graphs.query_start_loc.copy_(torch.arange(len(graphs.query_start_loc)) * 2)
+    with torch.inference_mode():
+        graphs.load(key, inputs)
+        padded = graphs.forward(key)[:sum(q_lens)]
+    torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
+    for c, e in zip(runner.kv_caches, eager_caches):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)   # padding wrote nothing

@@ -19,7 +19,6 @@ from pagoda.kernels import reference
 from pagoda.kernels import triton_ops as ops
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.layernorm import RMSNorm
-from pagoda.model.layers.rotary import RotaryEmbedding
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -27,7 +26,6 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 TOKENS = [1, 7, 133] + ([2049] if ON_GPU else [])
 EPS = 1e-6
-MAX_POSITION = 4096
 
 
 def matrix(*axes, cpu=lambda *case: True):
@@ -135,78 +133,6 @@ def test_rms_norm_mixed_dtypes(request):
     for o, r in zip(ops.fused_add_rms_norm(x, residual, weight, EPS),
                     reference.fused_add_rms_norm(x, residual, weight, EPS)):
         check(o, r, torch.float16)
-
-
-# --------------------------------------------------------------------------------------------
-# Rotary embedding
-
-HEADS = [(16, 8), (32, 8)]
-
-
-@pytest.mark.parametrize(
-    "heads,head_dim,tokens,dtype",
-    matrix(HEADS, [64, 128], TOKENS, DTYPES,
-           cpu=lambda h, hd, t, d: t < 100 or (h == HEADS[0] and hd == 128 and d == torch.float16)),
-    ids=str)
-def test_rotary_embedding_on_qkv_slices(heads, head_dim, tokens, dtype, request):
-    gen = seed_for(request)
-    num_heads, num_kv_heads = heads
-    rope = RotaryEmbedding(head_dim, MAX_POSITION, 1e6 if head_dim == 128 else 1e4).to(DEVICE)
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = randn(tokens, q_size + 2 * kv_size, gen=gen, dtype=dtype)
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)     # strided column slices
-    positions = torch.randint(0, MAX_POSITION, (tokens,), generator=gen).to(DEVICE)
-    ref_q, ref_k = reference.rotary_embedding(positions, q, k, rope.cos_sin_cache, head_dim)
-    v0 = v.clone()
-    out_q, out_k = ops.rotary_embedding(positions, q, k, rope.cos_sin_cache, head_dim)
-    assert out_q is q and out_k is k                            # in place
-    check(q, ref_q, dtype)
-    check(k, ref_k, dtype)
-    assert torch.equal(v, v0), "the kernel wrote outside q and k"
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens", [1, 7] + ([300] if ON_GPU else []))
-def test_rotary_embedding_with_qk_norm(tokens, dtype, request):
-    """Qwen3: per-head q/k RMSNorm fused into the rotary kernel, against the torch norms then
-    rotary (the unfused path)."""
-    gen = seed_for(request)
-    num_heads, num_kv_heads, head_dim = 16, 8, 128
-    rope = RotaryEmbedding(head_dim, MAX_POSITION, 1e6).to(DEVICE)
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = randn(tokens, q_size + 2 * kv_size, gen=gen, dtype=dtype, scale=2.0, shift=0.3)
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    w_q = randn(head_dim, gen=gen, dtype=dtype, scale=0.2, shift=1.0)
-    w_k = randn(head_dim, gen=gen, dtype=dtype, scale=0.2, shift=1.0)
-    positions = torch.randint(0, MAX_POSITION, (tokens,), generator=gen).to(DEVICE)
-    ref_q, ref_k = reference.rotary_embedding(positions, q, k, rope.cos_sin_cache, head_dim, w_q, w_k, EPS)
-    # The reference is the composition of the two torch ops the kernel fuses.
-    nq = reference.rms_norm(q.unflatten(-1, (num_heads, head_dim)), w_q, EPS).flatten(-2)
-    nk = reference.rms_norm(k.unflatten(-1, (num_kv_heads, head_dim)), w_k, EPS).flatten(-2)
-    assert torch.equal(ref_q, reference.rotary_embedding(positions, nq, nk, rope.cos_sin_cache, head_dim)[0])
-    v0 = v.clone()
-    ops.rotary_embedding(positions, q, k, rope.cos_sin_cache, head_dim, w_q, w_k, EPS)
-    check(q, ref_q, dtype)
-    check(k, ref_k, dtype)
-    assert torch.equal(v, v0), "the kernel wrote outside q and k"
-
-
-def test_rotary_embedding_3d_and_int32_positions(request):
-    # (tokens, heads, head_dim) views with a head stride, int32 positions, Llama-3 scaling.
-    gen = seed_for(request)
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
-    rope = RotaryEmbedding(128, MAX_POSITION, 5e5, scaling).to(DEVICE)
-    buf = randn(9, 6, 2, 128, gen=gen)                          # heads interleaved with others
-    q, k = buf[:, :4, 0], buf[:, 4:, 1]
-    positions = torch.randint(0, MAX_POSITION, (9,), generator=gen, dtype=torch.int32).to(DEVICE)
-    ref_q, ref_k = reference.rotary_embedding(positions.long(), q.reshape(9, -1), k.reshape(9, -1),
-                                              rope.cos_sin_cache, 128)
-    untouched = buf[:, :4, 1].clone()
-    ops.rotary_embedding(positions, q, k, rope.cos_sin_cache, 128)
-    check(q.reshape(9, -1), ref_q, torch.float32)
-    check(k.reshape(9, -1), ref_k, torch.float32)
-    assert torch.equal(buf[:, :4, 1], untouched)
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,26 +263,16 @@ def test_empty_batch():
     assert ops.rms_norm(x, w, EPS).shape == (0, 64)
     assert [t.shape for t in ops.fused_add_rms_norm(x, x, w, EPS)] == [(0, 64), (0, 64)]
     assert ops.silu_and_mul(torch.empty(0, 128, device=DEVICE)).shape == (0, 64)
-    rope = RotaryEmbedding(64, 16, 1e4).to(DEVICE)
-    q, k = ops.rotary_embedding(torch.empty(0, dtype=torch.long, device=DEVICE), x, x,
-                                rope.cos_sin_cache, 64)
-    assert q.shape == (0, 64)
 
 
 def _layer_cases(gen, dtype):
     norm = RMSNorm(576, EPS).to(DEVICE, dtype)
     norm.weight.data = randn(576, gen=gen, dtype=dtype, scale=0.2, shift=1.0)
     x, residual = randn(3, 576, gen=gen, dtype=dtype), randn(3, 576, gen=gen, dtype=dtype)
-    rope = RotaryEmbedding(64, MAX_POSITION, 1e4).to(DEVICE)
-    qkv = randn(3, 4 * 64, gen=gen, dtype=dtype)
-    positions = torch.tensor([0, 17, 4000], device=DEVICE)
     gate_up = randn(3, 2 * 96, gen=gen, dtype=dtype)
     return [
         (lambda: norm(x), lambda: reference.rms_norm(x, norm.weight, EPS)),
         (lambda: norm(x, residual), lambda: reference.fused_add_rms_norm(x, residual, norm.weight, EPS)),
-        (lambda: rope(positions, qkv[:, :128], qkv[:, 128:192]),
-         lambda: reference.rotary_embedding(positions, qkv[:, :128], qkv[:, 128:192],
-                                            rope.cos_sin_cache, 64)),
         (lambda: SiluAndMul()(gate_up), lambda: reference.silu_and_mul(gate_up)),
     ]
 
@@ -376,14 +292,13 @@ def test_layers_dispatch(monkeypatch, request):
     monkeypatch.setattr(ln, "_triton_ops", lambda: Spy())
     dtype = torch.float16 if ON_GPU else torch.float32
     for layer_fn, ref_fn in _layer_cases(seed_for(request), dtype):
-        ref = ref_fn()  # before: the Triton rotary works in place
-        out = layer_fn()
+        ref, out = ref_fn(), layer_fn()
         for o, r in zip(out if isinstance(out, tuple) else [out], ref if isinstance(ref, tuple) else [ref]):
             if ON_GPU:
                 check(o, r, dtype)
             else:
                 assert torch.equal(o, r)
-    expected = ["rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"]
+    expected = ["rms_norm", "fused_add_rms_norm", "silu_and_mul"]
     assert calls == (expected if ON_GPU else [])
 
 
@@ -395,17 +310,14 @@ def test_cuda_graph_capture_and_replay(request):
     x, residual, weight = _norm_inputs(tokens, hidden, dtype, gen, strided=False)
     qkv = randn(tokens, 32 * head_dim, gen=gen, dtype=dtype)
     gate_up = randn(tokens, 2 * d, gen=gen, dtype=dtype)
-    positions = torch.arange(tokens, device=DEVICE)
-    rope = RotaryEmbedding(head_dim, MAX_POSITION, 1e6).to(DEVICE)
     w_lin = randn(512, hidden, gen=gen, dtype=dtype, scale=hidden ** -0.5)
     from pagoda.kernels.triton_linear import small_m_linear
 
     def step():
         normed, new_res = ops.fused_add_rms_norm(x, residual, weight, EPS)
-        q, k = qkv[:, :16 * head_dim], qkv[:, 16 * head_dim:24 * head_dim]
+        q = qkv[:, :16 * head_dim]
         qn = ops.rms_norm(q.unflatten(-1, (-1, head_dim)), weight[:head_dim], EPS)
-        ops.rotary_embedding(positions, qn.view(tokens, -1), k, rope.cos_sin_cache, head_dim)
-        return normed, new_res, qn, k, ops.silu_and_mul(gate_up), small_m_linear(x[:2], w_lin)
+        return normed, new_res, qn, ops.silu_and_mul(gate_up), small_m_linear(x[:2], w_lin)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -416,17 +328,12 @@ def test_cuda_graph_capture_and_replay(request):
         x.copy_(randn(tokens, hidden, gen=gen, dtype=dtype))
         qkv.copy_(randn(tokens, 32 * head_dim, gen=gen, dtype=dtype))
         gate_up.copy_(randn(tokens, 2 * d, gen=gen, dtype=dtype))
-        positions.copy_(torch.randint(0, MAX_POSITION, (tokens,), generator=gen))
-        k_in = qkv[:, 16 * head_dim:24 * head_dim].clone()
         graph.replay()
         torch.cuda.synchronize()
         ref_n, ref_r = reference.fused_add_rms_norm(x, residual, weight, EPS)
         ref_qn = reference.rms_norm(qkv[:, :16 * head_dim].reshape(-1, head_dim), weight[:head_dim], EPS)
-        ref_q, ref_k = reference.rotary_embedding(positions, ref_qn.view(tokens, -1), k_in,
-                                                  rope.cos_sin_cache, head_dim)
         check(outs[0], ref_n, dtype)
         check(outs[1], ref_r, dtype)
-        check(outs[2].view(tokens, -1), ref_q, dtype)
-        check(outs[3], ref_k, dtype)
-        check(outs[4], reference.silu_and_mul(gate_up), dtype)
-        check(outs[5], torch.nn.functional.linear(x[:2].float(), w_lin.float()).to(dtype), dtype)
+        check(outs[2].view(-1, head_dim), ref_qn, dtype)
+        check(outs[3], reference.silu_and_mul(gate_up), dtype)
+        check(outs[4], torch.nn.functional.linear(x[:2].float(), w_lin.float()).to(dtype), dtype)

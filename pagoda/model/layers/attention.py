@@ -1,10 +1,10 @@
 """The attention layer and its backends.
 
 The model runner describes the batch once per step in an ``AttentionMetadata`` and installs it
-with ``set_forward_context``; every attention layer then writes its new K/V into its own
-paged cache at ``slot_mapping`` and attends through the block tables. Backends are the one
-plug-in point: ``forward(q, k, v, kv_cache, metadata) -> out``, plus ``copy_blocks`` for the
-copy-on-write of forked sequences.
+with ``set_forward_context``; every attention layer then applies the rotary embedding to its
+new q and k, writes the new K/V into its own paged cache at ``slot_mapping`` and attends
+through the block tables. Backends are the one plug-in point: ``forward(q, k, v, kv_cache,
+metadata, scale, rope) -> out``, plus ``copy_blocks`` for the copy-on-write of forked sequences.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,14 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import reference
+from pagoda.kernels.reference import Rope
 
 
 @dataclass
 class AttentionMetadata:
     """The batch is ordered decodes first: requests ``[0, num_decodes)`` have one query token
-    each and occupy tokens ``[0, num_decodes)``; the rest are prefills (whole or chunked)."""
+    each and occupy tokens ``[0, num_decodes)``; the rest are prefills (whole or chunked).
+    ``num_decodes`` is None in a CUDA graph of mixed steps, where it is not known at capture
+    (Triton backend only)."""
     num_actual_tokens: int
-    num_decodes: int
+    num_decodes: int | None
     slot_mapping: torch.Tensor        # (num_tokens,) int64
     query_start_loc: torch.Tensor     # (batch + 1,) int32
     seq_lens: torch.Tensor            # (batch,) int32: context length including this step
@@ -73,8 +76,12 @@ class TorchAttentionBackend:
     PREFILL_GROUPS = 8
 
     @staticmethod
-    def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float, rope: Rope | None = None
+                ) -> torch.Tensor:
         n = md.num_actual_tokens
+        if rope is not None:
+            q, k = reference.rotary_embedding(rope.positions, q, k, rope.cos_sin_cache, q.shape[-1],
+                                              rope.q_norm_weight, rope.k_norm_weight, rope.eps)
         reference.write_kv_cache(k[:n], v[:n], kv_cache, md.slot_mapping[:n])
         out = torch.empty_like(q)
         nd = md.num_decodes
@@ -107,7 +114,7 @@ class TorchAttentionBackend:
         out = F.scaled_dot_product_attention(
             q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k.transpose(1, 2),
             v.transpose(1, 2), attn_mask=group.mask, scale=scale)
-        return out.view(b, num_heads, head_dim)
+        return out.reshape(b, num_heads, head_dim)   # (SDPA on CUDA may return it strided)
 
     @staticmethod
     def _decode_groups(md: AttentionMetadata, kv_cache: torch.Tensor) -> list[DecodeGroup]:
@@ -160,22 +167,32 @@ class TorchAttentionBackend:
 
 
 class TritonAttentionBackend:
-    """The GPU path: Triton kernels that read K/V straight from the paged cache."""
+    """The GPU path: Triton kernels that read K/V straight from the paged cache. The rotary
+    embedding has no kernel of its own: the KV write rotates the keys, the attention the queries."""
 
     @staticmethod
-    def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float, rope: Rope | None = None
+                ) -> torch.Tensor:
         from pagoda.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
         n, nd = md.num_actual_tokens, md.num_decodes
-        write_kv_cache_triton(k, v, kv_cache, md.slot_mapping)
+        write_kv_cache_triton(k, v, kv_cache, md.slot_mapping, rope)
         out = torch.empty_like(q)
+        if nd is None:   # a mixed-step graph: the decodes (wherever they are), then the rest
+            paged_attention_triton(q[:n], kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
+                                   md.max_decode_seq_len, 1, out=out[:n], rope=rope)
+            paged_attention_triton(q[:n], kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
+                                   md.max_seq_len, md.max_query_len, out=out[:n], rope=rope, skip_decodes=True)
+            return out
         # A mixed step's decodes apart, in decode tiles (one launch would run them in the
         # prefills' 128-row tiles); then the rest of the batch, from request `first` on.
         first = nd if nd < md.seq_lens.shape[0] else 0
         if first:
             paged_attention_triton(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd],
-                                   md.query_start_loc[:nd + 1], scale, md.max_decode_seq_len, 1, out=out[:nd])
+                                   md.query_start_loc[:nd + 1], scale, md.max_decode_seq_len, 1, out=out[:nd],
+                                   rope=rope)
         paged_attention_triton(q[:n], kv_cache, md.block_tables[first:], md.seq_lens[first:],
-                               md.query_start_loc[first:], scale, md.max_seq_len, md.max_query_len, out=out[:n])
+                               md.query_start_loc[first:], scale, md.max_seq_len, md.max_query_len, out=out[:n],
+                               rope=rope)
         return out
 
     @staticmethod
@@ -214,12 +231,15 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache = torch.tensor([])   # bound by the model runner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
+                ) -> torch.Tensor:
+        """New q, k, v (tokens, heads * head_dim), before the rotary embedding ``rope``, which
+        the backend applies (on the GPU inside its kernels, leaving q and k unchanged)."""
         ctx = _FORWARD_CONTEXT
         if ctx.attn_metadata is None:      # memory-profiling run: no cache yet
             return torch.empty_like(q)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)
+        out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale, rope)
         return out.view(-1, self.num_heads * self.head_dim)

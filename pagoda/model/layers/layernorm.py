@@ -17,7 +17,7 @@ def _triton_ops():
 def kernels_for(x: torch.Tensor):
     """The module of elementwise kernels for ``x``'s device: the fused Triton kernels
     (``pagoda.kernels.triton_ops``) on CUDA, the torch versions (``pagoda.kernels.reference``,
-    same functions and signatures) elsewhere. Shared by the norm, rotary and activation layers."""
+    same functions and signatures) elsewhere. Shared by the norm and activation layers."""
     return _triton_ops() if x.is_cuda else reference
 
 

@@ -1,11 +1,10 @@
 """Rotary position embedding (rotate-half / NeoX layout, as HF checkpoints use), with the
-Llama-3 and linear scalings of the frequencies."""
+Llama-3 and linear scalings of the frequencies: the cos/sin table. The attention backends
+apply it (``reference.Rope``), on the GPU inside the KV-write and attention kernels."""
 import math
 
 import torch
 from torch import nn
-
-from pagoda.model.layers.layernorm import RMSNorm, kernels_for
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -36,15 +35,6 @@ class RotaryEmbedding(nn.Module):
         # (max_position, head_dim): cos for the first half, sin for the second.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(),
                              persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
-        """q: (tokens, heads * head_dim), k: (tokens, kv_heads * head_dim), possibly strided
-        column slices of one qkv output; ``q_norm`` / ``k_norm``: per-head norms applied first
-        (Qwen3), in the same kernel. Returns the rotated (q, k): on CUDA rotated in place by a
-        Triton kernel, elsewhere new tensors."""
-        norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-        return kernels_for(q).rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim, *norms)
 
 
 _ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
