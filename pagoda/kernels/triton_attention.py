@@ -51,8 +51,8 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   the new keys before storing them; the attention does the same to its queries as it loads them,
   each at its place in its context. The rotated half is a second, permuted read of the same row.
   This takes one kernel a layer out of every step, and the attention still reads all it needs
-  before its PDL wait: the raw queries come from the qkv projection, two kernels back. On the
-  H200, in one call, it took W2 Qwen3-0.6B batch 1 from 1.03-1.06 to 0.91-0.92 ms a token.
+  before its PDL wait: the raw queries come from the qkv projection, two kernels back. (On the
+  H200 no change to W1 or W2 showed beyond the 2-4% between machines; see BENCHMARKS.md.)
 - CUDA graphs of mixed steps do not know at capture which requests are decodes: a launch with
   ``max_query_len = 1`` then skips the requests with more queries, and one with
   ``skip_decodes`` skips the decodes, so the two launches of a mixed step need no
