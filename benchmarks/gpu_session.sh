@@ -46,6 +46,8 @@
 #   BASE=dir A1=dir bash benchmarks/gpu_session.sh rope10b  # rope10's failing tests in full; W1 Qwen3 BASE / A1 / tree
 #   BASE=dir A2=dir bash benchmarks/gpu_session.sh graphs10  # tests; W1 Qwen3 BASE / A2 / tree, W1 Llama A2 / tree
 #   A2=dir bash benchmarks/gpu_session.sh final10  # graph tests; W1 prefill step phases A2 vs tree; W2 both models
+#   BASE=dir bash benchmarks/gpu_session.sh check10  # BASE (a worktree at f6094ef) vs tree: prefill phases, W2, W1
+# BASE and the other trees must be git worktrees (git worktree add --detach .ab/NAME COMMIT).
 # Missing wheels (gguf) travel in .whl; results go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -458,6 +460,23 @@ case "${1:-}" in
         | tail -9 | sed "s|^|$(basename $tree): |")
     done
     w2 . main qwen3-0.6b "1 64"; w2 . main llama3-8b "1 64"
+    ;;
+  check10)
+    # The A/B the ninth session could not run: BASE = the eighth session's main, a git worktree
+    # (git worktree add --detach .ab/f609 f6094ef; a plain copy does not follow checkouts), against
+    # this tree: prefill step phases, W2 both models, W1 Qwen3-0.6B twice, interleaved
+    for tree in "$BASE" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/step_overhead.py --model-config $MA/qwen3-0.6b.json \
+        --prefill --num-requests 256 --prompt-len 562 --out "$OUT/$(basename $tree)" 2>&1 | grep -v Warning \
+        | tail -12 | sed "s|^|$(basename $tree): |")
+    done
+    for run in 1 2; do w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"; done
+    w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
+    for tree in "$BASE" .; do     # warm-up: a fresh machine's first W1 runs 5-10% slow
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
+        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
+    done
+    for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     ;;
   closing8)
     # The session's GPU tests (sampling kernel with its filters, attention, the engine), the

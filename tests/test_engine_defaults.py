@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import torch
 
 from pagoda.engine import arg_utils
-from pagoda.runner.cuda_graph import (MAX_CAPTURE_SIZE, MAX_MIXED_CAPTURE, CUDAGraphRunner, capture_sizes,
-                                      mixed_capture_sizes)
+from pagoda.runner.cuda_graph import (MAX_CAPTURE_SIZE, MAX_MIXED_CAPTURE, MAX_MIXED_REQS, CUDAGraphRunner,
+                                      capture_sizes, mixed_capture_sizes)
 
 
 def test_batch_defaults_follow_vllm(monkeypatch):
@@ -33,10 +33,13 @@ def test_mixed_step_sizes_and_which_steps_take_a_graph():
     graphs = CUDAGraphRunner(None, None, max_num_seqs=1024, max_num_batched_tokens=16384, max_blocks=4,
                              max_model_len=64, device=torch.device("cpu"))
     assert graphs.graph_key(5, 5) == ("decode", 8)
-    assert graphs.graph_key(600, 600) == ("mixed", 768)           # decodes beyond the decode graphs
+    assert graphs.graph_key(200, 200) == ("decode", 200)
+    assert graphs.graph_key(600, 600) is None                      # more requests than MAX_MIXED_REQS
+    assert graphs.graph_key(MAX_MIXED_REQS, 1000) == ("mixed", 1024)
+    assert graphs.graph_key(MAX_MIXED_REQS + 1, 1000) is None
     assert graphs.graph_key(3, 100) == ("mixed", 128)
     assert graphs.graph_key(40, 2048) == ("mixed", 2048)
     assert graphs.graph_key(40, 2049) is None and graphs.graph_key(256, 16384) is None    # eager
-    # room for as many requests as a step of that size can hold
+    # room for as many requests as a step of that size can hold, up to MAX_MIXED_REQS
     assert len(graphs._metadata(("mixed", 128)).seq_lens) == 128
-    assert len(graphs._metadata(("mixed", 2048)).seq_lens) == 1024
+    assert len(graphs._metadata(("mixed", 2048)).seq_lens) == MAX_MIXED_REQS

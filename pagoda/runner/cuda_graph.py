@@ -7,8 +7,9 @@ Graphs are captured over persistent input buffers, for two ladders of sizes:
 - Decode steps (one token per request), by batch size up to MAX_CAPTURE_SIZE. A batch of B
   requests is padded to the next captured size.
 - Mixed steps (prefills and prompt chunks, with or without decodes), by token count up to
-  MAX_MIXED_CAPTURE tokens, about sqrt(2) apart. A step of T tokens is padded to the next
-  size; its requests are padded with empty ones to as many as the size can hold. Which
+  MAX_MIXED_CAPTURE tokens, about sqrt(2) apart, with up to MAX_MIXED_REQS requests. A step of
+  T tokens is padded to the next size, and its requests with empty ones to as many as that
+  size holds (every launch's programs for them still start, search and exit). Which
   requests are decodes is not known at capture, so the attention runs two launches that each
   skip the other's requests. On the H200 this took W2's time to first token (Qwen3-0.6B,
   batch 1, a 512-token prompt) from 20-27 ms to 4.5-5 ms. Larger steps run eagerly: their
@@ -28,6 +29,9 @@ from pagoda.model.layers.attention import AttentionMetadata, set_forward_context
 # each graph costs capture time and memory (vLLM's default limit too).
 MAX_CAPTURE_SIZE = 512
 MAX_MIXED_CAPTURE = 2048
+# A bound on the padding requests' cost, which was not measured at these sizes; steps with more
+# requests run eagerly, as before these graphs.
+MAX_MIXED_REQS = 256
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -64,7 +68,7 @@ class CUDAGraphRunner:
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
 
     def _max_reqs(self, num_tokens: int) -> int:
-        return min(self.max_num_seqs, num_tokens)
+        return min(self.max_num_seqs, num_tokens, MAX_MIXED_REQS)
 
     def _metadata(self, key: tuple[str, int]) -> AttentionMetadata:
         # max_seq_len is fixed at capture: the kernels read each request's true length from
@@ -110,7 +114,9 @@ class CUDAGraphRunner:
         if num_reqs == num_tokens and num_reqs <= self.sizes[-1]:
             return "decode", self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
         if num_tokens <= self.mixed_sizes[-1]:
-            return "mixed", self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, num_tokens)]
+            n = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, num_tokens)]
+            if num_reqs <= self._max_reqs(n):
+                return "mixed", n
         return None
 
     def load(self, key: tuple[str, int], inputs: dict[str, torch.Tensor],
