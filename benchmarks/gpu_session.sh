@@ -470,7 +470,7 @@ case "${1:-}" in
         --prefill --num-requests 256 --prompt-len 562 --out "$OUT/$(basename $tree)" 2>&1 | grep -v Warning \
         | tail -12 | sed "s|^|$(basename $tree): |")
     done
-    for run in 1 2; do w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"; done
+    w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     for tree in "$BASE" .; do     # warm-up: a fresh machine's first W1 runs 5-10% slow
       (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
