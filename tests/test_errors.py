@@ -124,6 +124,31 @@ def test_unknown_architecture(tmp_path):
         LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True)
 
 
+def test_weights_larger_than_the_device(tmp_path, monkeypatch):
+    # As on a GPU with 100 MiB free: the allocation fails, and the error says what would fit.
+    import torch
+
+    from pagoda.model import loader
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 1024,
+              "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 16,
+              "num_key_value_heads": 4, "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    build = loader._build
+
+    def out_of_memory(cls, config, device):
+        if str(device) != "meta":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+        return build(cls, config, device)
+
+    free, total = loader.device_memory(torch.device("cpu"))
+    assert 0 < free <= total
+    monkeypatch.setattr(loader, "_build", out_of_memory)
+    monkeypatch.setattr(loader, "device_memory", lambda device: (100 << 20, 1 << 30))
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM \(0\.19B parameters, 0\.3 GiB in bfloat16\) do not fit "
+                                         r"in the 0\.1 GiB free.*at most about 0\.05B parameters would"):
+        LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
+
+
 def test_missing_and_truncated_weights(tmp_path):
     pytest.importorskip("transformers")
     from tests.test_architectures import save_tiny

@@ -1,5 +1,6 @@
 """Build a model and fill its weights: HF safetensors folders, GGUF files, or random
 ("dummy") weights for benchmarks."""
+import gc
 import glob
 import os
 from pathlib import Path
@@ -107,15 +108,51 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             p.data.uniform_(-1e-2, 1e-2, generator=gen)
 
 
-def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
-    cls = get_model_class(config.arch.architecture)
+def _build(cls, config: ModelConfig, device: torch.device | str) -> nn.Module:
     prev = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
         with torch.device(device):
-            model = cls(config.arch, get_quant_method(config.quantization))
+            return cls(config.arch, get_quant_method(config.quantization))
     finally:
         torch.set_default_dtype(prev)
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of the device the model failed to fit on."""
+    if device.type == "cuda":
+        gc.collect()              # the half-built model's tensors
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def weights_do_not_fit(cls, config: ModelConfig, device: torch.device) -> ValueError:
+    """The error for weights that exceed the device's free memory, saying how large a model
+    would fit (counted on the meta device: shapes and dtypes only). Built only on failure:
+    the meta device's first use costs seconds of start-up."""
+    free, total = device_memory(device)
+    meta = _build(cls, config, "meta")
+    need = sum(t.numel() * t.element_size() for t in list(meta.parameters()) + list(meta.buffers()))
+    params = sum(t.numel() for t in meta.parameters())
+    fits = free / (need / params) / 1e9
+    gib = 1 << 30
+    return ValueError(
+        f"The weights of {config.arch.architecture} ({params / 1e9:.2f}B parameters, {need / gib:.1f} GiB "
+        f"in {str(config.dtype).removeprefix('torch.')}) do not fit in the {free / gib:.1f} GiB free on "
+        f"{device} ({total / gib:.1f} GiB in all): a model of at most about {fits:.2f}B parameters would, "
+        "before any KV cache. Use a smaller model, a quantized checkpoint, or free the device's memory.")
+
+
+def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
+    cls = get_model_class(config.arch.architecture)
+    try:
+        model = _build(cls, config, device)
+    except torch.OutOfMemoryError:
+        model = None   # (raised below, once the half-built model is unreferenced)
+    if model is None:
+        raise weights_do_not_fit(cls, config, device)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif config.is_gguf:
