@@ -193,3 +193,30 @@ def test_rare_sampling_paths_async_equals_sync(dummy_qwen3):
         # shapes, so logprobs may differ in the last bits.
         assert all(a == b or abs(a - b) < 1e-3 for a, b in zip(lp_a, lp_s))
     assert len(results[True][4][0]) == 3 and results[True][3][2] == len(prompts[3]["prompt_token_ids"])
+
+
+def test_a_step_too_large_for_the_gpu_is_a_clear_error(tmp_path):
+    """The start-up's profiling step (max_num_batched_tokens tokens) that does not fit beside
+    the weights: a ValueError naming the setting, not a bare out-of-memory error. Two
+    Llama-3-8B-wide layers: a 2M-token step needs hundreds of GiB of activations."""
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+              "intermediate_size": 14336, "num_hidden_layers": 2, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="A 2097152-token step \\(max_num_batched_tokens\\) does not fit"):
+        LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+            max_num_batched_tokens=1 << 21, max_num_seqs=256)
+    torch.cuda.empty_cache()
+
+
+def test_weights_too_large_for_the_gpu_is_a_clear_error(tmp_path):
+    """A model whose weights exceed the GPU (about 400 GiB in bf16): a ValueError saying how
+    large a model would fit, and the memory of the half-built model is given back."""
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 16384,
+              "intermediate_size": 53248, "num_hidden_layers": 80, "num_attention_heads": 128,
+              "num_key_value_heads": 8, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(ValueError, match="LlamaForCausalLM .*B parameters.* do not fit in the .* GiB free on cuda"):
+        LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
+    assert torch.cuda.memory_allocated() == before

@@ -162,13 +162,24 @@ class ModelRunner:
         n = sc.max_num_batched_tokens
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        weights = torch.cuda.memory_allocated()
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device) % self.max_model_len
-        with set_forward_context(None, self.backend):
-            hidden = self.model(ids, pos)
-        logits = self.model.compute_logits(hidden[:self.max_num_reqs]).float()
-        logits.log_softmax(-1).sort(-1)          # the sampler's biggest temporaries
-        del hidden, logits
+        fits = True
+        try:
+            with set_forward_context(None, self.backend):
+                hidden = self.model(ids, pos)
+            logits = self.model.compute_logits(hidden[:self.max_num_reqs]).float()
+            logits.log_softmax(-1).sort(-1)          # the sampler's biggest temporaries
+            del hidden, logits
+        except torch.OutOfMemoryError:
+            fits = False   # (raised below: the exception's frames hold the step's tensors)
+        if not fits:
+            torch.cuda.empty_cache()
+            raise ValueError(
+                f"A {n}-token step (max_num_batched_tokens) does not fit on the GPU beside the weights "
+                f"({weights / GiB:.1f} GiB of {torch.cuda.mem_get_info()[1] / GiB:.1f} GiB). Lower "
+                "max_num_batched_tokens and max_num_seqs, or use a smaller or quantized model.")
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         torch.cuda.empty_cache()
