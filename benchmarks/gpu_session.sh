@@ -38,6 +38,7 @@
 #   BASE=dir bash benchmarks/gpu_session.sh prewait9  # attention + engine tests; BASE vs tree interleaved:
 #                                                 # W2 Llama-3-8B batch 64, W1 both models
 #   bash benchmarks/gpu_session.sh final9    # tests; host time per eager launch; W1 + W2 both models
+#   bash benchmarks/gpu_session.sh next11    # GPU error tests; attention timeline (worktree .ab/tl: carry it)
 #   BASE=dir bash benchmarks/gpu_session.sh w1ab9  # W1 Qwen3-0.6B, BASE vs tree interleaved, 3 rounds (both warmed up)
 #   BASE=dir MID=dir bash benchmarks/gpu_session.sh order  # tests; ragged attention BASE vs tree; W2 batch 1
 #                                                 # MID vs tree, both models; W1 both models BASE vs tree
@@ -477,6 +478,14 @@ case "${1:-}" in
         --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
     done
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
+    ;;
+  next11)
+    # For the eleventh session's first call: the tenth session's GPU-only error tests, then the
+    # attention timeline probe from a worktree of branch attention-timeline (carry .ab/tl)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "clear_error" 2>&1 | tail -3 \
+      | tee "$OUT/next11_tests.txt"
+    [ -d .ab/tl ] && (cd .ab/tl && PYTHONPATH=$PWD:/tmp/site OUT=$OUT python3 benchmarks/attention_timeline.py 2>&1 \
+      | grep -v Warn | tail -18)
     ;;
   closing8)
     # The session's GPU tests (sampling kernel with its filters, attention, the engine), the
