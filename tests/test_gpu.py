@@ -210,7 +210,7 @@ def test_a_step_too_large_for_the_gpu_is_a_clear_error(tmp_path):
 
 
 def test_weights_too_large_for_the_gpu_is_a_clear_error(tmp_path):
-    """A model whose weights exceed the GPU (about 400 GiB in bf16): a ValueError saying how
+    """A model whose weights exceed the GPU (about 480 GiB in bf16): a ValueError saying how
     large a model would fit, and the memory of the half-built model is given back."""
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 16384,
               "intermediate_size": 53248, "num_hidden_layers": 80, "num_attention_heads": 128,
