@@ -140,8 +140,6 @@ def test_weights_larger_than_the_device(tmp_path, monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
         return build(cls, config, device)
 
-    free, total = loader.device_memory(torch.device("cpu"))
-    assert 0 < free <= total
     monkeypatch.setattr(loader, "_build", out_of_memory)
     monkeypatch.setattr(loader, "device_memory", lambda device: (100 << 20, 1 << 30))
     with pytest.raises(ValueError, match=r"LlamaForCausalLM \(0\.19B parameters, 0\.3 GiB in bfloat16\) do not fit "

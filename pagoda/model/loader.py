@@ -119,13 +119,11 @@ def _build(cls, config: ModelConfig, device: torch.device | str) -> nn.Module:
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes of the device the model failed to fit on."""
-    if device.type == "cuda":
-        gc.collect()              # the half-built model's tensors
-        torch.cuda.empty_cache()
-        return torch.cuda.mem_get_info(device)
-    page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    """(free, total) bytes of the GPU the model failed to fit on (only CUDA raises
+    ``torch.OutOfMemoryError``)."""
+    gc.collect()              # the half-built model's tensors
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
 
 
 def weights_do_not_fit(cls, config: ModelConfig, device: torch.device) -> ValueError:
