@@ -38,6 +38,7 @@
 #   BASE=dir bash benchmarks/gpu_session.sh prewait9  # attention + engine tests; BASE vs tree interleaved:
 #                                                 # W2 Llama-3-8B batch 64, W1 both models
 #   bash benchmarks/gpu_session.sh final9    # tests; host time per eager launch; W1 + W2 both models
+#   bash benchmarks/gpu_session.sh acct11    # the failing error test in full; W1 Qwen3 by batch size; small-batch steps
 #   bash benchmarks/gpu_session.sh next11    # GPU error tests; attention timeline (worktree .ab/tl: carry it)
 #   BASE=dir bash benchmarks/gpu_session.sh w1ab9  # W1 Qwen3-0.6B, BASE vs tree interleaved, 3 rounds (both warmed up)
 #   BASE=dir MID=dir bash benchmarks/gpu_session.sh order  # tests; ragged attention BASE vs tree; W2 batch 1
@@ -478,6 +479,20 @@ case "${1:-}" in
         --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
     done
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
+    ;;
+  acct11)
+    # The tenth session's failing GPU error test in full; where W1 Qwen3-0.6B's time goes now,
+    # by batch size (after a warm-up); decode steps at W1's small-batch tail, by kernel
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "weights_too_large" --tb=long 2>&1 \
+      | tail -60 > "$OUT/acct11_test.txt"; tail -3 "$OUT/acct11_test.txt"
+    python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --num-requests 64 \
+      --output-len 20 40 > /dev/null 2>&1
+    python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --no-tqdm --profile --out "$OUT/w1" \
+      > "$OUT/profile_w1.txt" 2>&1
+    grep -E "^pagoda |compiled|prefill batch|decode  batch|all:|roofline|profiled run|^  [a-z]|^ +[0-9.]+ s " \
+      "$OUT/profile_w1.txt" | cut -c1-160
+    python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 8 24 48 --prompt-len 1536 \
+      --steps 32 --top 14 --out "$OUT/step" 2>&1 | grep -v Warn | tail -48
     ;;
   next11)
     # For the eleventh session's first call: the tenth session's GPU-only error tests, then the

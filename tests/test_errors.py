@@ -214,6 +214,8 @@ def test_dropped_engine_is_freed_without_the_cyclic_gc(smollm_path):
     llm = LLM(smollm_path, kv_cache_memory_bytes=1 << 26, max_model_len=256)
     still_works(llm)
     assert gc.get_freeze_count() > 0
-    engine, model = weakref.ref(llm.llm_engine), weakref.ref(llm.llm_engine.executor.runner.model)
-    del llm
-    assert engine() is None and model() is None
+    model = llm.llm_engine.executor.runner.model
+    # (the rotary cos/sin table: once kept in a module-level cache, past its model)
+    refs = [weakref.ref(x) for x in (llm.llm_engine, model, model.model.layers[0].self_attn.rotary_emb)]
+    del llm, model
+    assert all(r() is None for r in refs)

@@ -10,12 +10,12 @@ from pagoda.model.layers.attention import Attention
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagoda.model.layers.rotary import get_rope
+from pagoda.model.layers.rotary import RotaryEmbedding
 from pagoda.quant.base import QuantMethod
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, qk_norm: bool, quant: QuantMethod | None):
+    def __init__(self, cfg: ArchConfig, rope: RotaryEmbedding, qk_norm: bool, quant: QuantMethod | None):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
@@ -26,8 +26,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                         bias=False, quant_method=quant)
-        self.rotary_emb = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                   cfg.rope_scaling)
+        self.rotary_emb = rope
         self.attn = Attention(self.num_heads, cfg.head_dim, cfg.head_dim ** -0.5, self.num_kv_heads)
         self.qk_norm = qk_norm
         if qk_norm:
@@ -55,9 +54,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, qk_norm: bool, quant: QuantMethod | None):
+    def __init__(self, cfg: ArchConfig, rope: RotaryEmbedding, qk_norm: bool, quant: QuantMethod | None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, qk_norm, quant)
+        self.self_attn = LlamaAttention(cfg, rope, qk_norm, quant)
         self.mlp = LlamaMLP(cfg, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -76,7 +75,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, qk_norm: bool, quant: QuantMethod | None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, qk_norm, quant)
+        # One cos/sin table for all layers, owned by the model: freed with it.
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope, qk_norm, quant)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -36,13 +36,3 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(),
                              persistent=False)
 
-
-_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
-
-
-def get_rope(head_dim: int, max_position: int, base: float, rope_scaling: dict | None) -> RotaryEmbedding:
-    """One shared instance per configuration: every layer uses the same cos/sin table."""
-    key = (head_dim, max_position, base, repr(sorted((rope_scaling or {}).items())), torch.get_default_device())
-    if key not in _ROPE_CACHE:
-        _ROPE_CACHE[key] = RotaryEmbedding(head_dim, max_position, base, rope_scaling)
-    return _ROPE_CACHE[key]
