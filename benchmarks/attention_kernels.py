@@ -256,7 +256,7 @@ def tune_split(dtype, gen, log):
     log("\nSplit-KV at medium batch (GB/s of KV read)")
     for model, batch, ctx in [("llama3-8b", 16, 1536), ("llama3-8b", 64, 640), ("llama3-8b", 128, 1024),
                               ("llama3-8b", 256, 1024), ("qwen3-0.6b", 8, 1536), ("qwen3-0.6b", 16, 1536),
-                              ("qwen3-0.6b", 32, 1536), ("qwen3-0.6b", 64, 1024), ("qwen3-0.6b", 128, 1536),
+                              ("qwen3-0.6b", 24, 1536), ("qwen3-0.6b", 32, 1536), ("qwen3-0.6b", 40, 1536), ("qwen3-0.6b", 64, 1024), ("qwen3-0.6b", 128, 1536),
                               ("qwen3-0.6b", 256, 256), ("llama3-8b", 256, 256)]:
         case = Case(batch, 1, ctx, *MODELS[model], dtype, gen)
         line = f"  {model:10s} b={batch:<3d} ctx={ctx:<5d} (default {ta._pick_num_segments(batch * MODELS[model][1], 1, ctx, case.query.device)}):"

@@ -39,6 +39,9 @@
 #                                                 # W2 Llama-3-8B batch 64, W1 both models
 #   bash benchmarks/gpu_session.sh final9    # tests; host time per eager launch; W1 + W2 both models
 #   bash benchmarks/gpu_session.sh acct11    # the failing error test in full; W1 Qwen3 by batch size; small-batch steps
+#   BASE=dir bash benchmarks/gpu_session.sh samp11  # sampler split: tests, kernel BASE vs tree, split-KV, W1 A/B
+#   BASE=dir bash benchmarks/gpu_session.sh samp11b  # the same, final: tests, kernel, W1 both models A/B
+#   BASE=dir bash benchmarks/gpu_session.sh samp11c  # the sampler's lane-wise best, fast logs: tests, kernel, W1 A/B
 #   bash benchmarks/gpu_session.sh next11    # GPU error tests; attention timeline (worktree .ab/tl: carry it)
 #   BASE=dir bash benchmarks/gpu_session.sh w1ab9  # W1 Qwen3-0.6B, BASE vs tree interleaved, 3 rounds (both warmed up)
 #   BASE=dir MID=dir bash benchmarks/gpu_session.sh order  # tests; ragged attention BASE vs tree; W2 batch 1
@@ -493,6 +496,57 @@ case "${1:-}" in
       "$OUT/profile_w1.txt" | cut -c1-160
     python3 benchmarks/profile_step.py --model-config $M/qwen3-0.6b.json --batch 8 24 48 --prompt-len 1536 \
       --steps 32 --top 14 --out "$OUT/step" 2>&1 | grep -v Warn | tail -48
+    ;;
+  samp11)
+    # The sampler without filters split over programs: GPU tests; the kernel alone, BASE (one
+    # program a row) against this tree at 2-16 programs an SM; flash-decoding splits at W1's
+    # medium batches; W1 Qwen3-0.6B, BASE against this tree interleaved (both warmed up)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_sampling.py tests/test_sampler.py \
+      tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/samp11_tests.txt"
+    (cd "$BASE" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/sampler_bench.py --batch 256 128 64 16 1 \
+      --out "$OUT/base" 2>&1 | grep "temperature, one kernel" | sed "s/^/base: /")
+    for k in 8 4 16 2; do
+      python3 benchmarks/sampler_bench.py --only "temperature, one" --batch 256 128 64 16 1 --out "$OUT/k$k" \
+        --knob triton_sampling.GUMBEL_PROGRAMS_PER_SM=$k 2>&1 | grep "temperature, one kernel" | sed "s/^/new $k per SM: /"
+    done
+    python3 benchmarks/attention_kernels.py --tune-split 2>&1 | grep -A14 "Split-KV"
+    for tree in "$BASE" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
+        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
+    done
+    for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
+    ;;
+  samp11b)
+    # The sampler's split counts as run-time arguments (one compiled variant) and flash-decoding
+    # from two programs an SM down: GPU tests; the kernel alone; W1 both models, BASE against
+    # this tree (Qwen3-0.6B twice, interleaved; both trees warmed up)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_sampling.py tests/test_gpu.py \
+      --tb=short 2>&1 | grep -E "^E |passed|failed" | tail -12 | tee "$OUT/samp11b_tests.txt"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py -k "split or segment" \
+      2>&1 | tail -2
+    python3 benchmarks/sampler_bench.py --only "temperature, one" --batch 256 128 64 16 1 --out "$OUT/new" 2>&1 \
+      | grep "temperature, one kernel"
+    for tree in "$BASE" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
+        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
+    done
+    for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
+    w1 "$BASE" base llama3-8b; w1 . new llama3-8b
+    ;;
+  samp11c)
+    # The sampler's lanes keeping their own best and base-2 hardware logarithms: GPU tests;
+    # the kernel alone (4 and 8 programs an SM); W1 Qwen3-0.6B, BASE against this tree
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_sampling.py tests/test_sampler.py \
+      --tb=short 2>&1 | grep -E "^E |passed|failed" | tail -12 | tee "$OUT/samp11c_tests.txt"
+    for k in 4 8; do
+      python3 benchmarks/sampler_bench.py --only "temperature, one" --batch 256 128 64 16 1 --out "$OUT/k$k" \
+        --knob triton_sampling.GUMBEL_PROGRAMS_PER_SM=$k 2>&1 | grep "temperature, one kernel" | sed "s/^/$k per SM: /"
+    done
+    for tree in "$BASE" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
+        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
+    done
+    for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     ;;
   next11)
     # For the eleventh session's first call: the tenth session's GPU-only error tests, then the

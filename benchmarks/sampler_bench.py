@@ -12,7 +12,8 @@ column maxima (kernels/triton_sampling.py).
 
   python3 benchmarks/sampler_bench.py --old ../pagoda/runner/sampler.py
   python3 benchmarks/sampler_bench.py --logit-scale 2 --batch 256 64 1
-  python3 benchmarks/sampler_bench.py --search-block 512    # the kernel's search step (tuning)
+  python3 benchmarks/sampler_bench.py --knob triton_sampling.SEARCH_BLOCK=512   # tuning a constant
+  python3 benchmarks/sampler_bench.py --only "temperature, one" --batch 256 64 16 1   # W1's path
 """
 import argparse
 import importlib.util
@@ -22,7 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import host_seconds  # noqa: E402  (the script's folder is on sys.path)
+from common import add_knob_arg, apply_knob_args, host_seconds  # noqa: E402  (the script's folder is on sys.path)
 
 CONFIGS = {
     "greedy": dict(temperature=0.0),
@@ -85,15 +86,15 @@ def main():
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--batch", type=int, nargs="+", default=[256, 1])
     p.add_argument("--logit-scale", type=float, default=1.0, help="scales the logits (2: an LM's peaked rows)")
-    p.add_argument("--search-block", type=int, help="triton_sampling.SEARCH_BLOCK (tokens per search step)")
-    p.add_argument("--copy-block", type=int, help="triton_sampling.COPY_BLOCK (tokens per step of the copy)")
+    p.add_argument("--only", default="", help="the configs whose name holds this text")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
+    add_knob_arg(p)
     args = p.parse_args()
+    apply_knob_args(args)
     import torch
     from pagoda.kernels import triton_sampling
-    triton_sampling.SEARCH_BLOCK = args.search_block or triton_sampling.SEARCH_BLOCK
-    triton_sampling.COPY_BLOCK = args.copy_block or triton_sampling.COPY_BLOCK
     print(f"kernel: SEARCH_BLOCK {triton_sampling.SEARCH_BLOCK}, COPY_BLOCK {triton_sampling.COPY_BLOCK}, "
+          f"GUMBEL_PROGRAMS_PER_SM {getattr(triton_sampling, 'GUMBEL_PROGRAMS_PER_SM', '-')}, "
           f"logit scale {args.logit_scale:g}")
     versions = {"new": load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                          "pagoda/runner/sampler.py"), "new_sampler")}
@@ -107,6 +108,8 @@ def main():
         d, h = time_call(lambda: hidden @ head.T)
         rows.append({"batch": b, "config": "LM head matmul", "version": "-", "device_ms": d, "host_ms": h})
         for name, cfg in CONFIGS.items():
+            if args.only not in name:
+                continue
             for ver, mod in versions.items():
                 if cfg.get("kernel") and filtered(cfg) and "md.top_p" not in inspect.getsource(mod.sample):
                     continue        # a sampler from before the kernel's filters would drop them

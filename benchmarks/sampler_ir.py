@@ -1,7 +1,7 @@
 """Registers and spills of the sampling kernel (kernels/triton_sampling.py) for sm_90, on the CPU:
 compiles each variant to PTX and runs Triton's ptxas -v on it. At 8 warps a program, more than
 128 registers leave one program per SM instead of two (256 rows would take two waves).
-Variants: temperature-only and filtered, bf16 / fp16 / float32 logits, a vocabulary and row
+Variants: without filters (Gumbel-max or greedy) and filtered, bf16 / fp16 / float32 logits, a vocabulary and row
 stride divisible by 16 (Qwen3, Llama 3) or not.
 
   python benchmarks/sampler_ir.py
@@ -22,37 +22,37 @@ from pagoda.kernels import triton_sampling as ts  # noqa: E402
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 POINTERS = {"temperature_ptr": "*fp32", "seeds_ptr": "*i64", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
             "min_p_ptr": "*fp32", "list_vals_ptr": "*fp32", "list_ids_ptr": "*i32", "out_ptr": "*i64",
-            "thresholds_ptr": "*fp32"}
+            "thresholds_ptr": "*fp32", "part_score_ptr": "*fp32", "part_idx_ptr": "*i32"}
 
 
-def compile_kernel(dtype: str, filtered: bool, aligned: bool):
+def compile_kernel(kernel, dtype: str, aligned: bool):
     shift = {"bf16": 16, "fp16": 13, "fp32": 0}[dtype]
-    const = dict(BLOCK_V=ts.BLOCK_V, LIST_CAP=ts.LIST_CAP, SEARCH_BLOCK=ts.SEARCH_BLOCK, COPY_BLOCK=ts.COPY_BLOCK,
-                 SHIFT=shift, FILTERED=filtered, THRESHOLDS=False, USE_PDL=True)
-    sig = {"logits_ptr": f"*{dtype}", **POINTERS, "vocab": "i32", "stride_row": "i32"}
-    names = ts._sample_kernel.arg_names
+    names = kernel.arg_names
+    const = {k: v for k, v in dict(BLOCK_V=ts.BLOCK_V, LIST_CAP=ts.LIST_CAP, SEARCH_BLOCK=ts.SEARCH_BLOCK,
+                                   COPY_BLOCK=ts.COPY_BLOCK, SHIFT=shift, THRESHOLDS=False,
+                                   USE_PDL=True).items() if k in names}
+    sig = {n: f"*{dtype}" if n == "logits_ptr" else POINTERS.get(n, "i32") for n in names if n not in const}
     # (what a launch specializes: 16-byte aligned pointers; integers divisible by 16)
     divisible = [n for n in sig if n.endswith("_ptr") or aligned]
     sig.update({n: "constexpr" for n in const})
-    src = ASTSource(fn=ts._sample_kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "launch_pdl": True})
 
 
 def main():
     print(f"SEARCH_BLOCK {ts.SEARCH_BLOCK}, COPY_BLOCK {ts.COPY_BLOCK}, BLOCK_V {ts.BLOCK_V}")
-    for filtered in (False, True):
+    for name, kernel in (("without filters", ts._gumbel_max_kernel), ("filtered", ts._sample_kernel)):
         for dtype in ("bf16", "fp16", "fp32"):
             for aligned in (True, False):
                 with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                    f.write(compile_kernel(dtype, filtered, aligned).asm["ptx"])
+                    f.write(compile_kernel(kernel, dtype, aligned).asm["ptx"])
                     f.flush()
                     info = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
                                           capture_output=True, text=True).stderr
                 regs = re.search(r"Used (\d+) registers", info).group(1)
                 spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info).groups()
-                print(f"{'filtered' if filtered else 'temperature only':16s} {dtype} "
-                      f"{'vocab % 16 == 0' if aligned else 'odd vocab':15s} {regs:>3s} registers, "
+                print(f"{name:16s} {dtype} {'vocab % 16 == 0' if aligned else 'odd vocab':15s} {regs:>3s} registers, "
                       f"spills {spills[0]} B stored / {spills[1]} B loaded")
 
 

@@ -1,5 +1,6 @@
 """GPU checks of the whole engine (skipped without CUDA): the GPU path (Triton attention) gives
 the CPU path's greedy tokens in float32, and the bf16 divergence is measured and reported."""
+import gc
 import json
 import os
 
@@ -216,6 +217,7 @@ def test_weights_too_large_for_the_gpu_is_a_clear_error(tmp_path):
               "intermediate_size": 53248, "num_hidden_layers": 80, "num_attention_heads": 128,
               "num_key_value_heads": 8, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
     (tmp_path / "config.json").write_text(json.dumps(config))
+    gc.collect()   # (earlier tests' garbage, which the failed load's own collection would free)
     before = torch.cuda.memory_allocated()
     with pytest.raises(ValueError, match="LlamaForCausalLM .*B parameters.* do not fit in the .* GiB free on cuda"):
         LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)

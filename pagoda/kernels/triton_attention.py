@@ -64,7 +64,6 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
 Tiles to tune on the GPU are ``TILES`` and ``SPLIT_*`` below (module globals read at each call);
 ``benchmarks/attention_kernels.py`` measures the defaults and a few alternatives.
 """
-import functools
 import math
 
 import torch
@@ -72,7 +71,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.reference import Rope
-from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, pdl_launch, pdl_wait
+from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, num_sms, pdl_launch, pdl_wait
 
 # Tile shapes (Hopper defaults), keyed by BLOCK_M: the number of (query token, query head) rows
 # per program. BLOCK_M is chosen per call to hold the longest request's queries of one GQA group
@@ -92,11 +91,11 @@ MAX_BLOCK_M_CUDA = {torch.float32: 16}
 
 # Flash-decoding: split the context when fewer than SPLIT_BELOW_PROGRAMS_PER_SM * num_SMs
 # programs would run, into enough segments for about SPLIT_PROGRAMS_PER_SM * num_SMs programs
-# (at most SPLIT_MAX_SEGMENTS, of at least SPLIT_MIN_TOKENS tokens each). Not from one program
-# per SM on: measured on the H200 (Qwen3-0.6B heads, batch 32, 1,024-token contexts: 256
-# programs), one segment took 77 us and two 117 us, before the K/V loop was pipelined; with
-# it, 52 and 54 us (BENCHMARKS.md).
-SPLIT_BELOW_PROGRAMS_PER_SM = 1
+# (at most SPLIT_MAX_SEGMENTS, of at least SPLIT_MIN_TOKENS tokens each). Measured on the H200
+# (BENCHMARKS.md, eleventh session; Qwen3-0.6B heads, 1,536-token contexts, in a CUDA graph):
+# at batch 24 (192 programs) two segments took 53 us against 66 for one, at batch 32 (256)
+# 65 against 70; at batch 40 (320) one segment was faster, 79 against 94.
+SPLIT_BELOW_PROGRAMS_PER_SM = 2
 SPLIT_PROGRAMS_PER_SM = 2
 SPLIT_MAX_SEGMENTS = 64
 SPLIT_MIN_TOKENS = 128
@@ -426,13 +425,6 @@ def _merge_segments_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # interpreter on CPU: plan as for an H200 so the split path is exercised
-
-
 def _pick_tiles(max_query_len: int, group: int, dtype: torch.dtype,
                 device: torch.device) -> tuple[int, dict]:
     """BLOCK_M and its launch parameters, from python ints: enough rows for the longest
@@ -446,8 +438,8 @@ def _pick_tiles(max_query_len: int, group: int, dtype: torch.dtype,
 def _pick_num_segments(num_programs: int, max_query_len: int, max_seq_len: int,
                        device: torch.device) -> int:
     """Flash-decoding split factor (a power of two) from python ints only."""
-    target = SPLIT_PROGRAMS_PER_SM * _num_sms(device)
-    if max_query_len > 1 or num_programs >= SPLIT_BELOW_PROGRAMS_PER_SM * _num_sms(device):
+    target = SPLIT_PROGRAMS_PER_SM * num_sms(device)
+    if max_query_len > 1 or num_programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms(device):
         return 1
     want = triton.next_power_of_2(triton.cdiv(target, num_programs))
     fit = max(1, max_seq_len // SPLIT_MIN_TOKENS)  # don't cut segments shorter than this

@@ -6,14 +6,16 @@ and a search: five passes over a (batch, vocabulary) tensor (256 x 151,936 float
 256: 0.8 ms of GPU time and a dozen launches). Top-p sorted the vocabulary (5.2 ms at batch
 256) and top-k ran torch.topk (1.6 ms).
 
-How, for rows without filters: Gumbel-max, one pass over the row (one program per row).
-``argmax_i(logit_i / T + g_i)`` with ``g_i = -log(-log(u_i))``, ``u_i`` uniform, is
+How, for rows without filters: Gumbel-max, one pass over the row, split over several programs
+(each the best of its part; a second small kernel picks the best part) so that a small batch
+still fills the GPU. ``argmax_i(logit_i / T + g_i)`` with ``g_i = -log(-log(u_i))``, ``u_i`` uniform, is
 distributed exactly as ``softmax(logit / T)``. The uniforms come from Philox keyed by the
 row's 64-bit seed (four per call, ``tl.rand4x``), so the draw of a row depends only on its seed
 and logits, never on the batch (the runner derives the seed from the request's seed and its
 output position). And it barely depends on the logits' last bits: a perturbation moves the
 draw only where two noisy scores nearly tie. An inverse-CDF draw (one uniform per row, two
-cheap passes: 0.10 against 0.22 ms at batch 256 on the H200) moves to the neighbouring token
+cheap passes: 0.10 ms at batch 256 on the H200, against 0.22 for Gumbel-max in one program
+a row then, 0.07 split now) moves to the neighbouring token
 whenever rounding moves the cumulative sum across a step, which a flat distribution over
 151,936 tokens makes frequent: seeded requests of a float32 dummy model changed tokens
 between batches every 10-13 steps (BENCHMARKS.md, seventh session), so that a seeded request
@@ -56,8 +58,9 @@ searches the whole row: 3 or 4 passes for bf16 logits where the list took one co
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, pdl_launch, pdl_wait
+from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, num_sms, pdl_launch, pdl_wait
 
 BLOCK_V = 4096
 LIST_CAP = 2 * BLOCK_V      # a row's list of candidates (at least BLOCK_V: it first holds the column maxima)
@@ -65,8 +68,19 @@ SEARCH_BLOCK = 256          # tokens a search pass compares with its 16 keys at 
 COPY_BLOCK = 1024           # tokens per step of the copy into the list (2048: its prefix sum spills)
 NUM_PIVOTS = tl.constexpr(16)
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+# The hardware's approximate base-2 logarithm (lg2.approx: one instruction, where tl.math.log2
+# is a polynomial of a dozen); the CPU interpreter has only the exact one.
+FAST_LOG2 = tl.constexpr(not triton.knobs.runtime.interpret)
 # Keys of narrower dtypes leave these low bits constant: dropping them shortens the search.
 KEY_SHIFT = {torch.float32: 0, torch.float16: 13, torch.bfloat16: 16}
+# Batches without filters split each row over programs until about this many per SM (two
+# waves at 46 registers): one program a row took 0.18 ms on rows of 151,936 logits at any
+# batch from 1 to 64 (a chunk every 4.5 us), a fixed cost of every W1 step; split, with each
+# lane keeping its own best and hardware logarithms, 0.02-0.07 ms from batch 1 to 256 (H200,
+# BENCHMARKS.md; 4 an SM ran W1 the same).
+GUMBEL_PROGRAMS_PER_SM = 8
+GUMBEL_MAX_SPLITS = 64
 fix_interpreter_loop_bounds()
 
 
@@ -280,36 +294,100 @@ def _sample_filtered(row, vocab, col_max, m, total, u, k, top_k, top_p, min_p, u
 
 
 @triton.jit
-def _gumbel_chunk(row, seed, start, vocab, temperature, BLOCK_V: tl.constexpr, NOISE: tl.constexpr):
-    """The best (score, column) of ``logit / T + g`` over columns [start, start + BLOCK_V) of a
-    row, ``g`` standard Gumbel noise; with NOISE, writes the noise there instead (tests). One
-    Philox call gives four uniforms (tl.rand4x): quarter q of the chunk takes the q-th, counters
-    numbered per chunk, so the noise of a column depends only on the seed and the column."""
+def _log2(x):
+    if FAST_LOG2:
+        y = libdevice.fast_log2f(x)
+    else:
+        y = tl.math.log2(x)
+    return y
+
+
+@triton.jit
+def _gumbel(u):
+    """Standard Gumbel noise from uniforms in [0, 1): ``-ln(-ln u)``, in base-2 logarithms
+    (u = 0 gives -inf, never picked: the formula's limit)."""
+    return -LN2 * _log2(-LN2 * _log2(u))
+
+
+@triton.jit
+def _gumbel_noise(seed, start, BLOCK_V: tl.constexpr):
+    """The noise of columns [start, start + BLOCK_V), as four quarters: quarter q holds columns
+    ``start + q * BLOCK_V // 4 + lane``. One Philox call gives four uniforms (tl.rand4x),
+    numbered per chunk, so a column's noise depends only on the seed and the column."""
+    u = tl.rand4x(seed, (start // 4) + tl.arange(0, BLOCK_V // 4))
+    return _gumbel(u[0]), _gumbel(u[1]), _gumbel(u[2]), _gumbel(u[3])
+
+
+@triton.jit
+def _best_in_range(base, seed, temperature, lo, hi, vocab, BLOCK_V: tl.constexpr):
+    """The best (score, column) over columns [lo, hi) of a row (``lo`` a multiple of BLOCK_V):
+    of ``logit / T + g`` (Gumbel-max, ``g`` from ``_gumbel_noise``), or of the logits where
+    ``temperature`` is 0 (greedy). Ties go to the earliest column, as one pass over the row
+    gives them. Each lane keeps its own best over the chunks (strictly greater: its earlier
+    column wins a tie), and the lanes meet once at the end: a reduction a quarter cost more
+    than the noise."""
     Q: tl.constexpr = BLOCK_V // 4
-    u = tl.rand4x(seed, (start // 4) + tl.arange(0, Q))
-    best = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int32)
-    for q in tl.static_range(4):
-        cols = start + q * Q + tl.arange(0, Q)
-        g = -tl.log(-tl.log(u[q]))          # u = 0 gives -inf: never picked, the formula's limit
-        if NOISE:
-            tl.store(row + cols, g, mask=cols < vocab)
-        else:
-            x = tl.load(row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-            x = tl.where(cols < vocab, x / temperature + g, float("-inf"))
-            score = tl.max(x, 0)
-            idx = tl.argmax(x, 0, tie_break_left=True).to(tl.int32) + start + q * Q
-            best_idx = tl.where(score > best, idx, best_idx)      # strictly: earlier columns win ties
-            best = tl.maximum(score, best)
-    return best, best_idx
+    lane = tl.arange(0, Q)
+    best = tl.full([Q], float("-inf"), tl.float32)
+    best_idx = tl.full([Q], 0, tl.int32)
+    sampled = temperature > 0
+    t = tl.where(sampled, temperature, 1.0)     # (greedy rows: no division by 0)
+    for start in range(lo, hi, BLOCK_V):
+        g = _gumbel_noise(seed, start, BLOCK_V)
+        for q in tl.static_range(4):
+            cols = start + q * Q + lane
+            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            x = tl.where(cols < vocab, tl.where(sampled, x / t + g[q], x), float("-inf"))
+            better = x > best
+            best_idx = tl.where(better, cols, best_idx)
+            best = tl.where(better, x, best)
+    score = tl.max(best, 0)
+    return score, tl.min(tl.where(best == score, best_idx, vocab), 0)
+
+
+# (not specialized on the split counts, which change with the batch: one compiled variant)
+@triton.jit(do_not_specialize=["chunks_per_split", "splits"])
+def _gumbel_max_kernel(logits_ptr, temperature_ptr, seeds_ptr, out_ptr, part_score_ptr, part_idx_ptr,
+                       vocab, stride_row, chunks_per_split, splits, BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr):
+    """Batches without filters: program (row, split) takes ``chunks_per_split`` chunks of the
+    row. With one split it writes the token; with more, its best (score, column), which
+    ``_pick_split_kernel`` reduces."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    temperature = tl.load(temperature_ptr + row)     # (step inputs: read before the wait)
+    seed = tl.load(seeds_ptr + row)
+    pdl_wait(USE_PDL)
+    lo = split * chunks_per_split * BLOCK_V
+    hi = tl.minimum(lo + chunks_per_split * BLOCK_V, vocab)
+    best, best_idx = _best_in_range(logits_ptr + row.to(tl.int64) * stride_row, seed, temperature, lo, hi,
+                                    vocab, BLOCK_V)
+    if splits == 1:
+        tl.store(out_ptr + row, best_idx.to(tl.int64))
+    else:
+        tl.store(part_score_ptr + row * splits + split, best)
+        tl.store(part_idx_ptr + row * splits + split, best_idx)
+
+
+@triton.jit(do_not_specialize=["splits"])
+def _pick_split_kernel(out_ptr, part_score_ptr, part_idx_ptr, splits, MAX_SPLITS: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    """A row's token: the best of its splits' (score, column), the first split on ties (so the
+    earliest column wins, as in one pass)."""
+    row = tl.program_id(0)
+    pdl_wait(USE_PDL)
+    offs = tl.arange(0, MAX_SPLITS)
+    score = tl.load(part_score_ptr + row * splits + offs, mask=offs < splits, other=float("-inf"))
+    first = tl.min(tl.where((score == tl.max(score, 0)) & (offs < splits), offs, MAX_SPLITS), 0)
+    tl.store(out_ptr + row, tl.load(part_idx_ptr + row * splits + first).to(tl.int64))
 
 
 @triton.jit
 def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                    list_vals_ptr, list_ids_ptr, out_ptr, thresholds_ptr, vocab, stride_row,
                    BLOCK_V: tl.constexpr, LIST_CAP: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-                   COPY_BLOCK: tl.constexpr, SHIFT: tl.constexpr, FILTERED: tl.constexpr,
-                   THRESHOLDS: tl.constexpr, USE_PDL: tl.constexpr):
+                   COPY_BLOCK: tl.constexpr, SHIFT: tl.constexpr, THRESHOLDS: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    """Batches with filters (top-k, top-p or min-p on some row): one program a row."""
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)       # 0 for greedy rows
@@ -320,25 +398,14 @@ def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, top_k_ptr, top_p_ptr,
     # Rows without filters: Gumbel-max, one pass. Rows with filters: a first pass (the max, its
     # first index, the sum of exp2((x - max) * k), each column's max), then the filters and the
     # inverse-CDF draw over what they keep. Greedy rows: the first pass's argmax.
-    filtered_row = tl.full([], 0, tl.int32)
-    top_k = tl.full([], 0, tl.int64)
-    top_p = tl.full([], 1.0, tl.float32)
-    min_p = tl.full([], 0.0, tl.float32)
-    if FILTERED:
-        top_k = tl.load(top_k_ptr + row).to(tl.int64)
-        top_p = tl.load(top_p_ptr + row)
-        min_p = tl.load(min_p_ptr + row)
-        filtered_row = ((temperature > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0) | (min_p > 0))).to(tl.int32)
+    top_k = tl.load(top_k_ptr + row).to(tl.int64)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    filtered_row = ((temperature > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0) | (min_p > 0))).to(tl.int32)
     use_k = (top_k > 0) & (top_k < vocab)
     use_p = top_p < 1.0
     if (temperature > 0) & (filtered_row == 0):
-        seed = tl.load(seeds_ptr + row)
-        best_score = tl.full([], float("-inf"), tl.float32)
-        best_idx = tl.full([], 0, tl.int32)
-        for start in range(0, vocab, BLOCK_V):
-            score, idx = _gumbel_chunk(base, seed, start, vocab, temperature, BLOCK_V, False)
-            best_idx = tl.where(score > best_score, idx, best_idx)      # strictly: earlier chunks win ties
-            best_score = tl.maximum(score, best_score)
+        _, best_idx = _best_in_range(base, tl.load(seeds_ptr + row), temperature, 0, vocab, vocab, BLOCK_V)
         tl.store(out_ptr + row, best_idx.to(tl.int64))
         if THRESHOLDS:
             tl.store(thresholds_ptr + row, float("-inf"))
@@ -354,23 +421,21 @@ def _sample_kernel(logits_ptr, temperature_ptr, seeds_ptr, top_k_ptr, top_p_ptr,
         chunk_best = tl.argmax(x, 0, tie_break_left=True).to(tl.int32) + start
         best = tl.where(chunk_max > m, chunk_best, best)       # strictly: earlier chunks win ties
         new_m = tl.maximum(m, chunk_max)
-        if FILTERED:
-            if filtered_row:
-                total = total * tl.math.exp2((m - new_m) * k) + tl.sum(tl.math.exp2((x - new_m) * k), 0)
-                col_max = tl.maximum(col_max, x)
+        if filtered_row:
+            total = total * tl.math.exp2((m - new_m) * k) + tl.sum(tl.math.exp2((x - new_m) * k), 0)
+            col_max = tl.maximum(col_max, x)
         m = new_m
 
     token = best
     t = _key(tl.full([], float("-inf"), tl.float32), SHIFT)
-    if FILTERED:   # (the variant without filters gets no lists: nothing to compile here)
-        if filtered_row:
-            u = _row_uniform(tl.load(seeds_ptr + row), row * 0)
-            row_list = row.to(tl.int64) * LIST_CAP
-            drawn, t = _sample_filtered(base, vocab, col_max, m, total, u, k, top_k, top_p, min_p,
-                                        use_k, use_p, list_vals_ptr + row_list, list_ids_ptr + row_list,
-                                        LIST_CAP, SHIFT, BLOCK_V, SEARCH_BLOCK, COPY_BLOCK)
-            if drawn >= 0:
-                token = drawn
+    if filtered_row:
+        u = _row_uniform(tl.load(seeds_ptr + row), row * 0)
+        row_list = row.to(tl.int64) * LIST_CAP
+        drawn, t = _sample_filtered(base, vocab, col_max, m, total, u, k, top_k, top_p, min_p,
+                                    use_k, use_p, list_vals_ptr + row_list, list_ids_ptr + row_list,
+                                    LIST_CAP, SHIFT, BLOCK_V, SEARCH_BLOCK, COPY_BLOCK)
+        if drawn >= 0:
+            token = drawn
     tl.store(out_ptr + row, token.to(tl.int64))
     if THRESHOLDS:
         tl.store(thresholds_ptr + row, _key_value(t, SHIFT))
@@ -393,24 +458,46 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     if not batch:
         return out
     filtered = top_k is not None or top_p is not None or min_p is not None
-    if filtered:
-        assert LIST_CAP >= BLOCK_V
-        # (the runner passes all three; a missing one costs a fill)
-        top_k = torch.zeros(batch, dtype=torch.long, device=logits.device) if top_k is None else top_k
-        top_p = torch.ones(batch, device=logits.device) if top_p is None else top_p
-        min_p = torch.zeros(batch, device=logits.device) if min_p is None else min_p
-        lists = (torch.empty(batch, LIST_CAP, dtype=torch.float32, device=logits.device),
-                 torch.empty(batch, LIST_CAP, dtype=torch.int32, device=logits.device))
-    else:
-        top_k = top_p = min_p = out     # (unread)
-        lists = (out, out)
+    if not filtered:
+        _gumbel_max(logits, temperature, seeds, out)
+        if thresholds is not None:
+            thresholds.fill_(float("-inf"))
+        return out
+    assert LIST_CAP >= BLOCK_V
+    # (the runner passes all three; a missing one costs a fill)
+    top_k = torch.zeros(batch, dtype=torch.long, device=logits.device) if top_k is None else top_k
+    top_p = torch.ones(batch, device=logits.device) if top_p is None else top_p
+    min_p = torch.zeros(batch, device=logits.device) if min_p is None else min_p
+    lists = (torch.empty(batch, LIST_CAP, dtype=torch.float32, device=logits.device),
+             torch.empty(batch, LIST_CAP, dtype=torch.int32, device=logits.device))
     _sample_kernel[(batch,)](logits, temperature, seeds, top_k, top_p, min_p, *lists, out,
                              out if thresholds is None else thresholds, vocab, logits.stride(0),
                              BLOCK_V=BLOCK_V, LIST_CAP=LIST_CAP, SEARCH_BLOCK=SEARCH_BLOCK,
                              COPY_BLOCK=COPY_BLOCK, SHIFT=KEY_SHIFT[logits.dtype],
-                             FILTERED=filtered, THRESHOLDS=thresholds is not None, num_warps=8,
+                             THRESHOLDS=thresholds is not None, num_warps=8,
                              **pdl_launch(logits.device))
     return out
+
+
+def _gumbel_splits(batch: int, chunks: int, device: torch.device) -> int:
+    want = triton.cdiv(GUMBEL_PROGRAMS_PER_SM * num_sms(device), batch)
+    return min(triton.next_power_of_2(want), triton.next_power_of_2(chunks), GUMBEL_MAX_SPLITS)
+
+
+def _gumbel_max(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor) -> None:
+    """Rows without filters (Gumbel-max or greedy), each split over a power of two of programs
+    (from shapes only: capturable), then a pick of the best split where there are several."""
+    batch, vocab = logits.shape
+    chunks = triton.cdiv(vocab, BLOCK_V)
+    splits = _gumbel_splits(batch, chunks, logits.device)
+    parts = (torch.empty(batch, splits, dtype=torch.float32, device=logits.device),
+             torch.empty(batch, splits, dtype=torch.int32, device=logits.device)) if splits > 1 else (out, out)
+    _gumbel_max_kernel[(batch, splits)](logits, temperature, seeds, out, *parts, vocab, logits.stride(0),
+                                        triton.cdiv(chunks, splits), splits, BLOCK_V=BLOCK_V, num_warps=8,
+                                        **pdl_launch(logits.device))
+    if splits > 1:
+        _pick_split_kernel[(batch,)](out, *parts, splits, MAX_SPLITS=GUMBEL_MAX_SPLITS, num_warps=1,
+                                     **pdl_launch(logits.device))
 
 
 @triton.jit
@@ -432,8 +519,12 @@ def row_uniforms_triton(seeds: torch.Tensor) -> torch.Tensor:
 def _noise_kernel(seeds_ptr, out_ptr, vocab, BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
     seed = tl.load(seeds_ptr + row)
+    Q: tl.constexpr = BLOCK_V // 4
     for start in range(0, vocab, BLOCK_V):
-        _gumbel_chunk(out_ptr + row.to(tl.int64) * vocab, seed, start, vocab, 1.0, BLOCK_V, True)
+        g = _gumbel_noise(seed, start, BLOCK_V)
+        for q in tl.static_range(4):
+            cols = start + q * Q + tl.arange(0, Q)
+            tl.store(out_ptr + row.to(tl.int64) * vocab + cols, g[q], mask=cols < vocab)
 
 
 def gumbel_noise_triton(seeds: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -29,6 +29,14 @@ def fix_interpreter_loop_bounds() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's SMs, which the kernels' grids are sized to fill."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter on CPU: plan as for an H200, so the multi-program paths are exercised
+
+
 # Programmatic dependent launch (Hopper and later). A decode step's CUDA graph is hundreds of
 # kernels of a few microseconds each, and each launch waits for the previous kernel to drain.
 # With PDL a kernel is launched while the previous one is still running: its programs start,

@@ -119,11 +119,13 @@ def test_split_kv_chosen_for_few_long_decodes(monkeypatch):
     assert ta._pick_num_segments(8, 1, 4000, dev) > 1          # batch 1, 8 KV heads
     assert ta._pick_num_segments(8 * 256, 1, 4000, dev) == 1   # batch 256 fills the chip
     assert ta._pick_num_segments(8 * 16, 1, 4000, dev) > 1     # batch 16: fewer programs than SMs
-    assert ta._pick_num_segments(8 * 32, 1, 4000, dev) == 1    # batch 32: one per SM already
+    assert ta._pick_num_segments(8 * 32, 1, 4000, dev) == 2    # batch 32: under two per SM
+    assert ta._pick_num_segments(8 * 40, 1, 4000, dev) == 1    # batch 40: two per SM already
     assert ta._pick_num_segments(8, 64, 4000, dev) == 1        # not a pure decode
     assert ta._pick_num_segments(8, 1, 100, dev) == 1          # too short to split
     monkeypatch.setattr(ta, "SPLIT_BELOW_PROGRAMS_PER_SM", 4)
-    assert ta._pick_num_segments(8 * 32, 1, 4000, dev) > 1     # now under the threshold
+    monkeypatch.setattr(ta, "SPLIT_PROGRAMS_PER_SM", 4)
+    assert ta._pick_num_segments(8 * 40, 1, 4000, dev) == 2    # now under the threshold
 
 
 def test_upper_bound_max_seq_len(request):

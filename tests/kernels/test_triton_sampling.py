@@ -51,6 +51,24 @@ def test_sample_matches_reference(request, dtype, vocab):
     assert (tokens == ref).float().mean() >= 0.8
 
 
+def test_split_rows_draw_as_one_pass(request, monkeypatch):
+    """Rows without filters are split over programs (more on small batches): the split changes
+    no token, ties across splits included (the earliest column wins)."""
+    gen = gen_for(request)
+    vocab = 3 * BLOCK_V + 97
+    logits = (torch.randn(4, vocab, generator=gen) * 3).to(DEVICE)
+    logits[0, [BLOCK_V - 1, 2 * BLOCK_V]] = 100.0     # a greedy tie across splits
+    logits[1, 3 * BLOCK_V + 1] = 100.0                # in the last split's part chunk
+    temp = torch.tensor([0.0, 0.0, 0.7, 1.3], device=DEVICE)
+    seeds = random_seeds(4, gen)
+    drawn = {}
+    for splits in (1, 2, 4, 8):   # 8: programs past the row's end
+        monkeypatch.setattr(triton_sampling, "_gumbel_splits", lambda *args, s=splits: s)
+        drawn[splits] = sample_triton(logits, temp, seeds)
+    assert all(torch.equal(t, drawn[1]) for t in drawn.values()), drawn
+    assert drawn[1][:2].tolist() == [BLOCK_V - 1, 3 * BLOCK_V + 1]
+
+
 def test_noise_is_gumbel(request):
     """iid standard Gumbel noise is what makes the argmax a draw from softmax(logits / T)."""
     vocab = 50_000
