@@ -104,11 +104,12 @@ SPLIT_MIN_TOKENS = 128
 fix_interpreter_loop_bounds()
 
 
-def _rope_args(rope: Rope | None, norm_weight: torch.Tensor | None, head_dim: int, dummy: torch.Tensor) -> dict:
-    """A kernel's rotary arguments (dummy pointers without ``rope``), with the norm weight of q
-    or of k."""
+def _rope_args(rope: Rope | None, of: str, head_dim: int, dummy: torch.Tensor) -> dict:
+    """A kernel's rotary arguments for the queries (``of="q"``) or the keys (``"k"``): the
+    cos/sin table and that side's norm weight, dummy pointers without ``rope``."""
     if rope is None:
         return dict(cos_sin_ptr=dummy, norm_ptr=dummy, stride_cs=0, eps=0.0, HAS_ROPE=False, HAS_NORM=False)
+    norm_weight = rope.q_norm_weight if of == "q" else rope.k_norm_weight
     cache = rope.cos_sin_cache
     assert cache.shape[-1] == head_dim and cache.stride(-1) == 1 and head_dim % 2 == 0
     assert norm_weight is None or (norm_weight.shape == (head_dim,) and norm_weight.is_contiguous())
@@ -203,7 +204,7 @@ def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM_P=triton.next_power_of_2(head_dim),
         pos_ptr=key if rope is None else rope.positions,
-        **_rope_args(rope, rope and rope.k_norm_weight, head_dim, key), **pdl_launch(key.device),
+        **_rope_args(rope, "k", head_dim, key), **pdl_launch(key.device),
         num_warps=4)
 
 
@@ -518,7 +519,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         scale * math.log2(math.e), num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        **_rope_args(rope, rope and rope.q_norm_weight, head_dim, query),
+        **_rope_args(rope, "q", head_dim, query),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         NUM_SEGMENTS=num_segments,
