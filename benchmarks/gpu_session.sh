@@ -69,6 +69,12 @@ w1() {  # tree label model
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config "$MA/$3.json" --no-tqdm \
     --out "$OUT/$2" 2>&1 | grep -E "^pagoda |compiled|variant:|^roofline of this" | sed "s/^/W1 $3 $2: /")
 }
+warm_w1() {  # trees...: a short W1 Qwen3-0.6B run in each, so that the timed runs find Triton's caches warm
+  for tree in "$@"; do
+    (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config "$MA/qwen3-0.6b.json" \
+      --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
+  done
+}
 w2() {  # tree label model batches
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$3.json" --batch $4 \
     --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W2 $3 $2: /")
@@ -406,10 +412,7 @@ case "${1:-}" in
   w1ab9)
     # Does the attention's pre-wait cost W1 Qwen3-0.6B anything? BASE against this tree on one
     # machine, each tree's Triton cache warmed first
-    for tree in "$BASE" .; do
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
-        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
-    done
+    warm_w1 "$BASE" .
     for run in 1 2 3; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     ;;
   rope10)
@@ -418,10 +421,7 @@ case "${1:-}" in
     timeout 280 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
       tests/kernels/test_triton_ops.py tests/kernels/test_triton_backend.py tests/test_gpu.py \
       2>&1 | tail -4 | tee "$OUT/rope10_tests.txt"
-    for tree in "$BASE" .; do
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
-        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
-    done
+    warm_w1 "$BASE" .
     for run in 1 2; do w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"; done
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
@@ -436,10 +436,7 @@ case "${1:-}" in
         tests/test_gpu.py tests/kernels/test_triton_backend.py -k "one_kernel_sampler_filters or matches_torch" \
         2>&1 | grep -v Warning | tail -25 | sed "s|^|$(basename $tree): |")
     done
-    for tree in "$BASE" "$A1" .; do
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
-        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
-    done
+    warm_w1 "$BASE" "$A1" .
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 "$A1" a1 qwen3-0.6b; w1 . new qwen3-0.6b; done
     ;;
   graphs10)
@@ -447,10 +444,7 @@ case "${1:-}" in
     # BASE / A2 / this tree interleaved, W1 Llama-3-8B A2 / this tree
     timeout 280 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
       tests/kernels/test_triton_backend.py tests/test_gpu.py 2>&1 | tail -4 | tee "$OUT/graphs10_tests.txt"
-    for tree in "$BASE" "$A2" .; do
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
-        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
-    done
+    warm_w1 "$BASE" "$A2" .
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 "$A2" a2 qwen3-0.6b; w1 . new qwen3-0.6b; done
     w1 "$A2" a2 llama3-8b; w1 . new llama3-8b
     ;;
@@ -477,10 +471,7 @@ case "${1:-}" in
     done
     w2 "$BASE" base qwen3-0.6b "1 64"; w2 . new qwen3-0.6b "1 64"
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
-    for tree in "$BASE" .; do     # warm-up: a fresh machine's first W1 runs 5-10% slow
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
-        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
-    done
+    warm_w1 "$BASE" .    # a fresh machine's first W1 runs 5-10% slow
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     ;;
   acct11)
@@ -510,10 +501,7 @@ case "${1:-}" in
         --knob triton_sampling.GUMBEL_PROGRAMS_PER_SM=$k 2>&1 | grep "temperature, one kernel" | sed "s/^/new $k per SM: /"
     done
     python3 benchmarks/attention_kernels.py --tune-split 2>&1 | grep -A14 "Split-KV"
-    for tree in "$BASE" .; do
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
-        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
-    done
+    warm_w1 "$BASE" .
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     ;;
   samp11b)
@@ -526,10 +514,7 @@ case "${1:-}" in
       2>&1 | tail -2
     python3 benchmarks/sampler_bench.py --only "temperature, one" --batch 256 128 64 16 1 --out "$OUT/new" 2>&1 \
       | grep "temperature, one kernel"
-    for tree in "$BASE" .; do
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
-        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
-    done
+    warm_w1 "$BASE" .
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     w1 "$BASE" base llama3-8b; w1 . new llama3-8b
     ;;
@@ -542,10 +527,7 @@ case "${1:-}" in
       python3 benchmarks/sampler_bench.py --only "temperature, one" --batch 256 128 64 16 1 --out "$OUT/k$k" \
         --knob triton_sampling.GUMBEL_PROGRAMS_PER_SM=$k 2>&1 | grep "temperature, one kernel" | sed "s/^/$k per SM: /"
     done
-    for tree in "$BASE" .; do
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json \
-        --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
-    done
+    warm_w1 "$BASE" .
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     ;;
   next11)
