@@ -81,8 +81,9 @@ def add_knob_arg(parser) -> None:
     parser.add_argument("--knob", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="override a kernel module's tuning constant before the engine captures its "
                              "graphs, e.g. triton_attention.SPLIT_PROGRAMS_PER_SM=8 or "
-                             "triton_linear.MAX_M=0 (repeatable): A/B runs of one constant; blas=cublaslt "
-                             "picks torch's BLAS library for the GEMMs")
+                             "triton_linear.MAX_M=0, or outside the kernels by path, e.g. "
+                             "runner.cuda_graph.MAX_MIXED_REQS=320 (repeatable): A/B runs of one constant; "
+                             "blas=cublaslt picks torch's BLAS library for the GEMMs")
 
 
 def apply_knob_args(args) -> None:
@@ -94,8 +95,10 @@ def apply_knob_args(args) -> None:
             torch.backends.cuda.preferred_blas_library(value)
             continue
         module_name, name = target.rsplit(".", 1)
-        module = importlib.import_module(f"pagoda.kernels.{module_name}")
-        assert hasattr(module, name), f"pagoda.kernels.{module_name} has no {name}"
+        # a kernel module by its name (triton_attention), any other by its path (runner.cuda_graph)
+        module = importlib.import_module(f"pagoda.{module_name}" if "." in module_name
+                                         else f"pagoda.kernels.{module_name}")
+        assert hasattr(module, name), f"{module.__name__} has no {name}"
         setattr(module, name, type(getattr(module, name))(value))
 
 

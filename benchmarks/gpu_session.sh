@@ -42,6 +42,7 @@
 #   BASE=dir bash benchmarks/gpu_session.sh samp11  # sampler split: tests, kernel BASE vs tree, split-KV, W1 A/B
 #   BASE=dir bash benchmarks/gpu_session.sh samp11b  # the same, final: tests, kernel, W1 both models A/B
 #   BASE=dir bash benchmarks/gpu_session.sh samp11c  # the sampler's lane-wise best, fast logs: tests, kernel, W1 A/B
+#   bash benchmarks/gpu_session.sh graphs12  # W1 with CUDA graphs of its 16,384-token prefill steps (knobs)
 #   bash benchmarks/gpu_session.sh next11    # GPU error tests; attention timeline (worktree .ab/tl: carry it)
 #   BASE=dir bash benchmarks/gpu_session.sh w1ab9  # W1 Qwen3-0.6B, BASE vs tree interleaved, 3 rounds (both warmed up)
 #   BASE=dir MID=dir bash benchmarks/gpu_session.sh order  # tests; ragged attention BASE vs tree; W2 batch 1
@@ -529,6 +530,20 @@ case "${1:-}" in
     done
     warm_w1 "$BASE" .
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
+    ;;
+  graphs12)
+    # W1's prefill steps (16,384 tokens: 256 decodes beside some 30 prompt chunks) in CUDA
+    # graphs, with room for 320 requests instead of the 1,024 that made them slower (ninth
+    # session): W1 Qwen3-0.6B, main's limits against the raised ones, interleaved; then the
+    # prefill steps alone, both ways
+    G="--knob runner.cuda_graph.MAX_MIXED_CAPTURE=16384 --knob runner.cuda_graph.MAX_MIXED_REQS=320"
+    warm_w1 .
+    for run in 1 2; do
+      run "W1 qwen3 main limits" throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/a"
+      run "W1 qwen3 graphs to 16384" throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/b" $G
+    done
+    python3 benchmarks/step_overhead.py --model-config $MA/qwen3-0.6b.json --prefill --num-requests 256 --prompt-len 562 2>&1 | tail -14
+    python3 benchmarks/step_overhead.py --model-config $MA/qwen3-0.6b.json --prefill --num-requests 256 --prompt-len 562 $G 2>&1 | tail -14
     ;;
   next11)
     # For the eleventh session's first call: the tenth session's GPU-only error tests, then the

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import dummy_model_dir, on_off  # noqa: E402
+from common import add_knob_arg, apply_knob_args, dummy_model_dir, on_off  # noqa: E402
 
 PHASES = ["schedule", "prepare_inputs", "upload", "forward", "logits", "sample", "other_execute",
           "wait_for_device", "update_and_detokenize"]
@@ -67,7 +67,9 @@ def main():
                    help="also print the CUDA runtime calls' host time (torch.profiler): where the host blocks")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: the engine's)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
+    add_knob_arg(p)
     args = p.parse_args()
+    apply_knob_args(args)
     from pagoda import LLM, SamplingParams
     from pagoda.runner import model_runner as mr
     from pagoda.sampling_params import RequestOutputKind

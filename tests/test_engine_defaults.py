@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import torch
 
 from pagoda.engine import arg_utils
+from pagoda.runner import cuda_graph
 from pagoda.runner.cuda_graph import (MAX_CAPTURE_SIZE, MAX_MIXED_CAPTURE, MAX_MIXED_REQS, CUDAGraphRunner,
                                       capture_sizes, mixed_capture_sizes)
 
@@ -25,11 +26,14 @@ def test_capture_sizes_stop_at_the_limit():
     assert capture_sizes(1024)[-1] == MAX_CAPTURE_SIZE == capture_sizes(MAX_CAPTURE_SIZE)[-1]
 
 
-def test_mixed_step_sizes_and_which_steps_take_a_graph():
+def test_mixed_step_sizes_and_which_steps_take_a_graph(monkeypatch):
     ladder = [64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
     assert mixed_capture_sizes(16384) == ladder and ladder[-1] == MAX_MIXED_CAPTURE
     assert mixed_capture_sizes(1000) == ladder[:8] + [1000]
     assert mixed_capture_sizes(24) == [24]
+    monkeypatch.setattr(cuda_graph, "MAX_MIXED_CAPTURE", 16384)   # (a benchmark knob): the ladder goes on
+    assert mixed_capture_sizes(16384) == ladder + [3072, 4096, 6144, 8192, 12288, 16384]
+    monkeypatch.undo()
     graphs = CUDAGraphRunner(None, None, max_num_seqs=1024, max_num_batched_tokens=16384, max_blocks=4,
                              max_model_len=64, device=torch.device("cpu"))
     assert graphs.graph_key(5, 5) == ("decode", 8)

@@ -43,7 +43,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
     """Token counts about sqrt(2) apart (at most a third of a padded step is padding)."""
     top = min(max_num_batched_tokens, MAX_MIXED_CAPTURE)
-    ladder = [s for n in (64, 128, 256, 512, 1024, 2048) for s in (n, n * 3 // 2)]
+    ladder = [s for e in range(6, max(top, 64).bit_length()) for s in (1 << e, 3 << (e - 1))]
     return sorted({s for s in ladder if s < top} | {top})
 
 
