@@ -537,6 +537,10 @@ case "${1:-}" in
     # session): W1 Qwen3-0.6B, main's limits against the raised ones, interleaved; then the
     # prefill steps alone, both ways
     G="--knob runner.cuda_graph.MAX_MIXED_CAPTURE=16384 --knob runner.cuda_graph.MAX_MIXED_REQS=320"
+    # (a side question for the GEMMs' fixed cost: does this cuBLAS know programmatic dependent launch?)
+    for lib in $(python3 -c "import glob, site; print(' '.join(f for d in site.getsitepackages() for f in glob.glob(d + '/nvidia/**/libcublasLt.so*', recursive=True)))"); do
+      echo "$lib: $(strings "$lib" | grep -i -E 'pdl|programmatic|griddep' | sort -u | head -8 | tr '\n' ' ')"
+    done
     warm_w1 .
     for run in 1 2; do
       run "W1 qwen3 main limits" throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/a"
