@@ -534,8 +534,8 @@ case "${1:-}" in
   graphs12)
     # W1's prefill steps (16,384 tokens: 256 decodes beside some 30 prompt chunks) in CUDA
     # graphs, with room for 320 requests instead of the 1,024 that made them slower (ninth
-    # session): W1 Qwen3-0.6B, main's limits against the raised ones, interleaved; then the
-    # prefill steps alone, both ways
+    # session): W1 Qwen3-0.6B, main's limits against the raised ones, interleaved (eleventh
+    # session's call 8 ran that W1 pair: no change); then the prefill steps alone, both ways
     G="--knob runner.cuda_graph.MAX_MIXED_CAPTURE=16384 --knob runner.cuda_graph.MAX_MIXED_REQS=320"
     # (a side question for the GEMMs' fixed cost: does this cuBLAS know programmatic dependent launch?)
     for lib in $(python3 -c "import glob, site; print(' '.join(f for d in site.getsitepackages() for f in glob.glob(d + '/nvidia/**/libcublasLt.so*', recursive=True)))"); do
