@@ -15,6 +15,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ptxas_usage  # noqa: E402
 from pagoda.kernels import triton_attention as ta  # noqa: E402
 
 POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
@@ -46,22 +48,6 @@ def compile_kernel(block_m: int, num_segments: int, use_pdl: bool = False, rope:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"],
                                    "launch_pdl": use_pdl})
-
-
-def ptxas_usage(kernel) -> str:
-    """Registers and spills of the kernel's PTX assembled for sm_90a (``ptxas -v``)."""
-    import re
-    import subprocess
-    import tempfile
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(kernel.asm["ptx"])
-        f.flush()
-        log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                             capture_output=True, text=True).stderr
-    regs = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores", log)
-    return f"{regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} bytes spilled"
 
 
 def main():

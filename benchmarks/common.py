@@ -201,3 +201,20 @@ class Timer:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.s = time.perf_counter() - self.t0
+
+
+def ptxas_usage(kernel) -> str:
+    """Registers and spills of the kernel's PTX assembled for sm_90a (``ptxas -v``)."""
+    import re
+    import subprocess
+
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return f"{regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} bytes spilled"

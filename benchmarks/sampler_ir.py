@@ -7,19 +7,17 @@ stride divisible by 16 (Qwen3, Llama 3) or not.
   python benchmarks/sampler_ir.py
 """
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ptxas_usage  # noqa: E402
 from pagoda.kernels import triton_sampling as ts  # noqa: E402
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 POINTERS = {"temperature_ptr": "*fp32", "seeds_ptr": "*i64", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
             "min_p_ptr": "*fp32", "list_vals_ptr": "*fp32", "list_ids_ptr": "*i32", "out_ptr": "*i64",
             "thresholds_ptr": "*fp32", "part_score_ptr": "*fp32", "part_idx_ptr": "*i32"}
@@ -45,15 +43,8 @@ def main():
     for name, kernel in (("without filters", ts._gumbel_max_kernel), ("filtered", ts._sample_kernel)):
         for dtype in ("bf16", "fp16", "fp32"):
             for aligned in (True, False):
-                with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                    f.write(compile_kernel(kernel, dtype, aligned).asm["ptx"])
-                    f.flush()
-                    info = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                                          capture_output=True, text=True).stderr
-                regs = re.search(r"Used (\d+) registers", info).group(1)
-                spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info).groups()
-                print(f"{name:16s} {dtype} {'vocab % 16 == 0' if aligned else 'odd vocab':15s} {regs:>3s} registers, "
-                      f"spills {spills[0]} B stored / {spills[1]} B loaded")
+                usage = ptxas_usage(compile_kernel(kernel, dtype, aligned))
+                print(f"{name:16s} {dtype} {'vocab % 16 == 0' if aligned else 'odd vocab':15s} {usage}")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ Graphs are captured over persistent input buffers, for two ladders of sizes:
   requests are decodes is not known at capture, so the attention runs two launches that each
   skip the other's requests. On the H200 this took W2's time to first token (Qwen3-0.6B,
   batch 1, a 512-token prompt) from 20-27 ms to 4.5-5 ms. Larger steps run eagerly: their
-  launches are a small part of their GPU time, and padded requests are not free (a graph of
-  the full 16,384-token step, padded to 1,024 requests, made the prefill steps of 256
-  562-token prompts 6 ms slower: 42.6 -> 48.6 ms, one run each).
+  launches are a small part of their GPU time: graphs of W1's 16,384-token steps with room
+  for 320 requests left W1 unchanged, and padded requests are not free (padded to 1,024
+  requests, those steps took 48.6 ms instead of 42.6, one run each).
 
 Padding tokens write no KV (slot -1) and belong to no request; their outputs are dropped."""
 import bisect
