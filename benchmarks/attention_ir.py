@@ -47,7 +47,7 @@ def compile_kernel(block_m: int, num_segments: int, use_pdl: bool = False, rope:
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"],
-                                   "launch_pdl": use_pdl})
+                                   "launch_pdl": use_pdl, **({"maxnreg": tiles["maxnreg"]} if "maxnreg" in tiles else {})})
 
 
 def main():

@@ -297,6 +297,40 @@ def tune_ragged(dtype, gen, log):
         torch.cuda.empty_cache()
 
 
+def tune_decode_ragged(dtype, gen, log):
+    """Decode tiles on W1's ragged batches (longest first, the engine's split choice), in a CUDA
+    graph: how many bytes each program keeps in flight. In the default (64-token tiles, 3
+    stages) each program has one K/V buffer, so its next tile's copy is issued only after the
+    whole tile's softmax and PV dot; with 5 stages the pipeliner gives it two."""
+    variants = [(64, 4, 3, 128), (64, 4, 3, None), (64, 4, 5, None), (32, 4, 5, None), (32, 4, 3, 128)]
+    cases = [("qwen3-0.6b", 256, 100, 1400), ("qwen3-0.6b", 128, 300, 2048), ("qwen3-0.6b", 64, 600, 2048),
+             ("qwen3-0.6b", 32, 1000, 2048), ("llama3-8b", 256, 100, 1400)]
+    log("\nDecode tiles (TILE_N, warps, stages, maxnreg) on ragged batches, longest first (GB/s of KV read)")
+    log(f"{'case':36s} " + " ".join(f"{str(v):>12s}" for v in variants))
+    default = dict(ta.TILES[16])
+    rng = torch.Generator().manual_seed(0)
+    try:
+        for model, batch, lo, hi in cases:
+            lens = torch.randint(lo, hi + 1, (batch,), generator=rng).sort(descending=True).values.tolist()
+            case = Case(batch, 1, hi, *MODELS[model], dtype, gen)
+            case.set_lengths(lens)
+            ref = case.reference(fp32=True)
+            rates = []
+            for tile_n, warps, stages, maxnreg in variants:
+                ta.TILES[16] = dict(TILE_N=tile_n, num_warps=warps, num_stages=stages,
+                                    **({"maxnreg": maxnreg} if maxnreg else {}))
+                try:
+                    assert rel_err(case.triton(), ref) < 2e-2
+                    rates.append(f"{case.kv_bytes() / 1e6 / graph_ms(lambda: case.triton(), 25, 100):12.0f}")
+                except Exception as e:   # out of resources
+                    rates.append(f"{type(e).__name__[:12]:>12s}")
+            log(f"{model:10s} b={batch:<3d} ctx {lo:4d}-{hi:4d}          " + " ".join(rates))
+            del case
+            torch.cuda.empty_cache()
+    finally:
+        ta.TILES[16] = default
+
+
 def tune_layout(dtype, gen, log):
     """Decode attention with the cache's KV heads outside its tokens (each block and head one
     contiguous run: 4 KB at block size 16, head_dim 128) against the engine's layout (a token's
@@ -382,6 +416,8 @@ def main():
                         help="only time the flash-decoding split factors at medium batches")
     parser.add_argument("--ragged", action="store_true",
                         help="only time decode over ragged contexts against uniform ones")
+    parser.add_argument("--decode-tiles", action="store_true",
+                        help="only time decode tiles (TILE_N, warps, stages) on W1's ragged batches")
     parser.add_argument("--layout", action="store_true",
                         help="only time decode with the KV heads outside the tokens in each block")
     parser.add_argument("--mixed", action="store_true",
@@ -399,10 +435,10 @@ def main():
 
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
-    if args.tune_split or args.ragged or args.mixed or args.layout:
+    if args.tune_split or args.ragged or args.mixed or args.layout or args.decode_tiles:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
         (tune_split if args.tune_split else tune_ragged if args.ragged else tune_layout if args.layout
-         else time_mixed)(dtype, gen, log)
+         else tune_decode_ragged if args.decode_tiles else time_mixed)(dtype, gen, log)
         return
     if args.tune_decode:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")

@@ -42,6 +42,8 @@
 #   BASE=dir bash benchmarks/gpu_session.sh samp11  # sampler split: tests, kernel BASE vs tree, split-KV, W1 A/B
 #   BASE=dir bash benchmarks/gpu_session.sh samp11b  # the same, final: tests, kernel, W1 both models A/B
 #   BASE=dir bash benchmarks/gpu_session.sh samp11c  # the sampler's lane-wise best, fast logs: tests, kernel, W1 A/B
+#   BASE=dir bash benchmarks/gpu_session.sh mask12  # attention tests; decode tiles on ragged batches and W1
+#                                                 # both models, BASE against this tree
 #   bash benchmarks/gpu_session.sh graphs12  # W1 with CUDA graphs of its 16,384-token prefill steps (knobs)
 #   bash benchmarks/gpu_session.sh next11    # GPU error tests; attention timeline (worktree .ab/tl: carry it)
 #   BASE=dir bash benchmarks/gpu_session.sh w1ab9  # W1 Qwen3-0.6B, BASE vs tree interleaved, 3 rounds (both warmed up)
@@ -474,6 +476,19 @@ case "${1:-}" in
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
     warm_w1 "$BASE" .    # a fresh machine's first W1 runs 5-10% slow
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
+    ;;
+  mask12)
+    # The decode attention's old-context tiles unmasked, the new token's tile apart, 128 registers:
+    # attention tests at full shapes; decode tiles on W1's ragged batches (this tree's harness in
+    # both trees); W1 Qwen3-0.6B twice and Llama-3-8B once, BASE against this tree interleaved
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      tests/kernels/test_triton_backend.py 2>&1 | tail -3 | tee "$OUT/mask12_tests.txt"
+    cp benchmarks/attention_kernels.py "$BASE/benchmarks/attention_kernels.py"
+    trees "b=|TILE|case" attention_kernels.py --decode-tiles
+    (cd "$BASE" && git checkout -q benchmarks/attention_kernels.py)
+    warm_w1 "$BASE" .
+    for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
+    w1 "$BASE" base llama3-8b; w1 . new llama3-8b
     ;;
   acct11)
     # The tenth session's failing GPU error test in full; where W1 Qwen3-0.6B's time goes now,

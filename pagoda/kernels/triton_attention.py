@@ -78,9 +78,10 @@ from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, num_sms, pd
 # (16 for decode, up to 128 for prefill); TILE_N is the number of context tokens per K/V tile
 # (a multiple of 16; a tile may span several cache blocks, each token is addressed through the
 # block table). Checked by compiling for sm_90 (ptxas -v): no spills at any of these in
-# bf16/fp16, 128 registers at BLOCK_M 16 (4 programs per SM), wgmma from BLOCK_M 64 up.
-TILES = {  # BLOCK_M: dict(TILE_N, num_warps, num_stages)
-    16: dict(TILE_N=64, num_warps=4, num_stages=3),
+# bf16/fp16, wgmma from BLOCK_M 64 up. Decode is capped at 128 registers, 4 programs per SM
+# (ptxas would take up to 148 with the rotary, and fit 3).
+TILES = {  # BLOCK_M: dict(TILE_N, num_warps, num_stages[, maxnreg])
+    16: dict(TILE_N=64, num_warps=4, num_stages=3, maxnreg=128),
     32: dict(TILE_N=64, num_warps=4, num_stages=3),
     64: dict(TILE_N=64, num_warps=4, num_stages=3),
     128: dict(TILE_N=64, num_warps=8, num_stages=3),
@@ -258,21 +259,36 @@ def _find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i, l_i, acc, qk_scale,
                  stride_kb, stride_ks, stride_kh, offs_d, d_valid,
-                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One K/V tile of TILE_N context tokens into the online softmax (m_i, l_i, acc)."""
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """One K/V tile of TILE_N context tokens into the online softmax (m_i, l_i, acc). A tile
+    wholly before every query of the program, and before kv_end, needs no mask (MASKED=False):
+    its loads and scores then skip the predicates and the select."""
     offs_n = t * TILE_N + tl.arange(0, TILE_N)
     n_valid = offs_n < kv_end
     # Each context token through the block table: (physical block, offset in block).
-    block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    if MASKED:
+        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + offs_n // BLOCK_SIZE).to(tl.int64)
     kv_off = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-    kv_mask = n_valid[:, None] & d_valid[None, :]
-    # Masked loads return 0, never stale cache contents (which may be NaN).
-    k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    # (pointers as base + row offset + column: an int64 offset tensor of the tile would cost
+    # registers)
+    k_ptrs = k_cache_ptr + kv_off[:, None] + offs_d[None, :]
+    v_ptrs = v_cache_ptr + kv_off[:, None] + offs_d[None, :]
+    if MASKED:
+        # Masked loads return 0, never stale cache contents (which may be NaN).
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
 
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-    allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-    s = tl.where(allowed, s, float("-inf"))
+    if MASKED:
+        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Rows with nothing allowed yet keep m = -inf; subtract 0 there so exp2 gives 0, not NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -377,15 +393,23 @@ def _paged_attention_kernel(
     # num_stages: the kernel-level num_stages does not pipeline these loops, whose loads are
     # indirect (block table -> K/V); without it each tile's loads wait in turn.
     tile_mid = tl.minimum(tl.maximum(context_len // TILE_N, tile_lo), tile_hi)
+    # Those tiles are also wholly before every query of the tile (causal) and before kv_end: no
+    # masks (when HEAD_DIM is a power of two; the padded columns of another need theirs).
     for t in tl.range(tile_lo, tile_mid, num_stages=LOOP_STAGES):
         m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i, l_i,
                                      acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
-                                     BLOCK_SIZE, TILE_N, DOT_PRECISION)
+                                     BLOCK_SIZE, TILE_N, DOT_PRECISION, HEAD_DIM != HEAD_DIM_P)
     pdl_wait(USE_PDL)
-    for t in tl.range(tile_mid, tile_hi, num_stages=LOOP_STAGES):
-        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i, l_i,
-                                     acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
-                                     BLOCK_SIZE, TILE_N, DOT_PRECISION)
+    if DECODE:  # the new token's tile, the last, if this segment has it: no second loop body
+        if tile_mid < tile_hi:
+            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile_mid, kv_end, q_pos, kv_head,
+                                         m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d,
+                                         d_valid, BLOCK_SIZE, TILE_N, DOT_PRECISION, True)
+    else:
+        for t in tl.range(tile_mid, tile_hi, num_stages=LOOP_STAGES):
+            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i,
+                                         l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
+                                         BLOCK_SIZE, TILE_N, DOT_PRECISION, True)
 
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
