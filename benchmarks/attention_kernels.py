@@ -331,6 +331,31 @@ def tune_decode_ragged(dtype, gen, log):
         ta.TILES[16] = default
 
 
+def tune_split_ragged(dtype, gen, log):
+    """Flash-decoding on W1's ragged medium batches (contexts as W1's surviving requests have
+    them at that batch size, longest first): 1, 2 and 4 segments against the engine's choice
+    (``_pick_num_segments`` with max_seq_len = max_model_len, as its CUDA graphs call it). At
+    264-527 programs (batch 33-65 of 8 KV heads) the engine does not split, and one wave of
+    unequal programs waits for its longest. GB/s of KV read, in a CUDA graph."""
+    log("\nSplit-KV on ragged medium batches, longest first (GB/s of KV read)")
+    rng = torch.Generator().manual_seed(0)
+    for model, batch, lo, hi in [("qwen3-0.6b", 24, 1000, 2048), ("qwen3-0.6b", 32, 1000, 2048),
+                                 ("qwen3-0.6b", 48, 900, 2000), ("qwen3-0.6b", 64, 900, 1850),
+                                 ("qwen3-0.6b", 96, 750, 1700), ("qwen3-0.6b", 128, 650, 1570),
+                                 ("llama3-8b", 48, 900, 2000), ("llama3-8b", 64, 900, 1850)]:
+        lens = torch.randint(lo, hi + 1, (batch,), generator=rng).sort(descending=True).values.tolist()
+        case = Case(batch, 1, hi, *MODELS[model], dtype, gen)
+        case.set_lengths(lens)
+        auto = ta._pick_num_segments(batch * MODELS[model][1], 1, 40960, case.query.device)
+        line = f"  {model:10s} b={batch:<3d} ctx {lo}-{hi} (engine: {auto}):"
+        for seg in (1, 2, 4):
+            ms = graph_ms(lambda: case.triton(num_segments=seg), 25, 100)
+            line += f"  seg {seg}: {ms * 1e3:6.1f} us {case.kv_bytes() / 1e6 / ms:5.0f}"
+        log(line)
+        del case
+        torch.cuda.empty_cache()
+
+
 def tune_layout(dtype, gen, log):
     """Decode attention with the cache's KV heads outside its tokens (each block and head one
     contiguous run: 4 KB at block size 16, head_dim 128) against the engine's layout (a token's
@@ -418,6 +443,8 @@ def main():
                         help="only time decode over ragged contexts against uniform ones")
     parser.add_argument("--decode-tiles", action="store_true",
                         help="only time decode tiles (TILE_N, warps, stages) on W1's ragged batches")
+    parser.add_argument("--split-ragged", action="store_true",
+                        help="only time flash-decoding splits on W1's ragged medium batches")
     parser.add_argument("--layout", action="store_true",
                         help="only time decode with the KV heads outside the tokens in each block")
     parser.add_argument("--mixed", action="store_true",
@@ -435,10 +462,11 @@ def main():
 
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
-    if args.tune_split or args.ragged or args.mixed or args.layout or args.decode_tiles:
+    if args.tune_split or args.ragged or args.mixed or args.layout or args.decode_tiles or args.split_ragged:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
         (tune_split if args.tune_split else tune_ragged if args.ragged else tune_layout if args.layout
-         else tune_decode_ragged if args.decode_tiles else time_mixed)(dtype, gen, log)
+         else tune_decode_ragged if args.decode_tiles else tune_split_ragged if args.split_ragged
+         else time_mixed)(dtype, gen, log)
         return
     if args.tune_decode:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")

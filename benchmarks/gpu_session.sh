@@ -44,6 +44,9 @@
 #   BASE=dir bash benchmarks/gpu_session.sh samp11c  # the sampler's lane-wise best, fast logs: tests, kernel, W1 A/B
 #   BASE=dir bash benchmarks/gpu_session.sh mask12  # attention tests; decode tiles on ragged batches and W1
 #                                                 # both models, BASE against this tree
+#   BASE=dir bash benchmarks/gpu_session.sh w2check12  # W2 both models, BASE against this tree interleaved
+#   bash benchmarks/gpu_session.sh split12   # flash-decoding splits on W1's ragged medium batches; W1 Qwen3
+#                                            # with medium batches split (knobs) against the defaults
 #   bash benchmarks/gpu_session.sh graphs12  # W1 with CUDA graphs of its 16,384-token prefill steps (knobs)
 #   bash benchmarks/gpu_session.sh next11    # GPU error tests; attention timeline (worktree .ab/tl: carry it)
 #   BASE=dir bash benchmarks/gpu_session.sh w1ab9  # W1 Qwen3-0.6B, BASE vs tree interleaved, 3 rounds (both warmed up)
@@ -489,6 +492,26 @@ case "${1:-}" in
     warm_w1 "$BASE" .
     for run in 1 2; do w1 "$BASE" base qwen3-0.6b; w1 . new qwen3-0.6b; done
     w1 "$BASE" base llama3-8b; w1 . new llama3-8b
+    ;;
+  w2check12)
+    # W2 after the attention's unmasked tiles: Qwen3-0.6B batch 1, Llama-3-8B batches 1 and 64,
+    # BASE against this tree interleaved
+    for run in 1 2; do
+      w2 "$BASE" base qwen3-0.6b 1; w2 . new qwen3-0.6b 1
+    done
+    w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
+    ;;
+  split12)
+    # At 264-527 decode programs (batch 33-65 of 8 KV heads) one wave of unequal programs waits
+    # for its longest: split them? Kernel on W1's ragged medium batches, then W1 Qwen3-0.6B with
+    # SPLIT_BELOW_PROGRAMS_PER_SM=4, SPLIT_PROGRAMS_PER_SM=4 against the defaults, interleaved
+    python3 benchmarks/attention_kernels.py --split-ragged 2>&1 | grep -E "b=|Split"
+    S="--knob triton_attention.SPLIT_BELOW_PROGRAMS_PER_SM=4 --knob triton_attention.SPLIT_PROGRAMS_PER_SM=4"
+    warm_w1 .
+    for r in 1 2; do
+      run "W1 qwen3 default" throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/a"
+      run "W1 qwen3 split below 4 per SM" throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/b" $S
+    done
     ;;
   acct11)
     # The tenth session's failing GPU error test in full; where W1 Qwen3-0.6B's time goes now,
