@@ -462,11 +462,13 @@ def main():
 
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
-    if args.tune_split or args.ragged or args.mixed or args.layout or args.decode_tiles or args.split_ragged:
+    only = {"tune_split": tune_split, "ragged": tune_ragged, "layout": tune_layout, "mixed": time_mixed,
+            "decode_tiles": tune_decode_ragged, "split_ragged": tune_split_ragged}
+    chosen = [fn for flag, fn in only.items() if getattr(args, flag)]
+    if chosen:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
-        (tune_split if args.tune_split else tune_ragged if args.ragged else tune_layout if args.layout
-         else tune_decode_ragged if args.decode_tiles else tune_split_ragged if args.split_ragged
-         else time_mixed)(dtype, gen, log)
+        for fn in chosen:
+            fn(dtype, gen, log)
         return
     if args.tune_decode:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
