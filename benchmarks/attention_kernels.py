@@ -297,6 +297,15 @@ def tune_ragged(dtype, gen, log):
         torch.cuda.empty_cache()
 
 
+def ragged_case(model, batch, lo, hi, dtype, gen, rng) -> tuple["Case", list[int]]:
+    """A decode batch of W1-like ragged contexts (uniform in [lo, hi]), longest first as the
+    engine orders them, and its lengths."""
+    lens = torch.randint(lo, hi + 1, (batch,), generator=rng).sort(descending=True).values.tolist()
+    case = Case(batch, 1, hi, *MODELS[model], dtype, gen)
+    case.set_lengths(lens)
+    return case, lens
+
+
 def tune_decode_ragged(dtype, gen, log):
     """Decode tiles on W1's ragged batches (longest first, the engine's split choice), in a CUDA
     graph: how many bytes each program keeps in flight. In the default (64-token tiles, 3
@@ -311,9 +320,7 @@ def tune_decode_ragged(dtype, gen, log):
     rng = torch.Generator().manual_seed(0)
     try:
         for model, batch, lo, hi in cases:
-            lens = torch.randint(lo, hi + 1, (batch,), generator=rng).sort(descending=True).values.tolist()
-            case = Case(batch, 1, hi, *MODELS[model], dtype, gen)
-            case.set_lengths(lens)
+            case, _ = ragged_case(model, batch, lo, hi, dtype, gen, rng)
             ref = case.reference(fp32=True)
             rates = []
             for tile_n, warps, stages, maxnreg in variants:
@@ -343,9 +350,7 @@ def tune_split_ragged(dtype, gen, log):
                                  ("qwen3-0.6b", 48, 900, 2000), ("qwen3-0.6b", 64, 900, 1850),
                                  ("qwen3-0.6b", 96, 750, 1700), ("qwen3-0.6b", 128, 650, 1570),
                                  ("llama3-8b", 48, 900, 2000), ("llama3-8b", 64, 900, 1850)]:
-        lens = torch.randint(lo, hi + 1, (batch,), generator=rng).sort(descending=True).values.tolist()
-        case = Case(batch, 1, hi, *MODELS[model], dtype, gen)
-        case.set_lengths(lens)
+        case, lens = ragged_case(model, batch, lo, hi, dtype, gen, rng)
         auto = ta._pick_num_segments(batch * MODELS[model][1], 1, 40960, case.query.device)
         line = f"  {model:10s} b={batch:<3d} ctx {lo}-{hi} (engine: {auto}):"
         for seg in (1, 2, 4):
