@@ -209,46 +209,6 @@ def tune(dtype, gen, log, deadline):
     return results
 
 
-def tune_decode(dtype, gen, log):
-    """Decode tiles at W1's shapes (medium and full batches, 1,000-1,500-token contexts), where
-    the kernel should stream K/V at copy bandwidth: every (TILE_N, warps, stages) combination,
-    one segment, timed in a CUDA graph."""
-    results = []
-    default = dict(ta.TILES[16])
-    log("\nDecode tiles at W1 shapes (GB/s of KV read)")
-    try:
-        for model, batch, ctx in [("qwen3-0.6b", 32, 1536), ("qwen3-0.6b", 64, 1536), ("llama3-8b", 64, 1536),
-                                  ("qwen3-0.6b", 256, 1024)]:
-            case = Case(batch, 1, ctx, *MODELS[model], dtype, gen)
-            for tile_n in (32, 64, 128):
-                for warps in (4, 8):
-                    for stages in (2, 3, 4, 5):
-                        ta.TILES[16] = dict(TILE_N=tile_n, num_warps=warps, num_stages=stages)
-                        try:
-                            ms = graph_ms(lambda: case.triton(num_segments=1), 25, 100)
-                        except Exception as e:  # e.g. out of shared memory
-                            log(f"  {model} b={batch}: TILE_N={tile_n} warps={warps} stages={stages}: "
-                                f"{type(e).__name__}")
-                            continue
-                        rate = case.kv_bytes() / 1e9 / (ms / 1e3)
-                        results.append(dict(model=model, batch=batch, ctx=ctx, tile_n=tile_n, warps=warps,
-                                            stages=stages, ms=ms, rate=rate))
-            best = sorted((r for r in results if r["model"] == model and r["batch"] == batch),
-                          key=lambda r: r["ms"])
-            for r in best[:5]:
-                log(f"  {model} b={batch} ctx={ctx}: TILE_N={r['tile_n']:3d} warps={r['warps']} "
-                    f"stages={r['stages']}  {r['ms'] * 1e3:8.1f} us {r['rate']:7.0f}")
-            d = next(r for r in results if r["model"] == model and r["batch"] == batch and
-                     (r["tile_n"], r["warps"], r["stages"]) == tuple(default[k] for k in
-                                                                    ("TILE_N", "num_warps", "num_stages")))
-            log(f"  {model} b={batch} ctx={ctx}: default {d['ms'] * 1e3:8.1f} us {d['rate']:7.0f}")
-            del case
-            torch.cuda.empty_cache()
-    finally:
-        ta.TILES[16] = default
-    return results
-
-
 def tune_split(dtype, gen, log):
     """Flash-decoding at small and medium batches: does splitting the context (more, shorter
     programs) beat one program per (request, KV head)? Timed in a CUDA graph."""
@@ -306,36 +266,63 @@ def ragged_case(model, batch, lo, hi, dtype, gen, rng) -> tuple["Case", list[int
     return case, lens
 
 
-def tune_decode_ragged(dtype, gen, log):
-    """Decode tiles on W1's ragged batches (longest first, the engine's split choice), in a CUDA
-    graph: how many bytes each program keeps in flight. In the default (64-token tiles, 3
-    stages) each program has one K/V buffer, so its next tile's copy is issued only after the
-    whole tile's softmax and PV dot; with 5 stages the pipeliner gives it two."""
-    variants = [(64, 4, 3, 128), (64, 4, 3, None), (64, 4, 5, None), (32, 4, 5, None), (32, 4, 3, 128)]
-    cases = [("qwen3-0.6b", 256, 100, 1400), ("qwen3-0.6b", 128, 300, 2048), ("qwen3-0.6b", 64, 600, 2048),
-             ("qwen3-0.6b", 32, 1000, 2048), ("llama3-8b", 256, 100, 1400)]
-    log("\nDecode tiles (TILE_N, warps, stages, maxnreg) on ragged batches, longest first (GB/s of KV read)")
-    log(f"{'case':36s} " + " ".join(f"{str(v):>12s}" for v in variants))
+# Decode tiles (TILE_N, warps, stages, maxnreg): every combination (--tune-decode), and the
+# candidates beside the default on W1's ragged batches (--decode-tiles). In the default (64-token
+# tiles, 3 stages) each program has one K/V buffer, so its next tile's copy is issued only after
+# the whole tile's softmax and PV dot; with 5 stages the pipeliner gives it two. At 96 registers
+# (a few bytes spilled, outside the loop) 5 programs fit an SM instead of 4.
+TILE_GRID = [(n, w, s, None) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4, 5)]
+TILE_CANDIDATES = [(64, 4, 3, 128), (32, 4, 5, 96), (32, 4, 6, 96), (16, 4, 6, 96), (16, 4, 8, 96),
+                   (32, 4, 3, 96), (32, 4, 5, 128)]
+# (model, batch, contexts from, to): uniform where from == to
+W1_UNIFORM = [("qwen3-0.6b", 32, 1536, 1536), ("qwen3-0.6b", 64, 1536, 1536), ("llama3-8b", 64, 1536, 1536),
+              ("qwen3-0.6b", 256, 1024, 1024)]
+W1_RAGGED = [("qwen3-0.6b", 256, 100, 1400), ("qwen3-0.6b", 256, 640, 688), ("qwen3-0.6b", 128, 300, 2048),
+             ("qwen3-0.6b", 64, 600, 2048), ("qwen3-0.6b", 32, 1000, 2048), ("qwen3-0.6b", 8, 1400, 2048),
+             ("qwen3-0.6b", 1, 512, 768), ("llama3-8b", 256, 100, 1400), ("llama3-8b", 1, 512, 768)]
+
+
+def tune_decode_tiles(dtype, gen, log, variants=TILE_CANDIDATES, cases=W1_RAGGED, top=0):
+    """Decode tiles on batches of contexts uniform in [from, to], longest first, with the
+    engine's split choice, one launch timed in a CUDA graph (GB/s of KV read). With ``top``,
+    each case's fastest ``top`` variants and the default; else a column per variant."""
+    results = []
     default = dict(ta.TILES[16])
+    key = tuple(default.get(k) for k in ("TILE_N", "num_warps", "num_stages", "maxnreg"))
+    variants = list(variants) + ([key] if key not in variants else [])
+    log("\nDecode tiles (TILE_N, warps, stages, maxnreg), contexts longest first (GB/s of KV read)")
+    if not top:
+        log(f"{'case':36s} " + " ".join(f"{str(v):>12s}" for v in variants))
     rng = torch.Generator().manual_seed(0)
     try:
         for model, batch, lo, hi in cases:
             case, _ = ragged_case(model, batch, lo, hi, dtype, gen, rng)
             ref = case.reference(fp32=True)
-            rates = []
+            rates = {}
             for tile_n, warps, stages, maxnreg in variants:
                 ta.TILES[16] = dict(TILE_N=tile_n, num_warps=warps, num_stages=stages,
                                     **({"maxnreg": maxnreg} if maxnreg else {}))
                 try:
                     assert rel_err(case.triton(), ref) < 2e-2
-                    rates.append(f"{case.kv_bytes() / 1e6 / graph_ms(lambda: case.triton(), 25, 100):12.0f}")
+                    ms = graph_ms(lambda: case.triton(), 25, 100)
                 except Exception as e:   # out of resources
-                    rates.append(f"{type(e).__name__[:12]:>12s}")
-            log(f"{model:10s} b={batch:<3d} ctx {lo:4d}-{hi:4d}          " + " ".join(rates))
+                    log(f"  {model} b={batch}: {(tile_n, warps, stages, maxnreg)}: {type(e).__name__}")
+                    continue
+                rates[(tile_n, warps, stages, maxnreg)] = case.kv_bytes() / 1e6 / ms
+                results.append(dict(model=model, batch=batch, contexts=[lo, hi], tile_n=tile_n, warps=warps,
+                                    stages=stages, maxnreg=maxnreg, ms=ms, rate=rates[tile_n, warps, stages, maxnreg]))
+            label = f"{model:10s} b={batch:<3d} ctx {lo:4d}-{hi:4d}"
+            if top:
+                best = sorted(rates, key=rates.get, reverse=True)[:top]
+                log("\n".join(f"  {label}: {str(v):20s} {rates[v]:6.0f}" for v in best))
+                log(f"  {label}: default {str(key):12s} {rates.get(key, float('nan')):6.0f}")
+            else:
+                log(f"{label}          " + " ".join(f"{rates.get(v, float('nan')):12.0f}" for v in variants))
             del case
             torch.cuda.empty_cache()
     finally:
         ta.TILES[16] = default
+    return results
 
 
 def tune_split_ragged(dtype, gen, log):
@@ -441,13 +428,15 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--no-tune", action="store_true", help="skip the tuning sweep")
     parser.add_argument("--tune-decode", action="store_true",
-                        help="only sweep the decode tiles at W1 shapes (every TILE_N x warps x stages)")
+                        help="only sweep the decode tiles at W1 shapes, uniform contexts (every TILE_N x "
+                             "warps x stages)")
     parser.add_argument("--tune-split", action="store_true",
                         help="only time the flash-decoding split factors at medium batches")
     parser.add_argument("--ragged", action="store_true",
                         help="only time decode over ragged contexts against uniform ones")
     parser.add_argument("--decode-tiles", action="store_true",
-                        help="only time decode tiles (TILE_N, warps, stages) on W1's ragged batches")
+                        help="only time candidate decode tiles (TILE_N, warps, stages, maxnreg) on W1's "
+                             "ragged batches")
     parser.add_argument("--split-ragged", action="store_true",
                         help="only time flash-decoding splits on W1's ragged medium batches")
     parser.add_argument("--layout", action="store_true",
@@ -468,7 +457,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
     only = {"tune_split": tune_split, "ragged": tune_ragged, "layout": tune_layout, "mixed": time_mixed,
-            "decode_tiles": tune_decode_ragged, "split_ragged": tune_split_ragged}
+            "decode_tiles": tune_decode_tiles, "split_ragged": tune_split_ragged}
     chosen = [fn for flag, fn in only.items() if getattr(args, flag)]
     if chosen:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
@@ -477,7 +466,7 @@ def main():
         return
     if args.tune_decode:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")
-        results = tune_decode(dtype, gen, log)
+        results = tune_decode_tiles(dtype, gen, log, TILE_GRID, W1_UNIFORM, top=5)
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], "attention_tune_decode.json"), "w") as f:
                 json.dump(dict(copy_bandwidth_gbps=bw, results=results), f, indent=1)

@@ -82,11 +82,14 @@ def add_knob_arg(parser) -> None:
                         help="override a kernel module's tuning constant before the engine captures its "
                              "graphs, e.g. triton_attention.SPLIT_PROGRAMS_PER_SM=8 or "
                              "triton_linear.MAX_M=0, or outside the kernels by path, e.g. "
-                             "runner.cuda_graph.MAX_MIXED_REQS=320 (repeatable): A/B runs of one constant; "
+                             "runner.cuda_graph.MAX_MIXED_REQS=320, a dict's entries as a literal, e.g. "
+                             "triton_attention.TILES='{16: {\"TILE_N\": 32, \"num_stages\": 5}}' "
+                             "(repeatable): A/B runs of one constant; "
                              "blas=cublaslt picks torch's BLAS library for the GEMMs")
 
 
 def apply_knob_args(args) -> None:
+    import ast
     import importlib
     for knob in args.knob:
         target, value = knob.split("=", 1)
@@ -99,7 +102,12 @@ def apply_knob_args(args) -> None:
         module = importlib.import_module(f"pagoda.{module_name}" if "." in module_name
                                          else f"pagoda.kernels.{module_name}")
         assert hasattr(module, name), f"{module.__name__} has no {name}"
-        setattr(module, name, type(getattr(module, name))(value))
+        current = getattr(module, name)
+        if isinstance(current, dict):   # entries merged in, each entry's own dict too
+            for key, entry in ast.literal_eval(value).items():
+                current[key] = {**current[key], **entry} if isinstance(entry, dict) else entry
+        else:
+            setattr(module, name, type(current)(value))
 
 
 def host_profile(llm, inputs, params, top: int = 25, path: str | None = None) -> None:

@@ -47,6 +47,9 @@
 #   BASE=dir bash benchmarks/gpu_session.sh w2check12  # W2 both models, BASE against this tree interleaved
 #   bash benchmarks/gpu_session.sh split12   # flash-decoding splits on W1's ragged medium batches; W1 Qwen3
 #                                            # with medium batches split (knobs) against the defaults
+#   bash benchmarks/gpu_session.sh tiles13   # decode tiles at 96 registers (5 programs an SM), two K/V buffers:
+#                                            # sweep on ragged batches, W1 Qwen3 two of them against the default
+#   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
 #   bash benchmarks/gpu_session.sh graphs12  # W1 with CUDA graphs of its 16,384-token prefill steps (knobs)
 #   bash benchmarks/gpu_session.sh next11    # GPU error tests; attention timeline (worktree .ab/tl: carry it)
 #   BASE=dir bash benchmarks/gpu_session.sh w1ab9  # W1 Qwen3-0.6B, BASE vs tree interleaved, 3 rounds (both warmed up)
@@ -500,6 +503,29 @@ case "${1:-}" in
       w2 "$BASE" base qwen3-0.6b 1; w2 . new qwen3-0.6b 1
     done
     w2 "$BASE" base llama3-8b "1 64"; w2 . new llama3-8b "1 64"
+    ;;
+  tiles13)
+    # Decode tiles at 96 registers (5 programs an SM) with two K/V buffers of 32 or 16 tokens:
+    # the sweep on W1's ragged batches, then W1 Qwen3-0.6B with two of them against the default,
+    # interleaved
+    python3 benchmarks/attention_kernels.py --decode-tiles 2>&1 | grep -E "b=|Decode|case"
+    T32='--knob triton_attention.TILES={16:{"TILE_N":32,"num_stages":5,"maxnreg":96}}'
+    T16='--knob triton_attention.TILES={16:{"TILE_N":16,"num_stages":6,"maxnreg":96}}'
+    warm_w1 .
+    for r in 1 2; do
+      run "W1 qwen3 default" throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/a"
+      run "W1 qwen3 tiles 32x2 96 regs" throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/b" "$T32"
+      run "W1 qwen3 tiles 16x2 96 regs" throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/c" "$T16"
+    done
+    ;;
+  gap13)
+    # W1 both models profiled: the generate call against the sum of its steps (time outside the
+    # steps), steps by batch size, kernels by kind
+    for m in qwen3-0.6b llama3-8b; do
+      python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --profile --out "$OUT/$m" \
+        > "$OUT/profile_$m.txt" 2>&1
+      grep -E "^pagoda |batch|all:|roofline|profiled run|^  [a-z]" "$OUT/profile_$m.txt" | cut -c1-170
+    done
     ;;
   split12)
     # At 264-527 decode programs (batch 33-65 of 8 KV heads) one wave of unequal programs waits

@@ -10,9 +10,17 @@ ceiling is the read rate, not the copy rate (bytes read + written).
    each block holds its tokens' heads side by side (pagoda's layout: a head's row is 256 bytes
    every 2 KB) or each head's tokens together (4 KB runs). No arithmetic beyond a sum, so the
    gap to (1) is what the pattern costs.
+3. K and V through shared memory into the tensor cores, as the attention takes them (two dots
+   a tile, with or without the online softmax): by pointers (cp.async, as the attention loads
+   them, one or two buffers) or by TMA descriptors (a 16-token box per cache block, several
+   stages); in one wave of long programs, in many waves of short ones, and in one decode
+   launch's worth (256 requests of 8 KV heads, about 4 waves). The gaps between these say what
+   the staging, the softmax and the launch's last wave cost.
 
   python3 benchmarks/read_ceiling.py
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +55,115 @@ def _paged_sum_kernel(cache_ptr, table_ptr, out_ptr, tiles, stride_block, stride
             off = block * stride_block + (offs_n % BLOCK_SIZE) * stride_token + head * stride_head
             acc += tl.load(cache_ptr + off[:, None] + offs_d[None, :]).to(tl.float32)
     tl.store(out_ptr + pid, tl.sum(tl.sum(acc, 1), 0))
+
+
+@triton.jit
+def _paged_dot_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, table_ptr, out_ptr, tiles_ptr, row_tiles,
+                      stride_block, stride_token, stride_head, NUM_KV_HEADS: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      TMA: tl.constexpr, STAGES: tl.constexpr, SOFTMAX: tl.constexpr):
+    # Program (request, KV head): tiles_ptr[request] tiles of its block table's row (row_tiles long)
+    pid = tl.program_id(0)
+    seq, head = pid // NUM_KV_HEADS, pid % NUM_KV_HEADS
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tl.arange(0, 16)[:, None] * HEAD_DIM + offs_d[None, :])
+    acc = tl.zeros([16, HEAD_DIM], tl.float32)
+    m_i = tl.full([16], float("-inf"), tl.float32)
+    l_i = tl.zeros([16], tl.float32)
+    BLOCKS: tl.constexpr = TILE_N // BLOCK_SIZE
+    table = table_ptr + seq.to(tl.int64) * row_tiles * BLOCKS
+    for t in tl.range(0, tl.load(tiles_ptr + seq), num_stages=STAGES):
+        if TMA:   # a box of the block's BLOCK_SIZE tokens of this head, a dot pair each
+            for u in tl.static_range(BLOCKS):
+                row = tl.load(table + t * BLOCKS + u) * BLOCK_SIZE
+                k = k_desc.load([row, head * HEAD_DIM])
+                v = v_desc.load([row, head * HEAD_DIM])
+                s = tl.dot(q, tl.trans(k))
+                acc += tl.dot(s.to(v.dtype), v)
+        else:
+            block = tl.load(table + t * BLOCKS + offs_n // BLOCK_SIZE).to(tl.int64)
+            off = block * stride_block + (offs_n % BLOCK_SIZE) * stride_token + head * stride_head
+            k = tl.load(k_ptr + off[:, None] + offs_d[None, :])
+            v = tl.load(v_ptr + off[:, None] + offs_d[None, :])
+            s = tl.dot(q, tl.trans(k))
+            if SOFTMAX:   # the attention's online softmax (its row max and sum cross the warps)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.math.exp2(s - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            else:
+                acc += tl.dot(s.to(v.dtype), v)
+    if SOFTMAX:
+        acc = acc / l_i[:, None]
+    tl.store(out_ptr + pid, tl.sum(tl.sum(acc, 1), 0))
+
+
+def paged_dot(sms, rate, device="cuda", gib=4, per_sm=(4, 8), tiles=None, softmax=False, seqs=None,
+              ragged=False):
+    """(3): K and V of a paged cache (pagoda's layout, blocks scattered) through two dots a
+    tile; GB/s of K + V read. Checked against torch on the same blocks. Programs of ``tiles``
+    64-token tiles each (several waves; the attention's at W1's batch 256 have about 11), or
+    one wave of ``per_sm`` programs an SM reading the whole cache; with ``softmax``, the
+    attention's online softmax between the dots. With ``seqs`` (and ``tiles``), that many requests
+    of 8 KV heads only, as one decode launch has (4 waves at batch 256), each ``tiles`` long or,
+    with ``ragged``, from 1 to 2 * tiles - 1 tiles, longest first."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    num_kv_heads, block_size, head_dim = 8, 16, 128
+    num_blocks = int(gib * 2**30) // (2 * block_size * num_kv_heads * head_dim * 2)
+    gen = torch.Generator(device=device).manual_seed(0)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16,
+                        generator=gen) * 0.05
+    q = torch.randn(16, head_dim, device=device, dtype=torch.bfloat16, generator=gen) * 0.05
+    descs = [TensorDescriptor.from_tensor(c.view(num_blocks * block_size, num_kv_heads * head_dim),
+                                          [block_size, head_dim]) for c in cache]
+    print(f"paged K/V through two dots a tile{' and a softmax' if softmax else ''} ({gib} GiB, blocks "
+          f"scattered, 4 warps), GB/s:")
+    for programs in ([None] if tiles else per_sm):
+        if tiles:
+            blocks_per_seq = 4 * (2 * tiles - 1 if ragged else tiles)
+            seqs = seqs or num_blocks // blocks_per_seq
+        else:
+            seqs = programs * sms // num_kv_heads
+            blocks_per_seq = num_blocks // seqs // 4 * 4
+        assert seqs * blocks_per_seq <= num_blocks, "more requests than the cache holds"
+        perm = torch.randperm(num_blocks, device=device, generator=gen)[:seqs * blocks_per_seq].int()
+        out = torch.empty(seqs * num_kv_heads, device=device, dtype=torch.float32)
+        lens = torch.full((seqs,), blocks_per_seq // 4, device=device, dtype=torch.int32)   # 64-token tiles
+        if ragged:
+            lens = torch.randint(1, 2 * tiles, (seqs,), device=device, generator=gen).sort(descending=True).values
+            lens = lens.int()
+        nbytes = 2 * int(lens.sum()) * 4 * block_size * num_kv_heads * head_dim * 2
+        expect = None
+        cells = []
+        for tma, tile_n, stages in [(False, 64, 3), (False, 64, 5), (False, 32, 5)] + ([] if softmax else [
+                (True, 64, 2), (True, 64, 3), (True, 32, 4), (True, 16, 6), (True, 16, 8)]):
+            fn = lambda: _paged_dot_kernel[(seqs * num_kv_heads,)](
+                q, cache[0], cache[1], descs[0], descs[1], perm, out, lens * (64 // tile_n),
+                blocks_per_seq * block_size // tile_n,
+                cache.stride(1), cache.stride(2), cache.stride(3), NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size,
+                TILE_N=tile_n, HEAD_DIM=head_dim, TMA=tma, STAGES=stages, SOFTMAX=softmax, num_warps=4)
+            name = f"{'TMA' if tma else 'ptr'} {tile_n}x{stages}"
+            try:
+                fn()
+                if expect is None:   # every variant sums the same products
+                    k, v = (c[perm.long()].view(seqs, -1, num_kv_heads, head_dim).float() for c in cache)
+                    valid = torch.arange(k.shape[1], device=device) < lens[:, None] * 64
+                    s = torch.einsum("md,bnhd->bhmn", q.float(), k)
+                    if softmax:   # (exp2)
+                        s = (s * math.log(2)).masked_fill(~valid[:, None, None], float("-inf")).softmax(-1)
+                    else:
+                        s = s.to(torch.bfloat16).float() * valid[:, None, None]
+                    expect = torch.einsum("bhmn,bnhd->bh", s, v).flatten()
+                    del k, v, s
+                torch.testing.assert_close(out, expect, rtol=2e-2, atol=2e-2 * expect.abs().max().item())
+                cells.append(f"{name} {rate(triton.testing.do_bench(fn) if device == 'cuda' else 1.0, nbytes):5.0f}")
+            except Exception as e:   # out of resources, or a wrong sum
+                cells.append(f"{name} {type(e).__name__}")
+        shape = f"{programs} programs an SM" if programs else f"{seqs * num_kv_heads} programs of {tiles} tiles"
+        print(f"  {shape}{' on average' if ragged else ''}: " + "  ".join(cells))
 
 
 def streaming(x, sms, rate):
@@ -120,6 +237,10 @@ def main():
     del x
     torch.cuda.empty_cache()
     paged(sms, rate)
+    for tiles, softmax, seqs, ragged in [(None, False, None, False), (None, True, None, False),
+                                         (11, False, None, False), (11, True, None, False),
+                                         (11, True, 256, False), (11, True, 256, True)]:
+        paged_dot(sms, rate, tiles=tiles, softmax=softmax, seqs=seqs, ragged=ragged)
 
 
 if __name__ == "__main__":

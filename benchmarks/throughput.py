@@ -142,7 +142,8 @@ def profile_steps(llm, inputs, params, cfg=None, ceilings=None):
     mr.AsyncRunnerOutput.get_output, engine.step = timed_get_output, timed_step
     try:
         llm.reset_prefix_cache()
-        llm.generate(inputs, params, use_tqdm=False)
+        with Timer() as run:
+            llm.generate(inputs, params, use_tqdm=False)
     finally:
         mr.AsyncRunnerOutput.get_output = get_output
         del engine.step
@@ -163,7 +164,8 @@ def profile_steps(llm, inputs, params, cfg=None, ceilings=None):
                 print(f"  {label} batch {lo:3d}-{hi - 1:3d}: {len(sel):5d} steps  wall {wall:6.2f}  wait {wait:6.2f}  "
                       f"host {wall - wait:6.2f}  ({total:6.2f} s, KV {kv:5.0f} GB/s)")
     total = sum(s[1] for s in steps)
-    print(f"  all: {len(steps)} steps, {total:.2f} s, waiting {sum(s[2] for s in steps):.2f} s")
+    print(f"  all: {len(steps)} steps, {total:.2f} s, waiting {sum(s[2] for s in steps):.2f} s; the generate call "
+          f"{run.s:.2f} s, of which {run.s - total:.3f} s outside the steps")
     if cfg and ceilings:
         floor = step_floor(cfg, ceilings, [(b, c, n) for b, _, _, _, c, n in steps], token_kv_bytes)
         print(f"roofline of these steps (each: the weight read or its matmuls, whichever is longer, plus "

@@ -265,9 +265,9 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, 
     wholly before every query of the program, and before kv_end, needs no mask (MASKED=False):
     its loads and scores then skip the predicates and the select."""
     offs_n = t * TILE_N + tl.arange(0, TILE_N)
-    n_valid = offs_n < kv_end
     # Each context token through the block table: (physical block, offset in block).
     if MASKED:
+        n_valid = offs_n < kv_end
         block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
     else:
         block = tl.load(table + offs_n // BLOCK_SIZE).to(tl.int64)
