@@ -75,6 +75,7 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"     # auto | safetensors | gguf | dummy
     quantization: str | None = None
+    quant_config: dict | None = None   # the checkpoint's quantization config
     tokenizer: str | None = None
     revision: str | None = None
     generation_config: dict = field(default_factory=dict)

@@ -37,7 +37,8 @@ def test_chat_streams_replies():
 
 
 @pytest.mark.parametrize("bad, message", [(["generate", "x", "--temperature", "-1"], "temperature"),
-                                          (["generate", "x", "--model", "/nope"], "not found")])
+                                          (["generate", "x", "--model", "/nope"], "not found"),
+                                          (["generate", "x", "--quantization", "awq"], "no quantization config")])
 def test_bad_arguments_fail_cleanly(bad, message):
     r = run(bad + ["--max-model-len", "256"])
     assert r.returncode == 1 and "Traceback" not in r.stderr

@@ -6,8 +6,8 @@ import torch
 
 from pagoda.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagoda.model.hub import default_model_path, resolve_model_path
-from pagoda.model.loader import read_arch_config, read_generation_config
-from pagoda.quant.base import get_quant_method
+from pagoda.model.loader import read_arch_config, read_generation_config, read_quant_config
+from pagoda.quant.base import check_quantization_name, resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,10 @@ class EngineArgs:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        get_quant_method(self.quantization)     # fail on a bad name before loading anything
+        check_quantization_name(self.quantization)     # fail on a bad name before loading anything
         path = resolve_model_path(self.model or default_model_path(), self.revision)
         arch = read_arch_config(path)
+        quantization, quant_config = resolve_quantization(self.quantization, read_quant_config(path, arch), path)
         dtype, compute_dtype = _resolve_dtype(self.dtype, arch.torch_dtype, device)
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"Unknown load_format {self.load_format!r}; choose one of {_LOAD_FORMATS}.")
@@ -92,7 +93,7 @@ class EngineArgs:
         model = ModelConfig(
             model=self.model or path, path=path, arch=arch, dtype=dtype, compute_dtype=compute_dtype,
             seed=self.seed, load_format=self.load_format,
-            quantization=self.quantization, tokenizer=self.tokenizer, revision=self.revision,
+            quantization=quantization, quant_config=quant_config, tokenizer=self.tokenizer, revision=self.revision,
             generation_config=read_generation_config(path))
         cache = CacheConfig(
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,

@@ -11,6 +11,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder, .gguf file or cached hub name "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None,
+                   help="gptq or awq (found in a quantized checkpoint's config without it)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -32,10 +34,10 @@ def _make_llm(args):
     if args.log_stats:
         import logging
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    return LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
-               disable_log_stats=not args.log_stats)
+    return LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+               enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats)
 
 
 def _params(args, **extra) -> SamplingParams:

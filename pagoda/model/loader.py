@@ -23,6 +23,19 @@ def read_arch_config(path: str) -> ArchConfig:
     return ArchConfig.from_hf_dict(read_json(config_file))
 
 
+def read_quant_config(path: str, arch: ArchConfig) -> dict | None:
+    """A checkpoint's quantization config: config.json's ``quantization_config``, or the
+    ``quantize_config.json`` that older GPTQ exports put beside it (None for GGUF files, whose
+    quantized types are dequantized at load)."""
+    if path.endswith(".gguf"):
+        return None
+    config = arch.hf_config.get("quantization_config")
+    f = Path(path) / "quantize_config.json"
+    if config is None and f.is_file():
+        config = {"quant_method": "gptq", **read_json(f)}
+    return config
+
+
 def read_generation_config(path: str) -> dict:
     f = Path(path) / "generation_config.json"
     return read_json(f) if not path.endswith(".gguf") and f.is_file() else {}
@@ -99,9 +112,12 @@ def _expected_names(model: nn.Module, mapping: dict) -> set[str]:
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Small uniform values: speed does not depend on them and activations stay finite."""
+    """Small uniform values: speed does not depend on them and activations stay finite (packed
+    integer weights of quantized layers: zeros, which every format reads as valid)."""
     for i, (name, p) in enumerate(model.named_parameters()):
-        if name.endswith("norm.weight"):
+        if not p.is_floating_point():
+            p.data.zero_()
+        elif name.endswith("norm.weight"):
             p.data.fill_(1.0)
         else:
             gen = torch.Generator(device=p.device).manual_seed(seed + i)
@@ -113,7 +129,7 @@ def _build(cls, config: ModelConfig, device: torch.device | str) -> nn.Module:
     torch.set_default_dtype(config.dtype)
     try:
         with torch.device(device):
-            return cls(config.arch, get_quant_method(config.quantization))
+            return cls(config.arch, get_quant_method(config.quantization, config.quant_config))
     finally:
         torch.set_default_dtype(prev)
 

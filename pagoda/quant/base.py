@@ -1,6 +1,7 @@
 """The quantization plug-in interface. A linear layer owns a QuantMethod that creates its
 parameters, fixes them up after loading, and runs the matmul. Unquantized weights are the
-first method; FP8/INT8/GPTQ/AWQ plug in beside it."""
+first method, GPTQ/AWQ (``int4.py``) the second; FP8/INT8 are to plug in beside them. Which one
+a model gets: ``resolve_quantization``."""
 import functools
 
 import torch
@@ -44,13 +45,54 @@ class UnquantizedLinearMethod(QuantMethod):
         return dense_linear(x, layer.weight, bias)
 
 
-PLANNED_METHODS = ("fp8", "w8a8", "gptq", "awq")
+INT4_METHODS = ("gptq", "awq")
+PLANNED_METHODS = ("fp8", "w8a8", "compressed-tensors")
+# vLLM's names for its faster kernels of the same checkpoints
+ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 
 
-def get_quant_method(quantization: str | None) -> QuantMethod:
+def _known(name: str, origin: str) -> str:
+    name = ALIASES.get(name.lower(), name.lower())
+    if name in INT4_METHODS:
+        return name
+    if name in PLANNED_METHODS:
+        raise NotImplementedError(f"quantization={name!r} ({origin}) is not implemented yet; load a GPTQ or "
+                                  "AWQ checkpoint, unquantized (bf16/fp16) weights or a GGUF file.")
+    if origin == "the checkpoint's":
+        raise NotImplementedError(f"The checkpoint is quantized with {name!r}, which pagoda does not load; "
+                                  f"supported: {list(INT4_METHODS)}.")
+    raise ValueError(f"Unknown quantization method {name!r}; known: {list(INT4_METHODS + PLANNED_METHODS)}.")
+
+
+def check_quantization_name(quantization: str | None) -> None:
+    """Fail on a bad ``quantization`` argument before anything is loaded."""
+    if quantization is not None:
+        _known(quantization, "requested")
+
+
+def resolve_quantization(requested: str | None, checkpoint_config: dict | None, path: str
+                         ) -> tuple[str | None, dict | None]:
+    """(method, the checkpoint's quantization config) from the user's ``quantization`` and what
+    the checkpoint says. As in vLLM, a quantized checkpoint is loaded as such unasked, and a
+    named method must match it."""
+    found = None
+    if checkpoint_config is not None:
+        found = _known(str(checkpoint_config.get("quant_method", "")), "the checkpoint's")
+    if requested is None:
+        return found, checkpoint_config
+    requested = _known(requested, "requested")
+    if found is None:
+        raise ValueError(f"quantization={requested!r} needs a checkpoint quantized that way, but {path} has no "
+                         "quantization config (config.json's 'quantization_config' or a quantize_config.json).")
+    if found != requested:
+        raise ValueError(f"quantization={requested!r} does not match the checkpoint's {found!r} ({path}); "
+                         "leave quantization unset to load the checkpoint as it is.")
+    return found, checkpoint_config
+
+
+def get_quant_method(quantization: str | None, checkpoint_config: dict | None = None) -> QuantMethod:
     if quantization is None:
         return UnquantizedLinearMethod()
-    if quantization in PLANNED_METHODS:
-        raise NotImplementedError(f"quantization={quantization!r} is not implemented yet; "
-                                  "load unquantized (bf16/fp16) weights or a GGUF file.")
-    raise ValueError(f"Unknown quantization method {quantization!r}; known: {list(PLANNED_METHODS)}.")
+    name = _known(quantization, "requested")
+    from pagoda.quant.int4 import Int4Config, Int4LinearMethod
+    return Int4LinearMethod(Int4Config.from_checkpoint(name, checkpoint_config or {}))

@@ -4,6 +4,12 @@ Column-parallel layers split the output features (each rank computes a slice, no
 communication); row-parallel layers split the input features and all-reduce the partial sums.
 Fused QKV and gate_up projections are column-parallel layers loaded from several checkpoint
 tensors (``shard_id``). With tp_size 1 they are plain linear layers.
+
+A parameter says where its output and input features lie (``output_dim``, ``input_dim``; a
+dense weight is ``(out, in)``) and how many of them one of its elements holds (``output_pack``,
+``input_pack``: 8 for 4-bit values packed in int32, the group size for per-group scales), so
+that the loaders narrow quantized tensors as they do dense ones. ``output_dim`` None: the
+tensor is the same for every output slice (GPTQ's ``g_idx``).
 """
 import torch
 from torch import nn
@@ -50,13 +56,34 @@ class ReplicatedLinear(LinearBase):
         param.data.copy_(loaded)
 
 
+def _load_shared(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+    """A tensor that every shard of a fused layer carries (``output_dim`` None): they must agree,
+    since the fused layer holds one."""
+    seen = param.__dict__.setdefault("loaded_shards", set())
+    if seen and not torch.equal(param.data, loaded.to(param.device)):
+        raise ValueError("The checkpoint's projections fused into one layer (q/k/v or gate/up) carry different "
+                         f"{tuple(param.shape)} tensors (act-order g_idx?); pagoda needs them equal to fuse them.")
+    param.data.copy_(loaded)
+    seen.add(shard_id)
+
+
+def _narrow_output(param, loaded, offset: int, size: int, rank: int, shard_id) -> None:
+    """Copy output features ``[rank * size, + size)`` of a checkpoint shard to ``[offset, +
+    size)`` of the parameter's (counted in features; divided by the packing)."""
+    dim = getattr(param, "output_dim", 0)
+    if dim is None:
+        return _load_shared(param, loaded, shard_id)
+    pack = getattr(param, "output_pack", 1)
+    size, offset = size // pack, offset // pack
+    param.data.narrow(dim, offset, size).copy_(loaded.narrow(dim, rank * size, size))
+
+
 class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features, out_features, bias=False, quant_method=None):
         super().__init__(in_features, _divide(out_features, get_tp_size()), bias, quant_method)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        size = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
+        _narrow_output(param, loaded, 0, self.out_features, self.tp_rank, shard_id)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -69,7 +96,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id: int = None):
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        _narrow_output(param, loaded, offset, size, self.tp_rank, shard_id)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -89,7 +116,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+        _narrow_output(param, loaded, offset, size, rank, shard_id)
 
 
 class RowParallelLinear(LinearBase):
@@ -97,11 +124,12 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(in_features, get_tp_size()), out_features, bias, quant_method)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        if param.dim() == 1:    # the bias is added once, after the reduction
+        if param is self.bias:    # the bias is added once, after the reduction
             param.data.copy_(loaded)
             return
-        size = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+        dim = getattr(param, "input_dim", 1)
+        size = param.shape[dim]      # (already in the parameter's own units: packed, or groups)
+        param.data.copy_(loaded.narrow(dim, self.tp_rank * size, size))
 
     def forward(self, x):
         bias = self.bias if self.tp_rank == 0 else None
