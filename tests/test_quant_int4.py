@@ -14,16 +14,19 @@ from tests.quant_utils import AWQ_ORDER, pack_cols, pack_gptq_qweight, quantize_
 from tests.test_architectures import save_tiny
 
 
-@pytest.mark.parametrize("method,bits,v2,desc_act", [("gptq", 4, False, False), ("gptq", 4, True, True),
-                                                     ("gptq", 8, True, False), ("awq", 4, False, False)])
-def test_layer_unpacks_as_the_format_defines(method, bits, v2, desc_act):
-    """A layer given a checkpoint's tensors computes x @ W with W = (q - z) * s per group."""
-    k, n, group = 128, 48, 32
+@pytest.mark.parametrize("method,bits,v2,desc_act,k,group", [
+    ("gptq", 4, False, False, 128, 32), ("gptq", 4, True, True, 128, 32), ("gptq", 8, True, False, 128, 32),
+    ("gptq", 4, True, False, 96, 64), ("awq", 4, False, False, 128, 32)])
+def test_layer_unpacks_as_the_format_defines(method, bits, v2, desc_act, k, group):
+    """A layer given a checkpoint's tensors computes x @ W with W = (q - z) * s per group (GPTQ's
+    last group may be partial: 96 inputs in groups of 64)."""
+    n = 48
+    groups = -(-k // group)
     g = torch.Generator().manual_seed(bits + 2 * v2)
     top = (1 << bits) - 1
     q = torch.randint(0, top + 1, (k, n), generator=g, dtype=torch.int32)
-    zeros = torch.randint(1, top + 1, (k // group, n), generator=g, dtype=torch.int32)
-    scales = (torch.rand(k // group, n, generator=g) + 0.5).half()
+    zeros = torch.randint(1, top + 1, (groups, n), generator=g, dtype=torch.int32)
+    scales = (torch.rand(groups, n, generator=g) + 0.5).half()
     g_idx = torch.arange(k, dtype=torch.int32) // group
     if desc_act:
         g_idx = g_idx[torch.randperm(k, generator=g)]

@@ -116,10 +116,11 @@ class Int4LinearMethod(QuantMethod):
         c = self.config
         k, n = in_features, out_features
         group = k if c.group_size == -1 else c.group_size
-        if k % group or k % c.pack or n % c.pack:
+        # (GPTQ's last group may be partial; AutoAWQ requires whole groups)
+        if (c.method == "awq" and k % group) or k % c.pack or n % c.pack:
             raise ValueError(f"A {k} x {n} linear layer cannot hold {c.method.upper()} weights in groups of "
                              f"{group} packed {c.pack} a word.")
-        groups = k // group
+        groups = -(-k // group)
         layer.group_size = group
 
         def param(shape, dt, output_dim, output_pack, input_dim, input_pack):
