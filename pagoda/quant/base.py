@@ -51,14 +51,17 @@ PLANNED_METHODS = ("fp8", "w8a8", "compressed-tensors")
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 
 
-def _known(name: str, origin: str) -> str:
+def _known(name: str, from_checkpoint: bool = False) -> str:
+    """The method's canonical name, or the error for one pagoda does not load (a checkpoint's
+    method it does not know is unsupported; a requested one, a typo)."""
     name = ALIASES.get(name.lower(), name.lower())
     if name in INT4_METHODS:
         return name
     if name in PLANNED_METHODS:
-        raise NotImplementedError(f"quantization={name!r} ({origin}) is not implemented yet; load a GPTQ or "
-                                  "AWQ checkpoint, unquantized (bf16/fp16) weights or a GGUF file.")
-    if origin == "the checkpoint's":
+        whose = " (the checkpoint's)" if from_checkpoint else ""
+        raise NotImplementedError(f"quantization={name!r}{whose} is not implemented yet; load a GPTQ or AWQ "
+                                  "checkpoint, unquantized (bf16/fp16) weights or a GGUF file.")
+    if from_checkpoint:
         raise NotImplementedError(f"The checkpoint is quantized with {name!r}, which pagoda does not load; "
                                   f"supported: {list(INT4_METHODS)}.")
     raise ValueError(f"Unknown quantization method {name!r}; known: {list(INT4_METHODS + PLANNED_METHODS)}.")
@@ -67,7 +70,7 @@ def _known(name: str, origin: str) -> str:
 def check_quantization_name(quantization: str | None) -> None:
     """Fail on a bad ``quantization`` argument before anything is loaded."""
     if quantization is not None:
-        _known(quantization, "requested")
+        _known(quantization)
 
 
 def resolve_quantization(requested: str | None, checkpoint_config: dict | None, path: str
@@ -77,10 +80,10 @@ def resolve_quantization(requested: str | None, checkpoint_config: dict | None, 
     named method must match it."""
     found = None
     if checkpoint_config is not None:
-        found = _known(str(checkpoint_config.get("quant_method", "")), "the checkpoint's")
+        found = _known(str(checkpoint_config.get("quant_method", "")), from_checkpoint=True)
     if requested is None:
         return found, checkpoint_config
-    requested = _known(requested, "requested")
+    requested = _known(requested)
     if found is None:
         raise ValueError(f"quantization={requested!r} needs a checkpoint quantized that way, but {path} has no "
                          "quantization config (config.json's 'quantization_config' or a quantize_config.json).")
@@ -93,6 +96,6 @@ def resolve_quantization(requested: str | None, checkpoint_config: dict | None, 
 def get_quant_method(quantization: str | None, checkpoint_config: dict | None = None) -> QuantMethod:
     if quantization is None:
         return UnquantizedLinearMethod()
-    name = _known(quantization, "requested")
+    name = _known(quantization)
     from pagoda.quant.int4 import Int4Config, Int4LinearMethod
     return Int4LinearMethod(Int4Config.from_checkpoint(name, checkpoint_config or {}))
