@@ -60,55 +60,82 @@ def pack_cols(values: torch.Tensor, bits: int, order=None) -> torch.Tensor:
     return _words(word)
 
 
-def quantize_folder(src: str, dst: str, method: str, bits: int = 4, group: int = 32, desc_act: bool = False,
-                    v2: bool = False, seed: int = 0) -> str:
-    """Copy the HF folder ``src`` to ``dst`` with every decoder linear layer quantized (GPTQ or
-    AWQ; GPTQ's v1 format symmetric, as it must be), and beside it ``dst + "-dequant"``: the same
-    model with the dequantized weights in float32, unquantized. With ``desc_act``, each layer's
-    input channels are put in groups in a random order (GPTQ act-order), shared by the layers
-    that read the same input."""
-    gen = torch.Generator().manual_seed(seed)
+def convert_folder(src: str, dst: str, convert, quant_config: dict, dtype: torch.dtype) -> str:
+    """Copy the HF folder ``src`` to ``dst``, each decoder linear weight replaced by what
+    ``convert(prefix, projection, weight)`` returns (the checkpoint's tensors for it, and the
+    weight they stand for), the other tensors cast to ``dtype``, with ``quant_config``; and beside
+    it ``dst + "-dequant"``: the same model unquantized, float32, holding the weights they stand for."""
     tensors = {}
     for f in sorted(os.listdir(src)):
         if f.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(src, f)))
     quant, dense = {}, {}
-    orders: dict[tuple, torch.Tensor] = {}
     for name, w in tensors.items():
         module = name.rsplit(".", 2)
         if len(module) < 3 or module[-2] not in LINEARS or module[-1] != "weight":
-            quant[name] = w.half() if w.is_floating_point() else w     # (a float16 checkpoint, as they are)
+            quant[name] = w.to(dtype) if w.is_floating_point() else w     # (as checkpoints are)
             dense[name] = quant[name].float()
             continue
         prefix = name[:-len(".weight")]
-        n, k = w.shape
-        g_idx = torch.arange(k) // group
-        if desc_act:   # one random order per input (the layer index and which input it reads)
-            key = (prefix.rsplit(".", 2)[0], "mlp_in" if module[-2] in ("gate_proj", "up_proj") else
-                   "attn_in" if module[-2] in ("q_proj", "k_proj", "v_proj") else module[-2])
-            if key not in orders:
-                orders[key] = g_idx[torch.randperm(k, generator=gen)]
-            g_idx = orders[key]
-        q, zeros, scales = rtn(w, bits, group, g_idx, sym=method == "gptq" and not v2)
-        dense[name] = dequant(q, zeros, scales, g_idx)
-        if method == "gptq":
-            quant[prefix + ".qweight"] = pack_gptq_qweight(q, bits)
-            quant[prefix + ".qzeros"] = pack_cols(zeros if v2 else zeros - 1, bits)   # v1 stores zero - 1
-            quant[prefix + ".g_idx"] = g_idx.int()
-        else:
-            quant[prefix + ".qweight"] = pack_cols(q, bits, AWQ_ORDER)
-            quant[prefix + ".qzeros"] = pack_cols(zeros, bits, AWQ_ORDER)
-        quant[prefix + ".scales"] = scales
+        stored, dense[name] = convert(prefix, module[-2], w)
+        quant.update(stored)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     for folder, weights, extra in [
-            (dst, quant, {"torch_dtype": "float16", "quantization_config": (
-                {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": not v2,
-                 "checkpoint_format": "gptq_v2" if v2 else "gptq"} if method == "gptq" else
-                {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"})}),
+            (dst, quant, {"torch_dtype": str(dtype).removeprefix("torch."), "quantization_config": quant_config}),
             (dst + "-dequant", dense, {"torch_dtype": "float32"})]:
         os.makedirs(folder, exist_ok=True)
         save_file(weights, os.path.join(folder, "model.safetensors"))
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump({**config, **extra}, f)
     return dst
+
+
+def quantize_folder(src: str, dst: str, method: str, bits: int = 4, group: int = 32, desc_act: bool = False,
+                    v2: bool = False, seed: int = 0) -> str:
+    """``src`` as a GPTQ or AWQ checkpoint (``convert_folder``; GPTQ's v1 format symmetric, as it
+    must be). With ``desc_act``, each layer's input channels are put in groups in a random order
+    (GPTQ act-order), shared by the layers that read the same input."""
+    gen = torch.Generator().manual_seed(seed)
+    orders: dict[tuple, torch.Tensor] = {}
+
+    def convert(prefix, projection, w):
+        k = w.shape[1]
+        g_idx = torch.arange(k) // group
+        if desc_act:   # one random order per input (the layer index and which input it reads)
+            key = (prefix.rsplit(".", 2)[0], "mlp_in" if projection in ("gate_proj", "up_proj") else
+                   "attn_in" if projection in ("q_proj", "k_proj", "v_proj") else projection)
+            if key not in orders:
+                orders[key] = g_idx[torch.randperm(k, generator=gen)]
+            g_idx = orders[key]
+        q, zeros, scales = rtn(w, bits, group, g_idx, sym=method == "gptq" and not v2)
+        if method == "gptq":
+            stored = {".qweight": pack_gptq_qweight(q, bits),
+                      ".qzeros": pack_cols(zeros if v2 else zeros - 1, bits),   # v1 stores zero - 1
+                      ".g_idx": g_idx.int()}
+        else:
+            stored = {".qweight": pack_cols(q, bits, AWQ_ORDER), ".qzeros": pack_cols(zeros, bits, AWQ_ORDER)}
+        stored[".scales"] = scales
+        return {prefix + k: v for k, v in stored.items()}, dequant(q, zeros, scales, g_idx)
+
+    config = ({"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": not v2,
+               "checkpoint_format": "gptq_v2" if v2 else "gptq"} if method == "gptq" else
+              {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"})
+    return convert_folder(src, dst, convert, config, torch.float16)
+
+
+def fp8_folder(src: str, dst: str, static: bool = False) -> str:
+    """``src`` in vLLM's FP8 format (``quant_method: "fp8"``; ``convert_folder``): every decoder
+    linear weight in float8_e4m3fn with a per-tensor scale (its largest magnitude over 448; so q,
+    k and v, and gate and up, get different scales), with ``static`` a per-tensor
+    ``input_scale`` too."""
+    def convert(prefix, projection, w):
+        scale = w.float().abs().max() / 448.0
+        q = (w.float() / scale).to(torch.float8_e4m3fn)
+        stored = {prefix + ".weight": q, prefix + ".weight_scale": scale.reshape(())}
+        if static:
+            stored[prefix + ".input_scale"] = torch.tensor(0.05)
+        return stored, q.float() * scale
+
+    config = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic"}
+    return convert_folder(src, dst, convert, config, torch.bfloat16)

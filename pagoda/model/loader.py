@@ -102,7 +102,9 @@ def _expected_names(model: nn.Module, mapping: dict) -> set[str]:
     for fused, sid in mapping.values():
         shards.setdefault(fused, []).append(sid)
     names = set()
-    for name, _ in model.named_parameters():   # tied weights appear once
+    for name, p in model.named_parameters():   # tied weights appear once
+        if getattr(p, "optional", False):       # (FP8's static input_scale)
+            continue
         module = name.rsplit(".", 2)[-2]
         if module in shards:
             names.update(f"{name}:{sid}" for sid in shards[module])
@@ -113,9 +115,9 @@ def _expected_names(model: nn.Module, mapping: dict) -> set[str]:
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Small uniform values: speed does not depend on them and activations stay finite (packed
-    integer weights of quantized layers: zeros, which every format reads as valid)."""
+    integer and FP8 weights of quantized layers: zeros, which every format reads as valid)."""
     for i, (name, p) in enumerate(model.named_parameters()):
-        if not p.is_floating_point():
+        if not p.is_floating_point() or p.element_size() == 1:
             p.data.zero_()
         elif name.endswith("norm.weight"):
             p.data.fill_(1.0)
@@ -178,6 +180,7 @@ def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
         if qm is not None:
             qm.process_weights_after_loading(m)
     if config.compute_dtype != config.dtype:
-        # Weights keep the values of the requested dtype; the math runs in compute_dtype.
-        model.to(config.compute_dtype)
+        # Weights keep the values of the requested dtype; the math runs in compute_dtype. (Only
+        # tensors of that dtype: FP8 weights stay FP8, their float32 scales float32.)
+        model._apply(lambda t: t.to(config.compute_dtype) if t.dtype == config.dtype else t)
     return model.eval()

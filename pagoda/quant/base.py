@@ -1,7 +1,7 @@
 """The quantization plug-in interface. A linear layer owns a QuantMethod that creates its
 parameters, fixes them up after loading, and runs the matmul. Unquantized weights are the
-first method, GPTQ/AWQ (``int4.py``) the second; FP8/INT8 are to plug in beside them. Which one
-a model gets: ``resolve_quantization``."""
+first method, GPTQ/AWQ (``int4.py``) and FP8 (``fp8.py``) the others; INT8 is to plug in beside
+them. Which one a model gets: ``resolve_quantization``."""
 import functools
 
 import torch
@@ -46,7 +46,9 @@ class UnquantizedLinearMethod(QuantMethod):
 
 
 INT4_METHODS = ("gptq", "awq")
-PLANNED_METHODS = ("fp8", "w8a8", "compressed-tensors")
+# "fp8" also quantizes an unquantized checkpoint at load ("online"), as in vLLM
+METHODS = INT4_METHODS + ("fp8",)
+PLANNED_METHODS = ("w8a8", "compressed-tensors")
 # vLLM's names for its faster kernels of the same checkpoints
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 
@@ -55,16 +57,16 @@ def _known(name: str, from_checkpoint: bool = False) -> str:
     """The method's canonical name, or the error for one pagoda does not load (a checkpoint's
     method it does not know is unsupported; a requested one, a typo)."""
     name = ALIASES.get(name.lower(), name.lower())
-    if name in INT4_METHODS:
+    if name in METHODS:
         return name
     if name in PLANNED_METHODS:
         whose = " (the checkpoint's)" if from_checkpoint else ""
-        raise NotImplementedError(f"quantization={name!r}{whose} is not implemented yet; load a GPTQ or AWQ "
-                                  "checkpoint, unquantized (bf16/fp16) weights or a GGUF file.")
+        raise NotImplementedError(f"quantization={name!r}{whose} is not implemented yet; load a GPTQ, AWQ or "
+                                  "FP8 checkpoint, unquantized (bf16/fp16) weights or a GGUF file.")
     if from_checkpoint:
         raise NotImplementedError(f"The checkpoint is quantized with {name!r}, which pagoda does not load; "
-                                  f"supported: {list(INT4_METHODS)}.")
-    raise ValueError(f"Unknown quantization method {name!r}; known: {list(INT4_METHODS + PLANNED_METHODS)}.")
+                                  f"supported: {list(METHODS)}.")
+    raise ValueError(f"Unknown quantization method {name!r}; known: {list(METHODS + PLANNED_METHODS)}.")
 
 
 def check_quantization_name(quantization: str | None) -> None:
@@ -84,6 +86,8 @@ def resolve_quantization(requested: str | None, checkpoint_config: dict | None, 
     if requested is None:
         return found, checkpoint_config
     requested = _known(requested)
+    if found is None and requested == "fp8":
+        return requested, None             # quantized at load
     if found is None:
         raise ValueError(f"quantization={requested!r} needs a checkpoint quantized that way, but {path} has no "
                          "quantization config (config.json's 'quantization_config' or a quantize_config.json).")
@@ -97,5 +101,8 @@ def get_quant_method(quantization: str | None, checkpoint_config: dict | None = 
     if quantization is None:
         return UnquantizedLinearMethod()
     name = _known(quantization)
+    if name == "fp8":
+        from pagoda.quant.fp8 import Fp8LinearMethod, fp8_config
+        return Fp8LinearMethod(serialized=fp8_config(checkpoint_config))
     from pagoda.quant.int4 import Int4Config, Int4LinearMethod
     return Int4LinearMethod(Int4Config.from_checkpoint(name, checkpoint_config or {}))

@@ -9,7 +9,9 @@ A parameter says where its output and input features lie (``output_dim``, ``inpu
 dense weight is ``(out, in)``) and how many of them one of its elements holds (``output_pack``,
 ``input_pack``: 8 for 4-bit values packed in int32, the group size for per-group scales), so
 that the loaders narrow quantized tensors as they do dense ones. ``output_dim`` None: the
-tensor is the same for every output slice (GPTQ's ``g_idx``).
+tensor is the same for every output slice (GPTQ's ``g_idx``); ``input_dim`` None: it is not split
+along the input (a scale per output row). A one-element checkpoint tensor loaded into several
+rows is a per-tensor scale and fills them.
 """
 import torch
 from torch import nn
@@ -75,7 +77,11 @@ def _narrow_output(param, loaded, offset: int, size: int, rank: int, shard_id) -
         return _load_shared(param, loaded, shard_id)
     pack = getattr(param, "output_pack", 1)
     size, offset = size // pack, offset // pack
-    param.data.narrow(dim, offset, size).copy_(loaded.narrow(dim, rank * size, size))
+    target = param.data.narrow(dim, offset, size)
+    if loaded.numel() == 1 and target.numel() > 1:   # a per-tensor scale, for each of its rows
+        target.copy_(loaded.reshape(()))
+    else:
+        target.copy_(loaded.narrow(dim, rank * size, size))
 
 
 class ColumnParallelLinear(LinearBase):
@@ -128,6 +134,9 @@ class RowParallelLinear(LinearBase):
             param.data.copy_(loaded)
             return
         dim = getattr(param, "input_dim", 1)
+        if dim is None:              # not split along the input (a scale per output row)
+            param.data.copy_(loaded.reshape(()) if loaded.numel() == 1 else loaded)
+            return
         size = param.shape[dim]      # (already in the parameter's own units: packed, or groups)
         param.data.copy_(loaded.narrow(dim, self.tp_rank * size, size))
 
