@@ -139,3 +139,24 @@ def fp8_folder(src: str, dst: str, static: bool = False) -> str:
 
     config = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic"}
     return convert_folder(src, dst, convert, config, torch.bfloat16)
+
+
+def compressed_folder(src: str, dst: str, kind: str = "int", strategy: str = "channel") -> str:
+    """``src`` as llm-compressor writes a compressed-tensors checkpoint of symmetric 8-bit
+    weights (``convert_folder``): ``kind`` "int" (INT8, the W8A8 scheme, dynamic per-token
+    activations) or "float" (FP8), scales per channel ``(N, 1)`` or per tensor ``(1,)``."""
+    top = 127.0 if kind == "int" else 448.0
+
+    def convert(prefix, projection, w):
+        amax = w.float().abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.float().abs().max().reshape(1)
+        scale = amax / top
+        scaled = w.float() / (scale if strategy == "channel" else scale[0])
+        q = scaled.round().clamp(-128, 127).to(torch.int8) if kind == "int" else scaled.to(torch.float8_e4m3fn)
+        return ({prefix + ".weight": q, prefix + ".weight_scale": scale},
+                q.float() * (scale if strategy == "channel" else scale[0]))
+
+    weights = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": strategy, "dynamic": False}
+    config = {"quant_method": "compressed-tensors", "format": f"{kind}-quantized", "ignore": ["lm_head"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
+                  "num_bits": 8, "type": kind, "symmetric": True, "strategy": "token", "dynamic": True}}}}
+    return convert_folder(src, dst, convert, config, torch.bfloat16)

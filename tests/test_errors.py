@@ -192,8 +192,8 @@ def test_hub_name_resolves_from_local_cache(tmp_path, monkeypatch, smollm_path):
 def test_bad_engine_arguments(smollm_path):
     with pytest.raises(ValueError, match="Unknown quantization"):
         LLM(smollm_path, quantization="int3", kv_cache_memory_bytes=1 << 24, max_model_len=256)
-    with pytest.raises(NotImplementedError, match="quantization='w8a8' is not implemented yet"):
-        LLM(smollm_path, quantization="w8a8")
+    with pytest.raises(NotImplementedError, match="quantization='bitsandbytes' is not implemented yet"):
+        LLM(smollm_path, quantization="bitsandbytes")
     with pytest.raises(ValueError, match="quantization='awq' needs a checkpoint quantized that way"):
         LLM(smollm_path, quantization="awq")
     with pytest.raises(NotImplementedError, match="tensor_parallel_size=4"):

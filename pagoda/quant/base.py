@@ -1,7 +1,7 @@
 """The quantization plug-in interface. A linear layer owns a QuantMethod that creates its
 parameters, fixes them up after loading, and runs the matmul. Unquantized weights are the
-first method, GPTQ/AWQ (``int4.py``) and FP8 (``fp8.py``) the others; INT8 is to plug in beside
-them. Which one a model gets: ``resolve_quantization``."""
+first method, GPTQ/AWQ (``int4.py``) and 8-bit FP8/INT8 (``w8.py``) the others. Which one a
+model gets: ``resolve_quantization``."""
 import functools
 
 import torch
@@ -47,10 +47,10 @@ class UnquantizedLinearMethod(QuantMethod):
 
 INT4_METHODS = ("gptq", "awq")
 # "fp8" also quantizes an unquantized checkpoint at load ("online"), as in vLLM
-METHODS = INT4_METHODS + ("fp8",)
-PLANNED_METHODS = ("w8a8", "compressed-tensors")
-# vLLM's names for its faster kernels of the same checkpoints
-ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+METHODS = INT4_METHODS + ("fp8", "compressed-tensors")
+PLANNED_METHODS = ("bitsandbytes", "gguf")
+# vLLM's names for its faster kernels of the same checkpoints; W8A8 checkpoints are compressed-tensors
+ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "w8a8": "compressed-tensors"}
 
 
 def _known(name: str, from_checkpoint: bool = False) -> str:
@@ -61,8 +61,9 @@ def _known(name: str, from_checkpoint: bool = False) -> str:
         return name
     if name in PLANNED_METHODS:
         whose = " (the checkpoint's)" if from_checkpoint else ""
-        raise NotImplementedError(f"quantization={name!r}{whose} is not implemented yet; load a GPTQ, AWQ or "
-                                  "FP8 checkpoint, unquantized (bf16/fp16) weights or a GGUF file.")
+        raise NotImplementedError(f"quantization={name!r}{whose} is not implemented yet; load a GPTQ, AWQ, FP8 "
+                                  "or compressed-tensors 8-bit checkpoint, unquantized (bf16/fp16) weights or a "
+                                  "GGUF file (its own quantized types are dequantized at load).")
     if from_checkpoint:
         raise NotImplementedError(f"The checkpoint is quantized with {name!r}, which pagoda does not load; "
                                   f"supported: {list(METHODS)}.")
@@ -101,8 +102,8 @@ def get_quant_method(quantization: str | None, checkpoint_config: dict | None = 
     if quantization is None:
         return UnquantizedLinearMethod()
     name = _known(quantization)
-    if name == "fp8":
-        from pagoda.quant.fp8 import Fp8LinearMethod, fp8_config
-        return Fp8LinearMethod(serialized=fp8_config(checkpoint_config))
+    if name in ("fp8", "compressed-tensors"):
+        from pagoda.quant.w8 import W8LinearMethod, weight_dtype
+        return W8LinearMethod(weight_dtype(name, checkpoint_config))
     from pagoda.quant.int4 import Int4Config, Int4LinearMethod
     return Int4LinearMethod(Int4Config.from_checkpoint(name, checkpoint_config or {}))

@@ -1,6 +1,7 @@
-"""FP8 weights: vLLM's FP8 checkpoints (per-tensor scales, dynamic or static activations) and
-quantization="fp8" on an unquantized checkpoint (a scale per row, at load), against the same
-tiny models holding the dequantized weights; the weights stay in FP8; errors for what is not
+"""8-bit weights: vLLM's FP8 checkpoints (per-tensor scales, dynamic or static activations),
+compressed-tensors checkpoints of INT8 (W8A8) and FP8 weights (per-channel or per-tensor scales),
+and quantization="fp8" on an unquantized checkpoint (a scale per row, at load), against the same
+tiny models holding the dequantized weights; the weights stay 8-bit; errors for what is not
 supported."""
 import json
 import os
@@ -10,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagoda import LLM, SamplingParams
-from pagoda.quant.fp8 import FP8, quantize_rows
-from tests.quant_utils import LINEARS, fp8_folder
+from pagoda.quant.w8 import FP8, quantize_rows
+from tests.quant_utils import LINEARS, compressed_folder, fp8_folder
 from tests.test_architectures import save_tiny
 
 SMALL = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
@@ -47,6 +48,17 @@ def test_fp8_checkpoint_matches_its_dequantized_weights(tmp_path, case, static):
     assert llm.llm_engine.config.model.quantization == "fp8"
 
 
+@pytest.mark.parametrize("kind,strategy", [("int", "channel"), ("float", "tensor")])
+def test_compressed_tensors_checkpoint_matches_its_dequantized_weights(tmp_path, kind, strategy):
+    folder, _ = save_tiny(tmp_path, "qwen3")
+    path = compressed_folder(folder, str(tmp_path / "ct"), kind, strategy)
+    same_outputs(path, path + "-dequant")
+    llm = LLM(path, dtype="float32", quantization="w8a8" if kind == "int" else None, **SMALL)
+    layer = llm.llm_engine.executor.runner.model.model.layers[1].mlp.down_proj
+    assert layer.weight.dtype == (torch.int8 if kind == "int" else FP8)
+    assert llm.llm_engine.config.model.quantization == "compressed-tensors"
+
+
 def test_online_fp8_matches_rowwise_quantized_weights(tmp_path):
     """quantization="fp8" on a float32 checkpoint quantizes each weight at load, a scale per
     row: the model equals one holding those weights dequantized."""
@@ -57,7 +69,7 @@ def test_online_fp8_matches_rowwise_quantized_weights(tmp_path):
     for name, w in list(weights.items()):
         if name.rsplit(".", 2)[-2] in LINEARS and name.endswith(".weight"):
             q, scale = quantize_rows(w)
-            weights[name] = q.float() * scale[:, None]
+            weights[name] = q.float() * scale
     save_file(weights, str(twin / "model.safetensors"))
     with open(os.path.join(folder, "config.json")) as f:
         (twin / "config.json").write_text(f.read())
@@ -80,6 +92,15 @@ def test_fp8_errors_and_dummy_weights(tmp_path):
     del config["quantization_config"]["weight_block_size"]
     with open(path, "w") as f:
         json.dump(config, f)
+    ct = compressed_folder(folder, str(tmp_path / "ct"))
+    path = os.path.join(ct, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    with open(path, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(NotImplementedError, match="symmetric 8-bit weights"):
+        LLM(ct, **SMALL)
     os.remove(os.path.join(fp8, "model.safetensors"))          # the benchmarks' dummy weights
     llm = LLM(fp8, load_format="dummy", **SMALL)
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True),
