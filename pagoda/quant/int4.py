@@ -145,16 +145,15 @@ class Int4LinearMethod(QuantMethod):
         if c.method == "awq":
             q = unpack_cols(layer.qweight.data, c.bits, AWQ_ORDER)
             layer.qweight = nn.Parameter(pack_rows(q, c.bits), requires_grad=False)
-            k = q.shape[0]
-            layer.g_idx = nn.Parameter(torch.arange(k, dtype=torch.int32, device=q.device) // layer.group_size,
-                                       requires_grad=False)
-        elif not c.desc_act:   # checkpoints store g_idx even without act-order; trust the rule
-            k = layer.g_idx.shape[0]
-            layer.g_idx.data.copy_(torch.arange(k, dtype=torch.int32, device=layer.g_idx.device) // layer.group_size)
-        groups = layer.scales.shape[0]
-        if bool(((layer.g_idx < 0) | (layer.g_idx >= groups)).any()):
-            raise ValueError(f"Corrupt {c.method.upper()} checkpoint: a g_idx entry is outside the layer's "
-                             f"{groups} groups.")
+        if c.desc_act:   # the checkpoint's own group map: check it
+            groups = layer.scales.shape[0]
+            if bool(((layer.g_idx < 0) | (layer.g_idx >= groups)).any()):
+                raise ValueError(f"Corrupt {c.method.upper()} checkpoint: a g_idx entry is outside the layer's "
+                                 f"{groups} groups.")
+        else:   # by the rule (GPTQ checkpoints store a g_idx even without act-order; AWQ none)
+            k = layer.qweight.shape[0] * c.pack
+            layer.g_idx = nn.Parameter(torch.arange(k, dtype=torch.int32, device=layer.qweight.device)
+                                       // layer.group_size, requires_grad=False)
         layer.zeros = nn.Parameter(zeros.to(layer.scales.dtype), requires_grad=False)
         del layer.qzeros
 

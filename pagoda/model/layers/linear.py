@@ -58,30 +58,31 @@ class ReplicatedLinear(LinearBase):
         param.data.copy_(loaded)
 
 
-def _load_shared(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+def _copy(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """``target.copy_(loaded)``, a one-element ``loaded`` (a per-tensor scale) filling every row."""
+    target.copy_(loaded.reshape(()) if loaded.numel() == 1 else loaded)
+
+
+def _load_shared(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """A tensor that every shard of a fused layer carries (``output_dim`` None): they must agree,
     since the fused layer holds one."""
-    seen = param.__dict__.setdefault("loaded_shards", set())
-    if seen and not torch.equal(param.data, loaded.to(param.device)):
+    if getattr(param, "shared_loaded", False) and not torch.equal(param.data, loaded.to(param.device)):
         raise ValueError("The checkpoint's projections fused into one layer (q/k/v or gate/up) carry different "
                          f"{tuple(param.shape)} tensors (act-order g_idx?); pagoda needs them equal to fuse them.")
     param.data.copy_(loaded)
-    seen.add(shard_id)
+    param.shared_loaded = True
 
 
-def _narrow_output(param, loaded, offset: int, size: int, rank: int, shard_id) -> None:
+def _narrow_output(param, loaded, offset: int, size: int, rank: int) -> None:
     """Copy output features ``[rank * size, + size)`` of a checkpoint shard to ``[offset, +
     size)`` of the parameter's (counted in features; divided by the packing)."""
     dim = getattr(param, "output_dim", 0)
     if dim is None:
-        return _load_shared(param, loaded, shard_id)
+        return _load_shared(param, loaded)
     pack = getattr(param, "output_pack", 1)
     size, offset = size // pack, offset // pack
-    target = param.data.narrow(dim, offset, size)
-    if loaded.numel() == 1 and target.numel() > 1:   # a per-tensor scale, for each of its rows
-        target.copy_(loaded.reshape(()))
-    else:
-        target.copy_(loaded.narrow(dim, rank * size, size))
+    shard = loaded if loaded.numel() == 1 else loaded.narrow(dim, rank * size, size)
+    _copy(param.data.narrow(dim, offset, size), shard)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -89,7 +90,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, _divide(out_features, get_tp_size()), bias, quant_method)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        _narrow_output(param, loaded, 0, self.out_features, self.tp_rank, shard_id)
+        _narrow_output(param, loaded, 0, self.out_features, self.tp_rank)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -102,7 +103,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id: int = None):
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        _narrow_output(param, loaded, offset, size, self.tp_rank, shard_id)
+        _narrow_output(param, loaded, offset, size, self.tp_rank)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -122,7 +123,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
-        _narrow_output(param, loaded, offset, size, rank, shard_id)
+        _narrow_output(param, loaded, offset, size, rank)
 
 
 class RowParallelLinear(LinearBase):
@@ -135,8 +136,7 @@ class RowParallelLinear(LinearBase):
             return
         dim = getattr(param, "input_dim", 1)
         if dim is None:              # not split along the input (a scale per output row)
-            param.data.copy_(loaded.reshape(()) if loaded.numel() == 1 else loaded)
-            return
+            return _copy(param.data, loaded)
         size = param.shape[dim]      # (already in the parameter's own units: packed, or groups)
         param.data.copy_(loaded.narrow(dim, self.tp_rank * size, size))
 
