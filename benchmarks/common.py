@@ -5,11 +5,22 @@ import tempfile
 import time
 
 
-def dummy_model_dir(config_path: str) -> str:
-    """A folder holding just the config, for load_format="dummy"."""
+# W5: the quantization_config a dummy model's config.json gets for ``--quantization`` (4-bit
+# weights in groups of 128, as the checkpoints people download mostly are)
+DUMMY_QUANT_CONFIGS = {
+    "gptq": dict(quant_method="gptq", bits=4, group_size=128, desc_act=False, checkpoint_format="gptq_v2"),
+    "awq": dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm"),
+}
+
+
+def dummy_model_dir(config_path: str, quantization: str | None = None) -> str:
+    """A folder holding just the config, for load_format="dummy" (with ``quantization``, the
+    config of that format's checkpoints: ``DUMMY_QUANT_CONFIGS``)."""
     folder = tempfile.mkdtemp(prefix="pagoda-dummy-")
     with open(config_path) as f:
         cfg = json.load(f)
+    if quantization:
+        cfg["quantization_config"] = DUMMY_QUANT_CONFIGS[quantization]
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     return folder

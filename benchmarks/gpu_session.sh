@@ -49,6 +49,8 @@
 #                                            # with medium batches split (knobs) against the defaults
 #   bash benchmarks/gpu_session.sh tiles13   # decode tiles at 96 registers (5 programs an SM), two K/V buffers:
 #                                            # sweep on ragged batches, W1 Qwen3 two of them against the default
+#   bash benchmarks/gpu_session.sh w4a16     # W5: W4A16 kernel tests + micro-benchmark, W2 bf16 / GPTQ / AWQ
+#   bash benchmarks/gpu_session.sh w4a16b    # W5: the W4A16 kernel's tile sweep, W2 GPTQ with the best
 #   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
 #   bash benchmarks/gpu_session.sh graphs12  # W1 with CUDA graphs of its 16,384-token prefill steps (knobs)
 #   bash benchmarks/gpu_session.sh next11    # GPU error tests; attention timeline (worktree .ab/tl: carry it)
@@ -516,6 +518,30 @@ case "${1:-}" in
       run "W1 qwen3 default" throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/a"
       run "W1 qwen3 tiles 32x2 96 regs" throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/b" "$T32"
       run "W1 qwen3 tiles 16x2 96 regs" throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/c" "$T16"
+    done
+    ;;
+  w4a16)
+    # W5 on the GPU: the W4A16 kernel's tests, the GPTQ / AWQ / 8-bit tests, the kernel on the
+    # decode matrices against bf16 and the dequantize path, W2 bf16 / GPTQ / AWQ
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_w4a16.py tests/test_quant_int4.py \
+      tests/test_quant_w8.py 2>&1 | tail -4 | tee "$OUT/quant_tests.txt"
+    python3 benchmarks/w4a16.py 2>&1 | tail -32
+    for m in qwen3-0.6b llama3-8b; do
+      [ -n "${NO_BF16:-}" ] || run "W2 $m bf16" latency.py --model-config $MA/$m.json --batch 1 8 64 --out "$OUT/bf16"
+      run "W2 $m gptq" latency.py --model-config $MA/$m.json --batch 1 8 64 --quantization gptq --out "$OUT/gptq"
+    done
+    run "W2 qwen3-0.6b awq" latency.py --model-config $MA/qwen3-0.6b.json --batch 1 8 64 --quantization awq --out "$OUT/awq"
+    ;;
+  w4a16b)
+    # The W4A16 kernel, second round (words unpacked in registers, no int-to-float conversion,
+    # the weight as the dot's A): GPU tests, the online-FP8 test's failure in full, the tile
+    # sweep, W2 GPTQ both models with the sweep's best tiles
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_w4a16.py 2>&1 | tail -3
+    python3 -m pytest -q -x -p no:cacheprovider tests/test_quant_w8.py -k online_fp8 2>&1 | grep -E "^E |Error" | head -24
+    python3 benchmarks/w4a16.py --sweep --out "$OUT" 2>&1 | grep sweep
+    for m in qwen3-0.6b llama3-8b; do
+      run "W2 $m gptq" latency.py --model-config $MA/$m.json --batch 1 8 64 --quantization gptq --out "$OUT/gptq" \
+        $(cat "$OUT/w4a16_best_knobs.txt")
     done
     ;;
   gap13)

@@ -13,9 +13,10 @@ one layout, so that one dequantization serves both:
   others it is ``k // group_size``).
 
 ``W[k, n] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]``, and the layer computes
-``x @ W``. The matmul dequantizes the whole weight each call, then runs a dense matmul: correct
-on every device, and on the GPU a dense matmul's work plus the dequantization's (a fused
-Triton kernel is on branch ``w4a16-kernel``, to be measured).
+``x @ W``. On the GPU, batches of up to ``triton_w4a16.MAX_M`` rows (decode steps) run one
+Triton kernel that dequantizes tiles in registers (``pagoda.kernels.triton_w4a16``); larger
+batches (prefill, where the matmul's work dwarfs it) and every other device dequantize the whole
+weight, then run a dense matmul.
 """
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels import triton_w4a16
 from pagoda.quant.base import QuantMethod
 
 # AWQ's order of the 8 columns in a packed word: slot i holds column AWQ_ORDER[i].
@@ -158,5 +160,9 @@ class Int4LinearMethod(QuantMethod):
         del layer.qzeros
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if triton_w4a16.use_w4a16(x):   # decode batches on the GPU: dequantized in registers
+            return triton_w4a16.w4a16_linear(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx,
+                                             self.config.bits, bias,
+                                             None if self.config.desc_act else layer.group_size)
         w = dequantize(layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.config.bits)
         return F.linear(x, w.t(), bias)

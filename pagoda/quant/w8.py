@@ -55,7 +55,10 @@ def weight_dtype(method: str, qc: dict | None) -> torch.dtype | None:
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 weight, float32 scale ``(N, 1)``) for ``w (N, K)``, a scale per row."""
-    scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    amax = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    # (a tensor divisor: over a python float, CUDA multiplies by its reciprocal, which rounds
+    # differently from the CPU's division and gave a GPU model other scales than its CPU twin)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

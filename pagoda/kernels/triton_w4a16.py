@@ -1,0 +1,144 @@
+"""``x @ W (+ bias)`` with W a GPTQ/AWQ weight in pagoda's repacked layout
+(``pagoda.quant.int4``: int32 ``qweight (K / pack, N)`` packed along K, ``scales`` / ``zeros``
+``(groups, N)``, ``g_idx (K,)``), for decode batches (up to ``MAX_M`` rows), in one Triton kernel.
+
+Why: the portable path dequantizes the whole weight to the model's dtype each call, then runs a
+dense matmul. At a decode step's few rows that writes and reads back four times the bytes of a
+bf16 weight, where the point of 4-bit weights is to read a quarter of them.
+
+How: each program owns ``BLOCK_N`` output columns and a range of K. Per ``BLOCK_K`` step it
+loads the packed words (once each, unpacked in registers), the x tile, and the scales and zeros:
+one row of each when the tile lies in one group, else each row's group through ``g_idx`` (GPTQ's
+act-order). It dequantizes the tile in registers (``_minus_zero``: no int-to-float conversion)
+and feeds it to ``tl.dot`` as the A operand, computing ``out`` transposed (float32 accumulator).
+A weight has few column tiles at decode shapes (Qwen3-0.6B's o_proj: 8 of 128 columns), so K is
+split over programs until about ``PROGRAMS_PER_SM`` programs an SM run; split partials are
+summed in float32 by torch, then rounded once.
+
+Measured on the H200 (BENCHMARKS.md, fourteenth session): the eight decode matrices of
+Qwen3-0.6B and Llama-3-8B at one row in 204 us, against 2,941 for dequantize + cuBLAS and 199
+for bf16 cuBLAS: a quarter of the bytes in bf16's time, so the dequantization, not memory,
+bounds it.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, num_sms
+
+MAX_M = 64               # rows of x the kernel takes (0 turns it off); more: dequantize + cuBLAS
+BLOCK_N = 128
+BLOCK_K = 128
+PROGRAMS_PER_SM = 4      # split K until this many programs an SM
+MAX_SPLIT_K = 16
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+fix_interpreter_loop_bounds()
+
+
+@triton.jit
+def _minus_zero(q, zero, BITS: tl.constexpr):
+    """``q - zero`` in zero's dtype (exact: small integers). For bf16 and fp16 without an
+    int-to-float conversion (a quarter-rate instruction, one per weight): q's bits set into the
+    mantissa of 128.0 (bf16, 7 mantissa bits: 4-bit q) or 1024.0 (fp16, 10 bits: up to 8-bit
+    q) read as that float, then that base subtracted with the zero point."""
+    if (zero.dtype == tl.bfloat16) & (BITS <= 7):
+        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (zero + 128.0)
+    elif (zero.dtype == tl.float16) & (BITS <= 10):
+        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (zero + 1024.0)
+    else:
+        return q.to(zero.dtype) - zero
+
+
+@triton.jit
+def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
+                  M, N, K, k_per_split, group_size, stride_xm, stride_qk, stride_sg, stride_os, stride_om,
+                  BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  WHOLE_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    PACK: tl.constexpr = 32 // BITS
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    offs_w = tl.arange(0, BLOCK_K // PACK)
+    shifts = tl.arange(0, PACK) * BITS
+    # out transposed: the weight is the dot's A operand (its dequantized tile goes to shared
+    # memory in 16-byte stores; as B, in 2-byte ones)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_hi
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        # The tile's packed words, each loaded once, unpacked in registers: word row r, value j
+        # is K row r * PACK + j.
+        rows = k0 // PACK + offs_w
+        words = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
+                        mask=(rows < tl.cdiv(k_hi, PACK))[:, None] & n_ok[None, :], other=0)
+        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), [BLOCK_K, BLOCK_N])
+        if WHOLE_GROUPS:   # the tile lies in one group (groups by the rule, a multiple of BLOCK_K)
+            g = k0 // group_size
+            scale = tl.load(scales_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0)[None, :]
+            zero = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0)[None, :]
+        else:              # each row's own group: act-order, small or partial groups
+            g = tl.load(g_idx_ptr + offs_k, mask=k_ok, other=0).to(tl.int64)
+            sz = g[:, None] * stride_sg + offs_n[None, :]
+            scale = tl.load(scales_ptr + sz, mask=n_ok[None, :], other=0.0)
+            zero = tl.load(zeros_ptr + sz, mask=n_ok[None, :], other=0.0)
+        # (q - zero) * scale in the weights' dtype, as ``int4.dequantize`` rounds it; rows past
+        # K were masked to 0 in x
+        w = (_minus_zero(q, zero, BITS) * scale).to(x.dtype)
+        acc += tl.dot(tl.trans(w), tl.trans(x), input_precision="ieee" if x.dtype == tl.float32 else "tf32")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+def use_w4a16(x: torch.Tensor) -> bool:
+    """Whether ``w4a16_linear`` runs this matmul (from shapes only: the same choice at CUDA-graph
+    capture and replay). On CPUs the interpreter would be slower than dequantizing."""
+    return x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(1) == 1
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 g_idx: torch.Tensor, bits: int, bias: torch.Tensor | None = None,
+                 group_size: int | None = None) -> torch.Tensor:
+    """``x (M, K) @ W (K, N) + bias`` in ``x``'s dtype, W as ``int4.dequantize`` would build it.
+    ``group_size``: the groups when ``g_idx`` is ``k // group_size`` (no act-order); None reads
+    each row's group from ``g_idx``. Capturable (no host sync)."""
+    m, k = x.shape
+    n = scales.shape[1]
+    pack = 32 // bits
+    assert qweight.shape == (k // pack, n) and zeros.shape == scales.shape and g_idx.shape == (k,)
+    assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1 and zeros.stride() == scales.stride()
+    k_blocks = triton.cdiv(k, BLOCK_K)
+    col_tiles = triton.cdiv(n, BLOCK_N)
+    split = max(1, min(MAX_SPLIT_K, k_blocks, triton.cdiv(PROGRAMS_PER_SM * num_sms(x.device), col_tiles)))
+    # splits of whole groups where groups are whole tiles: each tile then reads one row of scales
+    whole_groups = group_size is not None and group_size % BLOCK_K == 0
+    unit = group_size if whole_groups else BLOCK_K
+    k_per_split = triton.cdiv(triton.cdiv(k, unit), split) * unit
+    split = triton.cdiv(k, k_per_split)   # no empty splits
+    if split == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    _w4a16_kernel[(col_tiles, split)](
+        x, qweight, scales, zeros, g_idx, bias if bias is not None and split == 1 else scales, out,
+        m, n, k, k_per_split, group_size or 1, x.stride(0), qweight.stride(0), scales.stride(0),
+        out.stride(0) if split > 1 else 0, out.stride(-2),
+        BITS=bits, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        WHOLE_GROUPS=whole_groups,
+        HAS_BIAS=bias is not None and split == 1, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
+    if split == 1:
+        return out
+    out = out.sum(0)
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
