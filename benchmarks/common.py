@@ -196,6 +196,16 @@ def param_counts(cfg: dict) -> tuple[int, int]:
     return n * layer, h * cfg["vocab_size"]
 
 
+def weight_bytes(cfg: dict) -> float:
+    """Bytes of weights one step reads: the decoder layers' (bf16, or as the config's
+    ``quantization_config`` packs them: ``bits`` a weight plus a bf16 scale and zero a group)
+    and the bf16 LM head (read once per step, tied or not)."""
+    layers, head = param_counts(cfg)
+    qc = cfg.get("quantization_config")
+    per_weight = 2 if qc is None else qc["bits"] / 8 + 4 / qc["group_size"]
+    return per_weight * layers + 2 * head
+
+
 def hf_model(config_path: str, dtype="bfloat16"):
     import torch
     import transformers

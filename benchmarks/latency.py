@@ -15,7 +15,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (DUMMY_QUANT_CONFIGS, Timer, add_knob_arg, apply_knob_args, bar_chart, dummy_model_dir, hf_model,  # noqa: E402
-                    host_profile, measure_ceilings, on_off, param_counts)
+                    host_profile, measure_ceilings, on_off, weight_bytes)
 
 
 def prompts_for(batch, length, vocab, seed=0):
@@ -51,16 +51,12 @@ def hf_latency(model, prompts, out_len):
     return {"ttft_ms": t1 * 1e3, "ms_per_step": (tn - t1) / (out_len - 1) * 1e3}
 
 
-def floor_ms(cfg, batch, context, ceilings, quantization=None) -> float:
-    """Bytes one decode step must read (weights once, each sequence's KV) / copy bandwidth.
-    The copy bandwidth counts read + write, so reading alone is credited at that rate. Layer
-    weights are bf16, or with ``quantization`` 4 bits plus a bf16 scale and zero per 128."""
-    layers, head = param_counts(cfg)
-    per_weight = 2 if quantization is None else 0.5 + 4 / DUMMY_QUANT_CONFIGS[quantization]["group_size"]
-    weight_bytes = per_weight * layers + 2 * head    # the LM head is read once per step, tied or not
+def floor_ms(cfg, batch, context, ceilings) -> float:
+    """Bytes one decode step must read (weights once, ``weight_bytes``; each sequence's KV) / copy
+    bandwidth. The copy bandwidth counts read + write, so reading alone is credited at that rate."""
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_bytes = 2 * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * context * batch
-    return (weight_bytes + kv_bytes) / ceilings["copy_bytes_per_s"] * 1e3
+    return (weight_bytes(cfg) + kv_bytes) / ceilings["copy_bytes_per_s"] * 1e3
 
 
 def main():
@@ -82,6 +78,8 @@ def main():
     from pagoda import LLM, SamplingParams
     with open(args.model_config) as f:
         cfg = json.load(f)
+    if args.quantization:
+        cfg["quantization_config"] = DUMMY_QUANT_CONFIGS[args.quantization]
     name = os.path.splitext(os.path.basename(args.model_config))[0] + (f"-{args.quantization}" if args.quantization else "")
     ceilings = measure_ceilings()
     t0 = time.perf_counter()
@@ -95,7 +93,7 @@ def main():
     for b in args.batch:
         r = pagoda_latency(llm, prompts_for(b, args.prompt_len, cfg["vocab_size"]), args.output_len)
         r.update(engine="pagoda", batch=b,
-                 floor_ms=floor_ms(cfg, b, args.prompt_len + args.output_len // 2, ceilings, args.quantization))
+                 floor_ms=floor_ms(cfg, b, args.prompt_len + args.output_len // 2, ceilings))
         rows.append(r)
     if args.profile:
         host_profile(llm, [{"prompt_token_ids": p} for p in prompts_for(args.batch[0], args.prompt_len,

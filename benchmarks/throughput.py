@@ -17,8 +17,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (Timer, TritonCompiles, add_knob_arg, apply_knob_args, bar_chart, dummy_model_dir,  # noqa: E402
-                    hf_model, host_profile, measure_ceilings, on_off, param_counts)
+from common import (DUMMY_QUANT_CONFIGS, Timer, TritonCompiles, add_knob_arg, apply_knob_args,  # noqa: E402
+                    bar_chart, dummy_model_dir, hf_model, host_profile, measure_ceilings, on_off, param_counts,
+                    weight_bytes)
 
 
 def make_requests(n, prompt_range, output_range, vocab, seed):
@@ -40,7 +41,7 @@ def run_pagoda(args, prompts, output_lens):
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
     model = args.model
     if args.model_config:
-        model, kwargs["load_format"] = dummy_model_dir(args.model_config), "dummy"
+        model, kwargs["load_format"] = dummy_model_dir(args.model_config, args.quantization), "dummy"
         kwargs["skip_tokenizer_init"] = True
     t0 = time.perf_counter()
     llm = LLM(model, **kwargs)
@@ -60,11 +61,7 @@ def run_pagoda(args, prompts, output_lens):
     assert n_out == sum(output_lens), "every request must produce exactly max_tokens tokens"
     engine = llm.llm_engine
     if args.profile:
-        cfg = None
-        if args.model_config:
-            with open(args.model_config) as f:
-                cfg = json.load(f)
-        profile_run(llm, inputs, params, args.out, cfg)
+        profile_run(llm, inputs, params, args.out, model_config(args) if args.model_config else None)
     return {"engine": "pagoda", "startup_s": startup, "elapsed_s": elapsed,
             "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed,
             "requests": len(prompts), "prompt_tokens": n_in, "output_tokens": n_out,
@@ -172,13 +169,23 @@ def profile_steps(llm, inputs, params, cfg=None, ceilings=None):
               f"its KV read): {floor:.2f} s; the steps took {total:.2f} s ({total / floor:.2f}x)")
 
 
+def model_config(args) -> dict:
+    """The benchmark model's config, with ``--quantization``'s quantization_config (as the dummy
+    model's folder has it: the floors count its packed weights)."""
+    with open(args.model_config) as f:
+        cfg = json.load(f)
+    if args.quantization:
+        cfg["quantization_config"] = DUMMY_QUANT_CONFIGS[args.quantization]
+    return cfg
+
+
 def step_floor(cfg: dict, ceilings: dict, steps, token_kv_bytes: int) -> float:
     """Seconds a run's own steps need at the measured ceilings. steps: (requests, context tokens
-    read, tokens computed) per step. A step reads the bf16 weights once and runs each computed
-    token through the decoder layers and each request's sampled row through the LM head, so it
+    read, tokens computed) per step. A step reads the weights once (``weight_bytes``) and runs
+    each computed token through the decoder layers and each request's sampled row through the LM head, so it
     takes the longer of the read and the matmuls; then it reads its KV."""
     layers, head = param_counts(cfg)
-    weight_s = 2 * (layers + head) / ceilings["copy_bytes_per_s"]
+    weight_s = weight_bytes(cfg) / ceilings["copy_bytes_per_s"]
     flops_s = ceilings["bf16_flops_per_s"]
     return sum(max(weight_s, (2 * layers * tokens + 2 * head * requests) / flops_s)
                + context * token_kv_bytes / ceilings["copy_bytes_per_s"]
@@ -281,6 +288,8 @@ def main():
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=1.0, help="0.9: the spec's sample")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", choices=sorted(DUMMY_QUANT_CONFIGS), default=None,
+                   help="W5: dummy 4-bit weights in this checkpoint format (with --model-config)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (1,024 on an H200)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: the engine's (16,384 on an H200, as vLLM's offline default there)")
@@ -311,8 +320,7 @@ def main():
             vocab = json.load(f)["vocab_size"]
     prompts, output_lens = make_requests(args.num_requests, args.prompt_len, args.output_len, vocab, args.seed)
     if args.schedule_floor:
-        with open(args.model_config) as f:
-            cfg = json.load(f)
+        cfg = model_config(args)
         ceilings = {"copy_bytes_per_s": args.schedule_floor[0] * 1e12, "bf16_flops_per_s": args.schedule_floor[1] * 1e12}
         # (without a GPU, the engine's defaults on an H200 unless given)
         print(json.dumps(schedule_floor(args, prompts, output_lens, cfg, ceilings,
@@ -322,8 +330,7 @@ def main():
     rows = [result]
     import torch
     if torch.cuda.is_available() and args.model_config:
-        with open(args.model_config) as f:
-            cfg = json.load(f)
+        cfg = model_config(args)
         result["ceilings"] = measure_ceilings()
         result["compute_floor_s"] = compute_floor(cfg, prompts, output_lens, result["ceilings"])
         result["kv_read_floor_s"] = kv_read_floor(cfg, prompts, output_lens, result["ceilings"])
@@ -342,6 +349,7 @@ def main():
                           "dtype": args.dtype, "model": args.model_config or args.model or "SmolLM2-135M"}
     os.makedirs(args.out, exist_ok=True)
     name = os.path.splitext(os.path.basename(args.model_config or args.model or "smollm2"))[0]
+    name += f"-{args.quantization}" if args.quantization else ""
     tag = ("async" if result["async_scheduling"] else "sync") + ("" if args.prefix_caching else "_nocache")
     with open(os.path.join(args.out, f"throughput_{name}_{tag}.json"), "w") as f:
         json.dump(result, f, indent=2)
