@@ -3,8 +3,8 @@
 ``(groups, N)``, ``g_idx (K,)``), for decode batches (up to ``MAX_M`` rows), in one Triton kernel.
 
 Why: the portable path dequantizes the whole weight to the model's dtype each call, then runs a
-dense matmul. At a decode step's few rows that writes and reads back four times the bytes of a
-bf16 weight, where the point of 4-bit weights is to read a quarter of them.
+dense matmul. At a decode step's few rows that writes a bf16 weight and reads it back, more than
+twice a bf16 matmul's bytes, where the point of 4-bit weights is to read a quarter of them.
 
 How: each program owns ``BLOCK_N`` output columns and a range of K. Per ``BLOCK_K`` step it
 loads the packed words (once each, unpacked in registers), the x tile, and the scales and zeros:
