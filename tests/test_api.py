@@ -1,6 +1,5 @@
 """The offline API with the real SmolLM2: outputs, sampling options, streaming and the seed's
 first code sample."""
-import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.sampling_params import RequestOutputKind
