@@ -6,14 +6,16 @@ Why: the portable path dequantizes the whole weight to the model's dtype each ca
 dense matmul. At a decode step's few rows that writes a bf16 weight and reads it back, more than
 twice a bf16 matmul's bytes, where the point of 4-bit weights is to read a quarter of them.
 
-How: each program owns ``BLOCK_N`` output columns and a range of K. Per ``BLOCK_K`` step it
-loads the packed words (once each, unpacked in registers), the x tile, and the scales and zeros:
-one row of each when the tile lies in one group, else each row's group through ``g_idx`` (GPTQ's
-act-order). It dequantizes the tile in registers (``_minus_zero``: no int-to-float conversion)
-and feeds it to ``tl.dot`` as the A operand, computing ``out`` transposed (float32 accumulator).
-A weight has few column tiles at decode shapes (Qwen3-0.6B's o_proj: 8 of 128 columns), so K is
-split over programs until about ``PROGRAMS_PER_SM`` programs an SM run; split partials are
-summed in float32 by torch, then rounded once.
+How: each program owns ``BLOCK_N`` output columns of up to ``MAX_BLOCK_M`` rows and a range of
+K. Per ``BLOCK_K`` step it loads the packed words (once each, unpacked in registers), the x
+tile, and the scales and zeros: one row of each when the tile lies in one group, else each row's
+group through ``g_idx`` (GPTQ's act-order). It dequantizes the tile in registers
+(``_minus_zero``: no int-to-float conversion) and feeds it to ``tl.dot`` as the A operand,
+computing ``out`` transposed (float32 accumulator). A weight has few column tiles at decode
+shapes (Qwen3-0.6B's o_proj: 8 of 128 columns), so K is split over programs until about
+``PROGRAMS_PER_SM`` programs an SM run; split partials are summed in float32 by torch, then
+rounded once. Each row tile dequantizes the weight again, so the kernel stops at ``MAX_M``
+rows, where the dequantize path's one pass over the weight is cheaper.
 
 Measured on the H200 (BENCHMARKS.md, fourteenth session): the eight decode matrices of
 Qwen3-0.6B and Llama-3-8B at one row in 204 us, against 2,941 for dequantize + cuBLAS and 199
@@ -26,7 +28,11 @@ import triton.language as tl
 
 from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, num_sms
 
-MAX_M = 64               # rows of x the kernel takes (0 turns it off); more: dequantize + cuBLAS
+# Rows of x the kernel takes (0 turns it off); more: dequantize + cuBLAS. Measured at up to 64
+# rows (286 us for the eight decode matrices against 2,950 dequantizing); 256 rows are four row
+# tiles, at most about 4 x 286 us: still well under. (256 rows not measured yet.)
+MAX_M = 256
+MAX_BLOCK_M = 64         # rows a program (more rows: programs over row tiles too)
 BLOCK_N = 128
 BLOCK_K = 128
 PROGRAMS_PER_SM = 4      # split K until this many programs an SM
@@ -59,7 +65,7 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr
     PACK: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
@@ -119,7 +125,10 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1 and zeros.stride() == scales.stride()
     k_blocks = triton.cdiv(k, BLOCK_K)
     col_tiles = triton.cdiv(n, BLOCK_N)
-    split = max(1, min(MAX_SPLIT_K, k_blocks, triton.cdiv(PROGRAMS_PER_SM * num_sms(x.device), col_tiles)))
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+    row_tiles = triton.cdiv(m, block_m)
+    split = max(1, min(MAX_SPLIT_K, k_blocks,
+                       triton.cdiv(PROGRAMS_PER_SM * num_sms(x.device), col_tiles * row_tiles)))
     # splits of whole groups where groups are whole tiles: each tile then reads one row of scales
     whole_groups = group_size is not None and group_size % BLOCK_K == 0
     unit = group_size if whole_groups else BLOCK_K
@@ -129,11 +138,11 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
         out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    _w4a16_kernel[(col_tiles, split)](
+    _w4a16_kernel[(col_tiles, split, row_tiles)](
         x, qweight, scales, zeros, g_idx, bias if bias is not None and split == 1 else scales, out,
         m, n, k, k_per_split, group_size or 1, x.stride(0), qweight.stride(0), scales.stride(0),
         out.stride(0) if split > 1 else 0, out.stride(-2),
-        BITS=bits, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        BITS=bits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         WHOLE_GROUPS=whole_groups,
         HAS_BIAS=bias is not None and split == 1, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
     if split == 1:

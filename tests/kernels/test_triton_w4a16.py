@@ -1,6 +1,6 @@
 """The W4A16 Triton kernel (``pagoda.kernels.triton_w4a16``) against ``int4.dequantize`` and a
 float32 matmul, on fresh random packed weights: 4 and 8 bits, groups by the rule (of 128 and 256,
-a row of scales a tile) and permuted (GPTQ act-order, through g_idx), a partial last group, 1-64 rows, column counts that do not fill a tile, and
+a row of scales a tile) and permuted (GPTQ act-order, through g_idx), a partial last group, 1-130 rows (row tiles), column counts that do not fill a tile, and
 K split over programs or not. In Triton's CPU interpreter (float32, float16) without a GPU;
 compiled, in bfloat16 and float16, with one."""
 import zlib
@@ -30,7 +30,7 @@ def random_layer(k, n, bits, group, act_order, dtype, gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [1, 5, 64])
+@pytest.mark.parametrize("m", [1, 5, 64, 130])
 @pytest.mark.parametrize("bits,k,n,group,act_order", [
     (4, 256, 200, 128, False), (4, 256, 48, 32, True), (8, 96, 64, 64, False), (4, 1024, 128, 128, True),
     (4, 1024, 64, 256, False)],
