@@ -117,8 +117,12 @@ def apply_knob_args(args) -> None:
         if isinstance(current, dict):   # entries merged in, each entry's own dict too
             for key, entry in ast.literal_eval(value).items():
                 current[key] = {**current[key], **entry} if isinstance(entry, dict) else entry
-        else:
-            setattr(module, name, type(current)(value))
+        else:   # a literal ("0", "8", "0.5", "False") as the current value's type; else the string
+            try:
+                parsed = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                parsed = value
+            setattr(module, name, type(current)(parsed))
 
 
 def host_profile(llm, inputs, params, top: int = 25, path: str | None = None) -> None:
