@@ -13,16 +13,21 @@ DUMMY_QUANT_CONFIGS = {
 }
 
 
-def dummy_model_dir(config_path: str, quantization: str | None = None) -> str:
-    """A folder holding just the config, for load_format="dummy" (with ``quantization``, the
-    config of that format's checkpoints: ``DUMMY_QUANT_CONFIGS``)."""
-    folder = tempfile.mkdtemp(prefix="pagoda-dummy-")
+def model_config(config_path: str, quantization: str | None = None) -> dict:
+    """A benchmark model's config.json, with ``quantization``'s ``DUMMY_QUANT_CONFIGS`` entry as
+    its quantization_config (what the dummy model loads, and what the floors count)."""
     with open(config_path) as f:
         cfg = json.load(f)
     if quantization:
         cfg["quantization_config"] = DUMMY_QUANT_CONFIGS[quantization]
+    return cfg
+
+
+def dummy_model_dir(config_path: str, quantization: str | None = None) -> str:
+    """A folder holding just the config (``model_config``), for load_format="dummy"."""
+    folder = tempfile.mkdtemp(prefix="pagoda-dummy-")
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
+        json.dump(model_config(config_path, quantization), f)
     return folder
 
 

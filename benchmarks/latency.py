@@ -15,7 +15,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (DUMMY_QUANT_CONFIGS, Timer, add_knob_arg, apply_knob_args, bar_chart, dummy_model_dir, hf_model,  # noqa: E402
-                    host_profile, measure_ceilings, on_off, weight_bytes)
+                    host_profile, measure_ceilings, model_config, on_off, weight_bytes)
 
 
 def prompts_for(batch, length, vocab, seed=0):
@@ -76,10 +76,7 @@ def main():
     args = p.parse_args()
     apply_knob_args(args)
     from pagoda import LLM, SamplingParams
-    with open(args.model_config) as f:
-        cfg = json.load(f)
-    if args.quantization:
-        cfg["quantization_config"] = DUMMY_QUANT_CONFIGS[args.quantization]
+    cfg = model_config(args.model_config, args.quantization)
     name = os.path.splitext(os.path.basename(args.model_config))[0] + (f"-{args.quantization}" if args.quantization else "")
     ceilings = measure_ceilings()
     t0 = time.perf_counter()

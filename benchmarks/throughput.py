@@ -18,8 +18,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (DUMMY_QUANT_CONFIGS, Timer, TritonCompiles, add_knob_arg, apply_knob_args,  # noqa: E402
-                    bar_chart, dummy_model_dir, hf_model, host_profile, measure_ceilings, on_off, param_counts,
-                    weight_bytes)
+                    bar_chart, dummy_model_dir, hf_model, host_profile, measure_ceilings, model_config, on_off,
+                    param_counts, weight_bytes)
 
 
 def make_requests(n, prompt_range, output_range, vocab, seed):
@@ -61,7 +61,7 @@ def run_pagoda(args, prompts, output_lens):
     assert n_out == sum(output_lens), "every request must produce exactly max_tokens tokens"
     engine = llm.llm_engine
     if args.profile:
-        profile_run(llm, inputs, params, args.out, model_config(args) if args.model_config else None)
+        profile_run(llm, inputs, params, args.out, model_config(args.model_config, args.quantization) if args.model_config else None)
     return {"engine": "pagoda", "startup_s": startup, "elapsed_s": elapsed,
             "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed,
             "requests": len(prompts), "prompt_tokens": n_in, "output_tokens": n_out,
@@ -167,16 +167,6 @@ def profile_steps(llm, inputs, params, cfg=None, ceilings=None):
         floor = step_floor(cfg, ceilings, [(b, c, n) for b, _, _, _, c, n in steps], token_kv_bytes)
         print(f"roofline of these steps (each: the weight read or its matmuls, whichever is longer, plus "
               f"its KV read): {floor:.2f} s; the steps took {total:.2f} s ({total / floor:.2f}x)")
-
-
-def model_config(args) -> dict:
-    """The benchmark model's config, with ``--quantization``'s quantization_config (as the dummy
-    model's folder has it: the floors count its packed weights)."""
-    with open(args.model_config) as f:
-        cfg = json.load(f)
-    if args.quantization:
-        cfg["quantization_config"] = DUMMY_QUANT_CONFIGS[args.quantization]
-    return cfg
 
 
 def step_floor(cfg: dict, ceilings: dict, steps, token_kv_bytes: int) -> float:
@@ -320,7 +310,7 @@ def main():
             vocab = json.load(f)["vocab_size"]
     prompts, output_lens = make_requests(args.num_requests, args.prompt_len, args.output_len, vocab, args.seed)
     if args.schedule_floor:
-        cfg = model_config(args)
+        cfg = model_config(args.model_config, args.quantization)
         ceilings = {"copy_bytes_per_s": args.schedule_floor[0] * 1e12, "bf16_flops_per_s": args.schedule_floor[1] * 1e12}
         # (without a GPU, the engine's defaults on an H200 unless given)
         print(json.dumps(schedule_floor(args, prompts, output_lens, cfg, ceilings,
@@ -330,7 +320,7 @@ def main():
     rows = [result]
     import torch
     if torch.cuda.is_available() and args.model_config:
-        cfg = model_config(args)
+        cfg = model_config(args.model_config, args.quantization)
         result["ceilings"] = measure_ceilings()
         result["compute_floor_s"] = compute_floor(cfg, prompts, output_lens, result["ceilings"])
         result["kv_read_floor_s"] = kv_read_floor(cfg, prompts, output_lens, result["ceilings"])

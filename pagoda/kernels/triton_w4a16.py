@@ -134,17 +134,17 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     unit = group_size if whole_groups else BLOCK_K
     k_per_split = triton.cdiv(triton.cdiv(k, unit), split) * unit
     split = triton.cdiv(k, k_per_split)   # no empty splits
-    if split == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    if split == 1:   # the bias added in the kernel
+        out, fused_bias = torch.empty(m, n, dtype=x.dtype, device=x.device), bias
+    else:            # float32 partials, summed (and the bias added) below
+        out, fused_bias = torch.empty(split, m, n, dtype=torch.float32, device=x.device), None
     _w4a16_kernel[(col_tiles, split, row_tiles)](
-        x, qweight, scales, zeros, g_idx, bias if bias is not None and split == 1 else scales, out,
+        x, qweight, scales, zeros, g_idx, scales if fused_bias is None else fused_bias, out,
         m, n, k, k_per_split, group_size or 1, x.stride(0), qweight.stride(0), scales.stride(0),
         out.stride(0) if split > 1 else 0, out.stride(-2),
         BITS=bits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         WHOLE_GROUPS=whole_groups,
-        HAS_BIAS=bias is not None and split == 1, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
+        HAS_BIAS=fused_bias is not None, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
     if split == 1:
         return out
     out = out.sum(0)
