@@ -51,6 +51,8 @@
 #                                            # sweep on ragged batches, W1 Qwen3 two of them against the default
 #   bash benchmarks/gpu_session.sh w4a16     # W5: W4A16 kernel tests + micro-benchmark, W2 bf16 / GPTQ / AWQ
 #   bash benchmarks/gpu_session.sh w4a16b    # W5: the W4A16 kernel's tile sweep, W2 GPTQ with the best
+#   bash benchmarks/gpu_session.sh w5w1      # W5: W4A16 at 64-256 rows; W1 both models bf16 against GPTQ
+#   bash benchmarks/gpu_session.sh w5tiles   # W5: W4A16 tiles for 128- and 256-row tiles (sweep); W1 GPTQ with the best
 #   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
 #   bash benchmarks/gpu_session.sh graphs12  # W1 with CUDA graphs of its 16,384-token prefill steps (knobs)
 #   bash benchmarks/gpu_session.sh next11    # GPU error tests; attention timeline (worktree .ab/tl: carry it)
@@ -542,6 +544,32 @@ case "${1:-}" in
     for m in qwen3-0.6b llama3-8b; do
       run "W2 $m gptq" latency.py --model-config $MA/$m.json --batch 1 8 64 --quantization gptq --out "$OUT/gptq" \
         $(cat "$OUT/w4a16_best_knobs.txt")
+    done
+    ;;
+  w5w1)
+    # W5's W1: the W4A16 kernel on W1's decode batches (up to 256 rows, row tiles of 64), then W1
+    # with GPTQ / AWQ 4-bit weights against bf16, both models, in one run
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_w4a16.py 2>&1 | tail -2
+    python3 benchmarks/w4a16.py --rows 64 128 256 --out "$OUT" 2>&1 | grep "^all eight"
+    for m in qwen3-0.6b llama3-8b; do
+      for q in bf16 gptq; do
+        qa=""; [ $q = bf16 ] || qa="--quantization $q"
+        python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm $qa --out "$OUT/$m-$q" 2>&1 \
+          | grep -E "^pagoda |^roofline of this" | sed "s/^/W1 $m $q: /"
+      done
+    done
+    python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --quantization awq \
+      --out "$OUT/qwen3-awq" 2>&1 | grep -E "^pagoda |^roofline of this" | sed "s/^/W1 qwen3-0.6b awq: /"
+    ;;
+  w5tiles)
+    # The W4A16 kernel's own tiles for 128- and 256-row batches (W1's decode steps): tests, the
+    # sweep, the eight matrices and W1 GPTQ both models with the sweep's best
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_w4a16.py 2>&1 | tail -2
+    python3 benchmarks/w4a16.py --sweep --rows 128 256 --out "$OUT" 2>&1 | grep sweep
+    cat "$OUT/w4a16_best_knobs.txt"; echo
+    for m in qwen3-0.6b llama3-8b; do
+      python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --quantization gptq --out "$OUT/$m-gptq" \
+        $(cat "$OUT/w4a16_best_knobs.txt") 2>&1 | grep -E "^pagoda |^roofline of this" | sed "s/^/W1 $m gptq: /"
     done
     ;;
   gap13)

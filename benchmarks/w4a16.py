@@ -27,9 +27,17 @@ MATRICES = {("qwen3-0.6b", "qkv"): (1024, 4096), ("qwen3-0.6b", "o"): (2048, 102
 GROUP = 128
 
 
-# --sweep: tile configurations (the kernel module's constants), all eight matrices each
-SWEEP = [dict(), dict(BLOCK_N=64), dict(BLOCK_N=128, NUM_WARPS=8), dict(BLOCK_K=256), dict(PROGRAMS_PER_SM=8),
-         dict(NUM_STAGES=4), dict(BLOCK_N=32)]
+# --sweep: entries tried for TILES[block_m] (merged into the current one), by block_m: the rows a
+# program takes. At 128-256 rows a program's accumulator is BLOCK_N x BLOCK_M float32: 8 warps or
+# narrower tiles keep it in registers.
+SWEEP = {
+    64: [dict(), dict(BLOCK_N=64), dict(BLOCK_N=128, num_warps=8), dict(BLOCK_K=256), dict(num_stages=4)],
+    128: [dict(), dict(num_warps=8), dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=8),
+          dict(BLOCK_K=64, num_warps=8, num_stages=4), dict(BLOCK_N=64, BLOCK_K=64, num_stages=4), dict(BLOCK_N=32)],
+    256: [dict(), dict(num_warps=8), dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=8),
+          dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4), dict(BLOCK_N=32), dict(BLOCK_N=32, num_warps=8),
+          dict(BLOCK_N=64, BLOCK_K=64, num_stages=3)],
+}
 
 
 def layer(k, n, dev, dtype, gen):
@@ -40,37 +48,48 @@ def layer(k, n, dev, dtype, gen):
 
 
 def sweep(rows, out):
-    """Each configuration's microseconds for the eight matrices at each row count; the fastest
-    (summed over the row counts) written as --knob arguments to ``out/w4a16_best_knobs.txt``."""
+    """For each row count, each SWEEP entry of its row tile: microseconds for the eight matrices
+    (a configuration that fails to compile or to match the dequantized matmul is skipped); the
+    fastest entry of each row tile written as one --knob argument to ``out/w4a16_best_knobs.txt``."""
     dev, dtype = "cuda", torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
     layers = {key: layer(k, n, dev, dtype, gen) for key, (k, n) in MATRICES.items()}
-    xs = {(m, k): torch.randn(m, k, device=dev, dtype=dtype, generator=gen)
-          for m in rows for k in {k for k, _ in MATRICES.values()}}
-    default = {name: getattr(tw, name) for c in SWEEP for name in c}
-    totals = []
-    try:
-        for config in SWEEP:
-            for name, value in {**default, **config}.items():
-                setattr(tw, name, value)
-            per_rows = [sum(graph_ms(lambda: tw.w4a16_linear(xs[m, k], *layers[key], 4, None, GROUP))
-                            for key, (k, _) in MATRICES.items()) * 1e3 for m in rows]
-            totals.append((sum(per_rows), config))
-            print(f"sweep {str(config):45s} " + "  ".join(f"{m} rows {t:6.1f} us" for m, t in zip(rows, per_rows)))
-    finally:
-        for name, value in default.items():
-            setattr(tw, name, value)
-    best = min(totals, key=lambda t: t[0])[1]
-    print(f"sweep best: {best or 'the defaults'}")
+    refs = {key: dequantize(*layers[key], 4).float() for key in MATRICES}
+    best = {}
+    for m in rows:
+        block_m = min(max(tw.TILES), max(16, 1 << (m - 1).bit_length()))
+        default = dict(tw.TILES[block_m])
+        xs = {k: torch.randn(m, k, device=dev, dtype=dtype, generator=gen) for k in {k for k, _ in MATRICES.values()}}
+        timed = []
+        try:
+            for config in SWEEP.get(block_m, [dict()]):
+                tw.TILES[block_m] = {**default, **config}
+                try:
+                    for key, (k, _) in MATRICES.items():
+                        got = tw.w4a16_linear(xs[k], *layers[key], 4, None, GROUP).float()
+                        ref = xs[k].float() @ refs[key]
+                        assert ((got - ref).norm() / ref.norm()).item() < 1e-2, f"{key} wrong"
+                    us = sum(graph_ms(lambda: tw.w4a16_linear(xs[k], *layers[key], 4, None, GROUP))
+                             for key, (k, _) in MATRICES.items()) * 1e3
+                except Exception as e:   # out of shared memory, registers, or wrong
+                    print(f"sweep {m} rows {str(config):60s} failed: {str(e).splitlines()[0][:80]}")
+                    continue
+                timed.append((us, config))
+                print(f"sweep {m} rows {str(config):60s} {us:7.1f} us")
+        finally:
+            tw.TILES[block_m] = default
+        us, config = min(timed, key=lambda t: t[0])
+        print(f"sweep best at {m} rows: {config or 'the default'} ({us:.1f} us)")
+        best[block_m] = min(best.get(block_m, (us, config)), (us, config), key=lambda t: t[0])
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "w4a16_best_knobs.txt"), "w") as f:
-        f.write(" ".join(f"--knob triton_w4a16.{name}={int(value)}" for name, value in best.items()))
+        f.write("--knob triton_w4a16.TILES=" + repr({b: c for b, (_, c) in best.items()}).replace(" ", ""))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--sweep", action="store_true", help="only time the tile configurations in SWEEP")
+    p.add_argument("--sweep", action="store_true", help="only time the TILES entries in SWEEP, by row count")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
     if args.sweep:

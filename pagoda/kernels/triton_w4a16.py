@@ -6,7 +6,7 @@ Why: the portable path dequantizes the whole weight to the model's dtype each ca
 dense matmul. At a decode step's few rows that writes a bf16 weight and reads it back, more than
 twice a bf16 matmul's bytes, where the point of 4-bit weights is to read a quarter of them.
 
-How: each program owns ``BLOCK_N`` output columns of up to ``MAX_BLOCK_M`` rows and a range of
+How: each program owns ``BLOCK_N`` output columns of up to ``max(TILES)`` rows and a range of
 K. Per ``BLOCK_K`` step it loads the packed words (once each, unpacked in registers), the x
 tile, and the scales and zeros: one row of each when the tile lies in one group, else each row's
 group through ``g_idx`` (GPTQ's act-order). It dequantizes the tile in registers
@@ -28,17 +28,21 @@ import triton.language as tl
 
 from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, num_sms
 
-# Rows of x the kernel takes (0 turns it off); more: dequantize + cuBLAS. Measured at up to 64
-# rows (286 us for the eight decode matrices against 2,950 dequantizing); 256 rows are four row
-# tiles, at most about 4 x 286 us: still well under. (256 rows not measured yet.)
+# Rows of x the kernel takes (0 turns it off); more: dequantize + cuBLAS.
 MAX_M = 256
-MAX_BLOCK_M = 64         # rows a program (more rows: programs over row tiles too)
-BLOCK_N = 128
-BLOCK_K = 128
+# Tiles by BLOCK_M, the rows a program takes (the batch's rows rounded up to a power of two, at
+# least 16; batches over the largest run in row tiles of it, each dequantizing the weight again).
+# Measured on the H200 (BENCHMARKS.md, fifteenth session: `benchmarks/w4a16.py --sweep`), the
+# eight decode matrices of both models: at 1-64 rows 204-286 us; at 128 rows 395 us (BLOCK_N 128
+# at 4 warps 477: a 128 x 128 float32 accumulator is 128 registers a thread); at 256 rows 624
+# (64-row tiles four times over: 730; BLOCK_N 128 at 4 warps spills: 4,469).
+TILES = {
+    64: dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+    128: dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    256: dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+}
 PROGRAMS_PER_SM = 4      # split K until this many programs an SM
 MAX_SPLIT_K = 16
-NUM_WARPS = 4
-NUM_STAGES = 3
 
 fix_interpreter_loop_bounds()
 
@@ -123,15 +127,16 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     pack = 32 // bits
     assert qweight.shape == (k // pack, n) and zeros.shape == scales.shape and g_idx.shape == (k,)
     assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1 and zeros.stride() == scales.stride()
-    k_blocks = triton.cdiv(k, BLOCK_K)
-    col_tiles = triton.cdiv(n, BLOCK_N)
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+    block_m = min(max(TILES), max(16, triton.next_power_of_2(m)))
+    tiles = TILES[max(block_m, min(TILES))]
+    block_n, block_k = tiles["BLOCK_N"], tiles["BLOCK_K"]
+    col_tiles = triton.cdiv(n, block_n)
     row_tiles = triton.cdiv(m, block_m)
-    split = max(1, min(MAX_SPLIT_K, k_blocks,
+    split = max(1, min(MAX_SPLIT_K, triton.cdiv(k, block_k),
                        triton.cdiv(PROGRAMS_PER_SM * num_sms(x.device), col_tiles * row_tiles)))
     # splits of whole groups where groups are whole tiles: each tile then reads one row of scales
-    whole_groups = group_size is not None and group_size % BLOCK_K == 0
-    unit = group_size if whole_groups else BLOCK_K
+    whole_groups = group_size is not None and group_size % block_k == 0
+    unit = group_size if whole_groups else block_k
     k_per_split = triton.cdiv(triton.cdiv(k, unit), split) * unit
     split = triton.cdiv(k, k_per_split)   # no empty splits
     if split == 1:   # the bias added in the kernel
@@ -142,9 +147,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         x, qweight, scales, zeros, g_idx, scales if fused_bias is None else fused_bias, out,
         m, n, k, k_per_split, group_size or 1, x.stride(0), qweight.stride(0), scales.stride(0),
         out.stride(0) if split > 1 else 0, out.stride(-2),
-        BITS=bits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        WHOLE_GROUPS=whole_groups,
-        HAS_BIAS=fused_bias is not None, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
+        BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WHOLE_GROUPS=whole_groups,
+        HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"], num_warps=tiles["num_warps"])
     if split == 1:
         return out
     out = out.sum(0)

@@ -1,6 +1,7 @@
 """The W4A16 Triton kernel (``pagoda.kernels.triton_w4a16``) against ``int4.dequantize`` and a
 float32 matmul, on fresh random packed weights: 4 and 8 bits, groups by the rule (of 128 and 256,
-a row of scales a tile) and permuted (GPTQ act-order, through g_idx), a partial last group, 1-130 rows (row tiles), column counts that do not fill a tile, and
+a row of scales a tile) and permuted (GPTQ act-order, through g_idx), a partial last group, 1-130 rows (each row count's own tile), batches over the largest
+row tile (row tiles), column counts that do not fill a tile, and
 K split over programs or not. In Triton's CPU interpreter (float32, float16) without a GPU;
 compiled, in bfloat16 and float16, with one."""
 import zlib
@@ -50,6 +51,17 @@ def test_w4a16_matches_dequantized_matmul(dtype, m, bits, k, n, group, act_order
         assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
+def test_batches_over_the_largest_row_tile_run_in_row_tiles(monkeypatch):
+    # the largest tile cut to 32 rows: 70 rows are three row tiles, the last partial
+    monkeypatch.setattr(tw, "TILES", {32: dict(tw.TILES[64])})
+    gen = torch.Generator().manual_seed(2)
+    qweight, scales, zeros, g_idx = random_layer(256, 96, 4, 128, False, torch.float16, gen)
+    x = torch.randn(70, 256, generator=gen).to(DEVICE, torch.float16)
+    ref = x.float() @ dequantize(qweight, scales, zeros, g_idx, 4).float()
+    out = tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4, None, 128)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < TOLERANCE[torch.float16]
+
+
 def test_split_k_is_chosen_for_few_column_tiles(monkeypatch):
     # 2 column tiles cannot fill the chip: K is split; a 1-row call on a wide matrix is not.
     calls = []
@@ -61,7 +73,8 @@ def test_split_k_is_chosen_for_few_column_tiles(monkeypatch):
             return real[grid]
     monkeypatch.setattr(tw, "_w4a16_kernel", Spy())
     gen = torch.Generator().manual_seed(0)
-    for n in (2 * tw.BLOCK_N, tw.BLOCK_N * tw.PROGRAMS_PER_SM * tw.num_sms(torch.device(DEVICE))):
+    block_n = tw.TILES[64]["BLOCK_N"]
+    for n in (2 * block_n, block_n * tw.PROGRAMS_PER_SM * tw.num_sms(torch.device(DEVICE))):
         qweight, scales, zeros, g_idx = random_layer(256, n, 4, 128, False, torch.float32, gen)
         x = torch.randn(1, 256, generator=gen).to(DEVICE)
         tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4)
