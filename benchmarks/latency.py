@@ -68,6 +68,8 @@ def main():
     p.add_argument("--hf", action="store_true", help="HF generate baseline at batch 1")
     p.add_argument("--quantization", choices=sorted(DUMMY_QUANT_CONFIGS), default=None,
                    help="W5: dummy 4-bit weights in this checkpoint format")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs the model is split over (the floor then counts each GPU's share)")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, the host's hot spots at the first batch size (cProfile)")
@@ -78,11 +80,12 @@ def main():
     from pagoda import LLM, SamplingParams
     cfg = model_config(args.model_config, args.quantization)
     name = os.path.splitext(os.path.basename(args.model_config))[0] + (f"-{args.quantization}" if args.quantization else "")
+    name += f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     ceilings = measure_ceilings()
     t0 = time.perf_counter()
     llm = LLM(dummy_model_dir(args.model_config, args.quantization), load_format="dummy", dtype="bfloat16",
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
     tag = "async" if llm.llm_engine.async_scheduling else "sync"
     llm.generate({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=1), use_tqdm=False)
     startup = time.perf_counter() - t0
@@ -90,7 +93,7 @@ def main():
     for b in args.batch:
         r = pagoda_latency(llm, prompts_for(b, args.prompt_len, cfg["vocab_size"]), args.output_len)
         r.update(engine="pagoda", batch=b,
-                 floor_ms=floor_ms(cfg, b, args.prompt_len + args.output_len // 2, ceilings))
+                 floor_ms=floor_ms(cfg, b, args.prompt_len + args.output_len // 2, ceilings) / args.tensor_parallel_size)
         rows.append(r)
     if args.profile:
         host_profile(llm, [{"prompt_token_ids": p} for p in prompts_for(args.batch[0], args.prompt_len,

@@ -34,7 +34,8 @@ def run_pagoda(args, prompts, output_lens):
     from pagoda import LLM, SamplingParams
     kwargs = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,   # None: the engine's defaults
                   max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
-                  async_scheduling=args.async_scheduling, enable_prefix_caching=args.prefix_caching)
+                  async_scheduling=args.async_scheduling, enable_prefix_caching=args.prefix_caching,
+                  tensor_parallel_size=args.tensor_parallel_size)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     if args.kv_cache_gib:
@@ -285,6 +286,7 @@ def main():
                    help="default: the engine's (16,384 on an H200, as vLLM's offline default there)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf", action="store_true", help="also run HF transformers' generate_batch (GPU)")
     p.add_argument("--hf-requests", type=int, default=64)
@@ -340,6 +342,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     name = os.path.splitext(os.path.basename(args.model_config or args.model or "smollm2"))[0]
     name += f"-{args.quantization}" if args.quantization else ""
+    # (the floors above are one GPU's: with tensor parallelism, divide them by its size)
+    name += f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    result["tensor_parallel_size"] = args.tensor_parallel_size
     tag = ("async" if result["async_scheduling"] else "sync") + ("" if args.prefix_caching else "_nocache")
     with open(os.path.join(args.out, f"throughput_{name}_{tag}.json"), "w") as f:
         json.dump(result, f, indent=2)
