@@ -53,6 +53,7 @@
 #   bash benchmarks/gpu_session.sh w4a16b    # W5: the W4A16 kernel's tile sweep, W2 GPTQ with the best
 #   bash benchmarks/gpu_session.sh w5w1      # W5: W4A16 at 64-256 rows; W1 both models bf16 against GPTQ
 #   bash benchmarks/gpu_session.sh w5tiles   # W5: W4A16 tiles for 128- and 256-row tiles (sweep); W1 GPTQ with the best
+#   bash benchmarks/gpu_session.sh tp2       # (two GPUs) tensor parallelism: its tests over NCCL; W2 + W1 at tp 1 and 2
 #   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
 #   bash benchmarks/gpu_session.sh graphs12  # W1 with CUDA graphs of its 16,384-token prefill steps (knobs)
 #   bash benchmarks/gpu_session.sh next11    # GPU error tests; attention timeline (worktree .ab/tl: carry it)
@@ -570,6 +571,21 @@ case "${1:-}" in
     for m in qwen3-0.6b llama3-8b; do
       python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --quantization gptq --out "$OUT/$m-gptq" \
         $(cat "$OUT/w4a16_best_knobs.txt") 2>&1 | grep -E "^pagoda |^roofline of this" | sed "s/^/W1 $m gptq: /"
+    done
+    ;;
+  tp2)
+    # Tensor parallelism on two GPUs of one host: the tests (NCCL), then W2 Llama-3-8B and W1 both
+    # models at tp 1 and 2 in one run
+    nvidia-smi topo -m 2>&1 | head -4
+    python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 | tail -6
+    for tp in 1 2; do
+      run "W2 llama3-8b tp$tp" latency.py --model-config $MA/llama3-8b.json --batch 1 8 64 -tp $tp --out "$OUT/tp$tp"
+    done
+    for m in llama3-8b qwen3-0.6b; do
+      for tp in 2 1; do
+        python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm -tp $tp --out "$OUT/tp$tp" 2>&1 \
+          | grep -E "^pagoda |^roofline of this|Error|error" | sed "s/^/W1 $m tp$tp: /"
+      done
     done
     ;;
   gap13)
