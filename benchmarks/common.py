@@ -10,6 +10,8 @@ import time
 DUMMY_QUANT_CONFIGS = {
     "gptq": dict(quant_method="gptq", bits=4, group_size=128, desc_act=False, checkpoint_format="gptq_v2"),
     "awq": dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm"),
+    # vLLM's FP8 checkpoints: E4M3 weights, a float32 scale per tensor (per row once loaded)
+    "fp8": dict(quant_method="fp8", activation_scheme="dynamic"),
 }
 
 
@@ -207,11 +209,11 @@ def param_counts(cfg: dict) -> tuple[int, int]:
 
 def weight_bytes(cfg: dict) -> float:
     """Bytes of weights one step reads: the decoder layers' (bf16, or as the config's
-    ``quantization_config`` packs them: ``bits`` a weight plus a bf16 scale and zero a group)
-    and the bf16 LM head (read once per step, tied or not)."""
+    ``quantization_config`` packs them: ``bits`` a weight plus a bf16 scale and zero a group, or
+    FP8's byte a weight) and the bf16 LM head (read once per step, tied or not)."""
     layers, head = param_counts(cfg)
     qc = cfg.get("quantization_config")
-    per_weight = 2 if qc is None else qc["bits"] / 8 + 4 / qc["group_size"]
+    per_weight = 2 if qc is None else 1 if qc["quant_method"] == "fp8" else qc["bits"] / 8 + 4 / qc["group_size"]
     return per_weight * layers + 2 * head
 
 

@@ -54,6 +54,7 @@
 #   bash benchmarks/gpu_session.sh w5w1      # W5: W4A16 at 64-256 rows; W1 both models bf16 against GPTQ
 #   bash benchmarks/gpu_session.sh w5tiles   # W5: W4A16 tiles for 128- and 256-row tiles (sweep); W1 GPTQ with the best
 #   bash benchmarks/gpu_session.sh tp2       # (two GPUs) tensor parallelism: its tests over NCCL; W2 + W1 at tp 1 and 2
+#   bash benchmarks/gpu_session.sh fp8      # W5: W8A8 on FP8 tensor cores: tests; W2 and W1 with FP8 weights
 #   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
 #   bash benchmarks/gpu_session.sh graphs12  # W1 with CUDA graphs of its 16,384-token prefill steps (knobs)
 #   bash benchmarks/gpu_session.sh next11    # GPU error tests; attention timeline (worktree .ab/tl: carry it)
@@ -586,6 +587,19 @@ case "${1:-}" in
         python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm -tp $tp --out "$OUT/tp$tp" 2>&1 \
           | grep -E "^pagoda |^roofline of this|Error|error" | sed "s/^/W1 $m tp$tp: /"
       done
+    done
+    ;;
+  fp8)
+    # FP8 weights: the slab kernel at one row, W8A8 (per-token FP8 activations, torch._scaled_mm)
+    # above; their tests, then W2 and W1 both models
+    python3 -m pytest -q -p no:cacheprovider tests/test_quant_w8.py tests/kernels/test_triton_ops.py \
+      -k "w8 or fp8 or eight_bit or per_token or small_m" 2>&1 | tail -3
+    for m in llama3-8b qwen3-0.6b; do
+      run "W2 $m fp8" latency.py --model-config $MA/$m.json --batch 1 8 64 --quantization fp8 --out "$OUT/fp8"
+    done
+    for m in llama3-8b qwen3-0.6b; do
+      python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --quantization fp8 --out "$OUT/fp8" 2>&1 \
+        | grep -E "^pagoda |^roofline of this|Error" | sed "s/^/W1 $m fp8: /"
     done
     ;;
   gap13)

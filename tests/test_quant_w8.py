@@ -106,3 +106,76 @@ def test_fp8_errors_and_dummy_weights(tmp_path):
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+def _w8_layer(n, k, weight_dtype, dtype, device, gen):
+    from pagoda.model.layers.linear import ReplicatedLinear
+    from pagoda.quant.w8 import W8LinearMethod
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        layer = ReplicatedLinear(k, n, bias=True, quant_method=W8LinearMethod(weight_dtype)).to(device)
+    finally:
+        torch.set_default_dtype(prev)
+    w = (torch.randn(n, k, generator=gen) * 60).clamp(-127, 127)
+    layer.weight.data = (w.round().to(torch.int8) if weight_dtype == torch.int8 else w.to(weight_dtype)).to(device)
+    layer.weight_scale.data = (torch.rand(n, 1, generator=gen) * 0.01 + 1e-3).to(device)
+    layer.bias.data = torch.randn(n, generator=gen).to(device, dtype)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("weight_dtype", [FP8, torch.int8], ids=str)
+def test_w8_matmul_paths(weight_dtype, monkeypatch):
+    """Which matmul an 8-bit layer runs: on the GPU one row takes the slab kernel (weights
+    converted in registers), bf16 rows over FP8 weights the FP8 tensor cores (W8A8), the rest the
+    dequantized weight; on the CPU always the dequantized weight, exactly."""
+    from pagoda.kernels import triton_linear
+    from pagoda.quant import w8
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    calls = []
+    monkeypatch.setattr(triton_linear, "small_m_linear",
+                        lambda *a, real=triton_linear.small_m_linear: calls.append("slab") or real(*a))
+    monkeypatch.setattr(w8, "fp8_linear", lambda *a, real=w8.fp8_linear: calls.append("fp8") or real(*a))
+    for dtype in (torch.bfloat16, torch.float16):
+        layer = _w8_layer(96, 64, weight_dtype, dtype, device, gen)
+        dense = layer.weight.float() * layer.weight_scale
+        for m in (1, 5):
+            x = torch.randn(m, 64, generator=gen).to(device, dtype)
+            calls.clear()
+            out = layer(x)
+            assert out.dtype == dtype and out.shape == (m, 96)
+            expected = ["slab"] if on_gpu and m == 1 else ["fp8"] if (
+                on_gpu and dtype == torch.bfloat16 and weight_dtype == FP8) else []
+            assert calls == expected
+            ref = torch.nn.functional.linear(x.float(), dense, layer.bias.float())
+            if not on_gpu:
+                assert torch.equal(out, torch.nn.functional.linear(
+                    x, layer.weight.to(dtype) * layer.weight_scale.to(dtype), layer.bias))
+            # (W8A8 adds each token's FP8 rounding: a few percent)
+            bound = 5e-2 if calls == ["fp8"] else 1e-2
+            assert ((out.float() - ref).norm() / ref.norm()).item() < bound
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 tensor cores (torch._scaled_mm) need a GPU")
+@pytest.mark.parametrize("m,n,k", [(2, 4096, 1024), (7, 1024, 3072), (64, 6144, 4096), (300, 4096, 14336)],
+                         ids=str)
+def test_fp8_linear_matches_the_scaled_matmul_it_stands_for(m, n, k):
+    """W8A8 on FP8 tensor cores against ``reference.scaled_mm`` of the reference's quantized
+    activations (the same math in float32: only the accumulation order and the bf16 output
+    rounding differ), and against the W8A16 matmul it replaces (activation rounding: a few %)."""
+    from pagoda.kernels import reference
+    from pagoda.quant.w8 import fp8_linear
+    gen = torch.Generator().manual_seed(m * n + k)
+    w_q, w_scale = (t.cuda() for t in quantize_rows(torch.randn(n, k, generator=gen) * k ** -0.5))
+    x = torch.randn(m, k, generator=gen).cuda().bfloat16()
+    bias = torch.randn(n, generator=gen).cuda().bfloat16()
+    out = fp8_linear(x, w_q, w_scale, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    ref = reference.scaled_mm(*reference.per_token_quant_fp8(x), w_q, w_scale, bias, torch.float32)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    w8a16 = torch.nn.functional.linear(x.float(), w_q.float() * w_scale, bias.float())
+    assert ((out.float() - w8a16).norm() / w8a16.norm()).item() < 5e-2

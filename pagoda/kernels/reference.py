@@ -150,6 +150,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+FP8_MAX = 448.0   # E4M3's largest finite value
+
+
+def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x (M, K)`` as FP8 E4M3 over its own float32 scale ``(M, 1)``, its largest
+    magnitude / 448 (dynamic per-token activation quantization, W8A8's)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    scale = amax / torch.full_like(amax, FP8_MAX)   # (tensor divisors: exact on every device)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(x_q * x_scale) @ (w_q * w_scale).T + bias`` in float32, rounded once: what an 8-bit
+    tensor-core matmul with a scale per row of x ``(M, 1)`` and of w ``(N, 1)`` computes."""
+    out = (x_q.float() @ w_q.float().t()) * x_scale * w_scale.reshape(1, -1)
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
 def float_key(x: torch.Tensor) -> torch.Tensor:
     """The order-preserving int32 image of float32 values (-0.0 as +0.0): thresholds on logits
     are thresholds on these keys."""

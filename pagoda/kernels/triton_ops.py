@@ -1,5 +1,5 @@
 """Triton kernels for the elementwise ops of a decoder layer: RMSNorm (alone, and fused with the
-residual add), SiLU-and-mul. Same functions, (positional) signatures and semantics as their
+residual add), SiLU-and-mul, and the per-token FP8 quantization of a W8A8 matmul's input. Same functions, (positional) signatures and semantics as their
 torch versions in ``pagoda.kernels.reference`` (the CPU path and the tests' oracle); they also
 take ``out=`` tensors. (The rotary embedding has no kernel: the KV-write and attention kernels
 apply it as they read k and q, see ``triton_attention``.)
@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import reference
 from pagoda.kernels.triton_utils import pdl_launch, pdl_wait
 
 
@@ -147,3 +148,36 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, BLOCK))](
         x2, out, x2.stride(0), d, BLOCK=BLOCK, num_warps=_num_warps(2 * BLOCK), **pdl_launch(x.device))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Per-token FP8 quantization (the activations of a W8A8 matmul)
+
+
+@triton.jit
+def _per_token_quant_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, K, FP8_MAX: tl.constexpr,
+                                BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    # (div_rn: Triton's float32 division is otherwise approximate; the reference's is exact)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-12), FP8_MAX)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.per_token_quant_fp8`` in one launch: ``x (M, K)`` (rows may be strided) ->
+    contiguous FP8 rows and their float32 scales ``(M, 1)``."""
+    m, k = x.shape
+    assert x.stride(1) == 1
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(k)
+        _per_token_quant_fp8_kernel[(m,)](x, q, scale, x.stride(0), k, FP8_MAX=reference.FP8_MAX, BLOCK=block,
+                                          num_warps=_num_warps(block), **pdl_launch(x.device))
+    return q, scale

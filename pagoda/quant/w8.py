@@ -1,6 +1,5 @@
 """8-bit weights, FP8 (E4M3) or INT8, with a float32 scale per output row:
-``W[n, k] = w[n, k] * weight_scale[n]``. Half of bf16's bytes; activations stay in the model's
-dtype (W8A16: a checkpoint's activation scales are read and not used).
+``W[n, k] = w[n, k] * weight_scale[n]``. Half of bf16's bytes.
 
 Three ways in, as in vLLM:
 - vLLM's FP8 checkpoints (``quant_method: "fp8"``): FP8 ``weight`` and a per-tensor
@@ -12,14 +11,24 @@ Three ways in, as in vLLM:
 - ``quantization="fp8"`` on an unquantized checkpoint: its weights quantized at load, a scale
   per row (its largest magnitude over E4M3's largest value, 448).
 
-The matmul dequantizes the weight (``w * scale`` in the model's dtype) and runs a dense matmul:
-correct on every device; 8-bit tensor-core paths (``torch._scaled_mm``) are not written yet.
+The matmul, by where it runs:
+- on the GPU at one row (a batch-1 decode step), the weight is read as it is stored and converted
+  in registers (``triton_linear``'s slab kernel, its row sums scaled once): half the bytes of bf16;
+- on the GPU with bf16 activations and FP8 weights (Ada, Hopper and later), W8A8: each row of x
+  quantized to FP8 over its own scale (dynamic per-token, ``triton_ops.per_token_quant_fp8``),
+  then FP8 tensor cores with both scales applied to the float32 result (``torch._scaled_mm``,
+  row-wise scales). A checkpoint's static ``input_scale`` is read and not used: a scale per token
+  fits each token's range at least as well as one for all;
+- elsewhere (CPUs, float32 or float16 models, INT8 weights over one row) the weight is
+  dequantized (``w * scale`` in the model's dtype) for a dense matmul.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.quant.base import QuantMethod
+from pagoda.quant.base import QuantMethod, _triton_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max   # 448
@@ -87,4 +96,33 @@ class W8LinearMethod(QuantMethod):
             del layer.input_scale
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:
+            out = _triton_linear().linear(x, layer.weight, bias, layer.weight_scale)
+            if out is not None:
+                return out
+            if use_scaled_mm(x, layer.weight):
+                return fp8_linear(x, layer.weight, layer.weight_scale, bias)
         return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype), bias)
+
+
+@functools.cache
+def _fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``fp8_linear`` runs this matmul (from shapes only: the same choice at CUDA-graph
+    capture and replay). Row-wise scaled ``torch._scaled_mm`` writes only bf16, and wants K and N
+    in multiples of 16."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] > 0 and x.dtype == torch.bfloat16 and weight.dtype == FP8
+            and x.stride(1) == 1 and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0
+            and _fp8_tensor_cores(torch.cuda.current_device() if x.device.index is None else x.device.index))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8 on FP8 tensor cores: ``reference.scaled_mm`` of x quantized per token."""
+    from pagoda.kernels.triton_ops import per_token_quant_fp8
+    x_q, x_scale = per_token_quant_fp8(x)
+    return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias,
+                            out_dtype=x.dtype)

@@ -194,6 +194,58 @@ def test_small_m_linear_k_chunks(n, k, rows, monkeypatch, request):
     check(triton_linear.small_m_linear(x, w, bias), ref.to(dtype), dtype)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("n,k", [(37, 96), (16, 200)] + ([(4096, 14336)] if ON_GPU else []), ids=str)
+def test_small_m_linear_eight_bit_weights(n, k, weight_dtype, request):
+    """8-bit weights (pagoda.quant.w8) with a float32 scale per output row: converted in
+    registers, each row sum scaled once; against F.linear on the dequantized weight."""
+    from pagoda.kernels.triton_linear import small_m_linear as kernel
+    dtype = DTYPES[-1] if ON_GPU else torch.float16
+    gen = seed_for(request)
+    w = (torch.randn(n, k, generator=gen) * 60).clamp(-127, 127)
+    w = (w.round().to(torch.int8) if weight_dtype == torch.int8 else w.to(weight_dtype)).to(DEVICE)
+    scale = (torch.rand(n, 1, generator=gen) * 0.01 + 1e-3).to(DEVICE)
+    bias = randn(n, gen=gen, dtype=dtype)
+    x = randn(1, k, gen=gen, dtype=dtype)
+    for b in (None, bias):
+        ref = torch.nn.functional.linear(x.float(), w.float() * scale, None if b is None else b.float())
+        check(kernel(x, w, b, scale), ref.to(dtype), dtype)
+    with pytest.raises(AssertionError):
+        kernel(x, w)              # an 8-bit weight without its scale
+
+
+# --------------------------------------------------------------------------------------------
+# Per-token FP8 quantization (W8A8's activations)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,k", [(1, 1024), (7, 3072), (3, 1000)] + ([(300, 14336)] if ON_GPU else []),
+                         ids=str)
+def test_per_token_quant_fp8(tokens, k, dtype, request):
+    """Each row over its own scale: the FP8 values bit for bit and the scales equal to the
+    reference's, rows of very different magnitudes (and strided) included."""
+    gen = seed_for(request)
+    x = randn(tokens, k + 8, gen=gen, dtype=dtype)[:, 4:4 + k]
+    x = x * torch.logspace(-3, 3, tokens, device=DEVICE, dtype=torch.float32)[:, None].to(dtype)
+    q, scale = ops.per_token_quant_fp8(x)
+    ref_q, ref_scale = reference.per_token_quant_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (tokens, 1) and scale.dtype == torch.float32
+    assert torch.equal(scale, ref_scale)
+    if ON_GPU:
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    else:
+        # triton 3.6's interpreter rounds to FP8 its own way (a value that rounds up to a power
+        # of two comes out as half of it; some ties go up): the GPU is checked bit for bit, here
+        # the misses must be few, of the same sign and within a factor of two.
+        qf, rf = q.float(), ref_q.float()
+        miss = qf != rf
+        assert miss.float().mean() < 0.05 and (qf[miss] * rf[miss] > 0).all()
+        assert ((qf[miss] / rf[miss]).abs().clamp(min=0.5, max=2) == (qf[miss] / rf[miss]).abs()).all()
+    assert (ref_q.float().abs().amax(dim=1) == reference.FP8_MAX).all()   # each row's largest hits E4M3's top
+    deq = ref_q.float() * ref_scale
+    assert ((deq - x.float()).norm() / x.float().norm()).item() < 0.05
+
+
 def test_small_m_linear_dispatch(monkeypatch):
     """Which matmuls take the kernel: CUDA half-precision single rows with unit stride along K,
     any weight size; everything else (and every CPU tensor) runs F.linear."""
