@@ -5,6 +5,7 @@ then cuBLAS). Microseconds per matmul in a CUDA graph, and the kernel's GB/s of 
 read. Needs a GPU.
 
   python benchmarks/w4a16.py [--rows 1 16 64] [--sweep]
+  python benchmarks/w4a16.py --w8 [--rows 2 8 64 256]   # FP8 weights: W8A16 kernel against W8A8
 """
 import argparse
 import json
@@ -86,12 +87,48 @@ def sweep(rows, out):
         f.write("--knob triton_w4a16.TILES=" + repr({b: c for b, (_, c) in best.items()}).replace(" ", ""))
 
 
+def w8(rows, out):
+    """FP8 weights (a scale a row, ``quant.w8``): the W8A16 kernel (``w8a16_linear``) against W8A8
+    (per-token FP8 activations + ``torch._scaled_mm``, ``w8.fp8_linear``) and bf16 cuBLAS, us per
+    matmul in a CUDA graph, summed over the eight matrices; the rows where each wins."""
+    from pagoda.quant.w8 import fp8_linear, quantize_rows
+    dev, dtype = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    table = []
+    for m in rows:
+        sums = {"bf16": 0.0, "w8a16": 0.0, "w8a8": 0.0}
+        for (model, name), (k, n) in MATRICES.items():
+            w = torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * k ** -0.5
+            w_q, scale = quantize_rows(w)
+            x = torch.randn(m, k, device=dev, dtype=dtype, generator=gen)
+            ref = x.float() @ (w_q.float() * scale).t()
+            for label, fn in (("bf16", lambda: torch.nn.functional.linear(x, w)),
+                              ("w8a16", lambda: tw.w8a16_linear(x, w_q, scale)),
+                              ("w8a8", lambda: fp8_linear(x, w_q, scale, None))):
+                if label != "bf16":
+                    err = ((fn().float() - ref).norm() / ref.norm()).item()
+                    assert err < 5e-2, f"{label} {model} {name} at {m} rows: relative error {err:.1e}"
+                us = graph_ms(fn) * 1e3
+                sums[label] += us
+                table.append(dict(rows=m, model=model, matrix=name, path=label, us=us))
+            del w, w_q, x
+        best = min(("w8a16", "w8a8"), key=sums.get)
+        print(f"w8 at {m:3d} rows: bf16 {sums['bf16']:7.1f} us, W8A16 kernel {sums['w8a16']:7.1f}, "
+              f"W8A8 {sums['w8a8']:7.1f}: {best} wins")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "w8.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), rows=table), f, indent=1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--sweep", action="store_true", help="only time the TILES entries in SWEEP, by row count")
+    p.add_argument("--w8", action="store_true", help="FP8 weights: the W8A16 kernel against W8A8 and bf16")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
+    if args.w8:
+        return w8(args.rows, args.out)
     if args.sweep:
         return sweep(args.rows, args.out)
     dev, dtype = "cuda", torch.bfloat16

@@ -127,35 +127,39 @@ def _w8_layer(n, k, weight_dtype, dtype, device, gen):
 
 @pytest.mark.parametrize("weight_dtype", [FP8, torch.int8], ids=str)
 def test_w8_matmul_paths(weight_dtype, monkeypatch):
-    """Which matmul an 8-bit layer runs: on the GPU one row takes the slab kernel (weights
-    converted in registers), bf16 rows over FP8 weights the FP8 tensor cores (W8A8), the rest the
+    """Which matmul an 8-bit layer runs: on the GPU one row takes the slab kernel, batches up to
+    W8A16_MAX_M rows (any up to the kernel's MAX_M but for FP8 weights under bf16) the W8A16
+    kernel, larger bf16 batches over FP8 weights the FP8 tensor cores (W8A8), the rest the
     dequantized weight; on the CPU always the dequantized weight, exactly."""
-    from pagoda.kernels import triton_linear
+    from pagoda.kernels import triton_linear, triton_w4a16
     from pagoda.quant import w8
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     gen = torch.Generator().manual_seed(3)
     calls = []
-    monkeypatch.setattr(triton_linear, "small_m_linear",
-                        lambda *a, real=triton_linear.small_m_linear: calls.append("slab") or real(*a))
-    monkeypatch.setattr(w8, "fp8_linear", lambda *a, real=w8.fp8_linear: calls.append("fp8") or real(*a))
+    for module, name, label in ((triton_linear, "small_m_linear", "slab"), (triton_w4a16, "w8a16_linear", "w8a16"),
+                                (w8, "fp8_linear", "w8a8")):
+        monkeypatch.setattr(module, name, lambda *a, real=getattr(module, name), label=label:
+                            calls.append(label) or real(*a))
+    monkeypatch.setattr(w8, "W8A16_MAX_M", 4)
     for dtype in (torch.bfloat16, torch.float16):
         layer = _w8_layer(96, 64, weight_dtype, dtype, device, gen)
         dense = layer.weight.float() * layer.weight_scale
-        for m in (1, 5):
+        for m in (1, 3, 5, triton_w4a16.MAX_M + 1):
             x = torch.randn(m, 64, generator=gen).to(device, dtype)
             calls.clear()
             out = layer(x)
             assert out.dtype == dtype and out.shape == (m, 96)
-            expected = ["slab"] if on_gpu and m == 1 else ["fp8"] if (
-                on_gpu and dtype == torch.bfloat16 and weight_dtype == FP8) else []
-            assert calls == expected
+            tensor_cores = dtype == torch.bfloat16 and weight_dtype == FP8
+            expected = ([] if not on_gpu else ["slab"] if m == 1 else ["w8a8"] if tensor_cores and m > 4
+                        else ["w8a16"] if m <= triton_w4a16.MAX_M else [])
+            assert calls == expected, (dtype, m)
             ref = torch.nn.functional.linear(x.float(), dense, layer.bias.float())
             if not on_gpu:
                 assert torch.equal(out, torch.nn.functional.linear(
                     x, layer.weight.to(dtype) * layer.weight_scale.to(dtype), layer.bias))
             # (W8A8 adds each token's FP8 rounding: a few percent)
-            bound = 5e-2 if calls == ["fp8"] else 1e-2
+            bound = 5e-2 if calls == ["w8a8"] else 1e-2
             assert ((out.float() - ref).norm() / ref.norm()).item() < bound
 
 

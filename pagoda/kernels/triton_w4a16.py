@@ -1,6 +1,8 @@
 """``x @ W (+ bias)`` with W a GPTQ/AWQ weight in pagoda's repacked layout
 (``pagoda.quant.int4``: int32 ``qweight (K / pack, N)`` packed along K, ``scales`` / ``zeros``
 ``(groups, N)``, ``g_idx (K,)``), for decode batches (up to ``MAX_M`` rows), in one Triton kernel.
+The same kernel takes 8-bit weights as ``pagoda.quant.w8`` stores them (FP8 or INT8 ``(N, K)``,
+a float32 scale per output row, applied to the sums): ``w8a16_linear``.
 
 Why: the portable path dequantizes the whole weight to the model's dtype each call, then runs a
 dense matmul. At a decode step's few rows that writes a bf16 weight and reads it back, more than
@@ -63,9 +65,10 @@ def _minus_zero(q, zero, BITS: tl.constexpr):
 
 @triton.jit
 def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
-                  M, N, K, k_per_split, group_size, stride_xm, stride_qk, stride_sg, stride_os, stride_om,
+                  M, N, K, k_per_split, group_size, stride_xm, stride_w, stride_sg, stride_os, stride_om,
                   BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  WHOLE_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                  WHOLE_GROUPS: tl.constexpr, ROW_SCALED: tl.constexpr, FP8_WEIGHT: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
     PACK: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -85,25 +88,35 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr
         k_ok = offs_k < k_hi
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        # The tile's packed words, each loaded once, unpacked in registers: word row r, value j
-        # is K row r * PACK + j.
-        rows = k0 // PACK + offs_w
-        words = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
-                        mask=(rows < tl.cdiv(k_hi, PACK))[:, None] & n_ok[None, :], other=0)
-        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), [BLOCK_K, BLOCK_N])
-        if WHOLE_GROUPS:   # the tile lies in one group (groups by the rule, a multiple of BLOCK_K)
-            g = k0 // group_size
-            scale = tl.load(scales_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0)[None, :]
-            zero = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0)[None, :]
-        else:              # each row's own group: act-order, small or partial groups
-            g = tl.load(g_idx_ptr + offs_k, mask=k_ok, other=0).to(tl.int64)
-            sz = g[:, None] * stride_sg + offs_n[None, :]
-            scale = tl.load(scales_ptr + sz, mask=n_ok[None, :], other=0.0)
-            zero = tl.load(zeros_ptr + sz, mask=n_ok[None, :], other=0.0)
-        # (q - zero) * scale in the weights' dtype, as ``int4.dequantize`` rounds it; rows past
-        # K were masked to 0 in x
-        w = (_minus_zero(q, zero, BITS) * scale).to(x.dtype)
-        acc += tl.dot(tl.trans(w), tl.trans(x), input_precision="ieee" if x.dtype == tl.float32 else "tf32")
+        if ROW_SCALED:     # an 8-bit weight (N, K) as stored; its row scales multiply the sums
+            w = tl.load(qweight_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0)
+            if FP8_WEIGHT:   # (passed as its bytes: a masked FP8 load's zero is not castable)
+                w = w.to(tl.float8e4nv, bitcast=True)
+            w = w.to(x.dtype)
+            acc += tl.dot(w, tl.trans(x), input_precision="ieee" if x.dtype == tl.float32 else "tf32")
+        else:
+            # The tile's packed words, each loaded once, unpacked in registers: word row r, value
+            # j is K row r * PACK + j.
+            rows = k0 // PACK + offs_w
+            words = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_w + offs_n[None, :],
+                            mask=(rows < tl.cdiv(k_hi, PACK))[:, None] & n_ok[None, :], other=0)
+            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), [BLOCK_K, BLOCK_N])
+            if WHOLE_GROUPS:   # the tile lies in one group (groups by the rule, a multiple of BLOCK_K)
+                g = k0 // group_size
+                scale = tl.load(scales_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0)[None, :]
+                zero = tl.load(zeros_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0)[None, :]
+            else:              # each row's own group: act-order, small or partial groups
+                g = tl.load(g_idx_ptr + offs_k, mask=k_ok, other=0).to(tl.int64)
+                sz = g[:, None] * stride_sg + offs_n[None, :]
+                scale = tl.load(scales_ptr + sz, mask=n_ok[None, :], other=0.0)
+                zero = tl.load(zeros_ptr + sz, mask=n_ok[None, :], other=0.0)
+            # (q - zero) * scale in the weights' dtype, as ``int4.dequantize`` rounds it; rows
+            # past K were masked to 0 in x
+            w = (_minus_zero(q, zero, BITS) * scale).to(x.dtype)
+            acc += tl.dot(tl.trans(w), tl.trans(x), input_precision="ieee" if x.dtype == tl.float32 else "tf32")
+    if ROW_SCALED:
+        acc *= tl.load(scales_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + split.to(tl.int64) * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -122,11 +135,31 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     """``x (M, K) @ W (K, N) + bias`` in ``x``'s dtype, W as ``int4.dequantize`` would build it.
     ``group_size``: the groups when ``g_idx`` is ``k // group_size`` (no act-order); None reads
     each row's group from ``g_idx``. Capturable (no host sync)."""
+    k, n = x.shape[1], scales.shape[1]
+    assert qweight.shape == (k // (32 // bits), n) and zeros.shape == scales.shape and g_idx.shape == (k,)
+    assert qweight.stride(1) == 1 and scales.stride(1) == 1 and zeros.stride() == scales.stride()
+    return _launch(x, n, (qweight, scales, zeros, g_idx), bits, bias, group_size, row_scaled=False)
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x (M, K) @ (weight * scale).T + bias`` in ``x``'s dtype: an 8-bit ``weight (N, K)`` (FP8
+    or INT8, unit stride along K) converted in registers, its float32 ``scale`` a row (``(N, 1)``
+    or ``(N,)``) applied to the float32 sums. Capturable (no host sync)."""
+    n, k = weight.shape
+    assert x.shape[1] == k and weight.stride(1) == 1 and scale.numel() == n and scale.is_contiguous()
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    assert fp8 or weight.dtype == torch.int8
+    return _launch(x, n, (weight.view(torch.uint8) if fp8 else weight, scale, scale, scale), 8, bias, None,
+                   row_scaled=True, fp8_weight=fp8)
+
+
+def _launch(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch.Tensor | None,
+            group_size: int | None, row_scaled: bool, fp8_weight: bool = False) -> torch.Tensor:
+    """The kernel over ``x (M, K)``: its tiles, the K split, and the float32 partials' sum."""
+    qweight, scales, zeros, g_idx = weights
     m, k = x.shape
-    n = scales.shape[1]
-    pack = 32 // bits
-    assert qweight.shape == (k // pack, n) and zeros.shape == scales.shape and g_idx.shape == (k,)
-    assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1 and zeros.stride() == scales.stride()
+    assert x.stride(1) == 1
     block_m = min(max(TILES), max(16, triton.next_power_of_2(m)))
     tiles = TILES[max(block_m, min(TILES))]
     block_n, block_k = tiles["BLOCK_N"], tiles["BLOCK_K"]
@@ -148,7 +181,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         m, n, k, k_per_split, group_size or 1, x.stride(0), qweight.stride(0), scales.stride(0),
         out.stride(0) if split > 1 else 0, out.stride(-2),
         BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WHOLE_GROUPS=whole_groups,
-        HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"], num_warps=tiles["num_warps"])
+        ROW_SCALED=row_scaled, FP8_WEIGHT=fp8_weight, HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"],
+        num_warps=tiles["num_warps"])
     if split == 1:
         return out
     out = out.sum(0)

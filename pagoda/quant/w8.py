@@ -14,13 +14,16 @@ Three ways in, as in vLLM:
 The matmul, by where it runs:
 - on the GPU at one row (a batch-1 decode step), the weight is read as it is stored and converted
   in registers (``triton_linear``'s slab kernel, its row sums scaled once): half the bytes of bf16;
-- on the GPU with bf16 activations and FP8 weights (Ada, Hopper and later), W8A8: each row of x
-  quantized to FP8 over its own scale (dynamic per-token, ``triton_ops.per_token_quant_fp8``),
-  then FP8 tensor cores with both scales applied to the float32 result (``torch._scaled_mm``,
-  row-wise scales). A checkpoint's static ``input_scale`` is read and not used: a scale per token
-  fits each token's range at least as well as one for all;
-- elsewhere (CPUs, float32 or float16 models, INT8 weights over one row) the weight is
-  dequantized (``w * scale`` in the model's dtype) for a dense matmul.
+- on the GPU at up to ``W8A16_MAX_M`` rows (FP8 weights under bf16 activations) or
+  ``triton_w4a16.MAX_M`` (the others), W8A16: the weight converted in registers by the W4A16
+  kernel (``w8a16_linear``), the activations as they are;
+- on the GPU with bf16 activations and FP8 weights (Ada, Hopper and later) above that, W8A8:
+  each row of x quantized to FP8 over its own scale (dynamic per-token,
+  ``triton_ops.per_token_quant_fp8``), then FP8 tensor cores with both scales applied to the
+  float32 result (``torch._scaled_mm``, row-wise scales). A checkpoint's static ``input_scale``
+  is read and not used: a scale per token fits each token's range at least as well as one for all;
+- elsewhere (CPUs, and larger batches of INT8 weights or float16 / float32 activations) the
+  weight is dequantized (``w * scale`` in the model's dtype) for a dense matmul.
 """
 import functools
 
@@ -28,10 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels import triton_w4a16
 from pagoda.quant.base import QuantMethod, _triton_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max   # 448
+# Batches of FP8 weights under bf16 activations up to this many rows take the W8A16 kernel,
+# larger ones W8A8 (the activations' quantization is one more launch, and FP8 tensor cores pay
+# only where the matmul is compute-bound).
+W8A16_MAX_M = 64
 
 
 def weight_dtype(method: str, qc: dict | None) -> torch.dtype | None:
@@ -100,7 +108,10 @@ class W8LinearMethod(QuantMethod):
             out = _triton_linear().linear(x, layer.weight, bias, layer.weight_scale)
             if out is not None:
                 return out
-            if use_scaled_mm(x, layer.weight):
+            tensor_cores = use_scaled_mm(x, layer.weight)
+            if triton_w4a16.use_w4a16(x) and not (tensor_cores and x.shape[0] > W8A16_MAX_M):
+                return triton_w4a16.w8a16_linear(x, layer.weight, layer.weight_scale, bias)
+            if tensor_cores:
                 return fp8_linear(x, layer.weight, layer.weight_scale, bias)
         return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype), bias)
 

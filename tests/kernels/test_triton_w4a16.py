@@ -51,6 +51,26 @@ def test_w4a16_matches_dequantized_matmul(dtype, m, bits, k, n, group, act_order
         assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 5, 64, 130])
+@pytest.mark.parametrize("weight_dtype,k,n", [(torch.int8, 256, 200), (torch.float8_e4m3fn, 1024, 96)], ids=str)
+def test_w8a16_matches_the_dequantized_matmul(dtype, m, weight_dtype, k, n, request):
+    """8-bit weights as ``quant.w8`` stores them ((N, K), a float32 scale a row): converted in
+    registers, the row scales applied to the sums (K split or not)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    w = (torch.randn(n, k, generator=gen) * 60).clamp(-127, 127)
+    w = (w.round().to(torch.int8) if weight_dtype == torch.int8 else w.to(weight_dtype)).to(DEVICE)
+    scale = (torch.rand(n, 1, generator=gen) * 0.01 + 1e-3).to(DEVICE)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    for b in (None, bias):
+        ref = x.float() @ (w.float() * scale).t() + (0 if b is None else b.float())
+        out = tw.w8a16_linear(x, w, scale, b)
+        assert out.dtype == dtype and out.shape == (m, n)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
 def test_batches_over_the_largest_row_tile_run_in_row_tiles(monkeypatch):
     # the largest tile cut to 32 rows: 70 rows are three row tiles, the last partial
     monkeypatch.setattr(tw, "TILES", {32: dict(tw.TILES[64])})
