@@ -53,8 +53,8 @@
 #   bash benchmarks/gpu_session.sh w4a16b    # W5: the W4A16 kernel's tile sweep, W2 GPTQ with the best
 #   bash benchmarks/gpu_session.sh w5w1      # W5: W4A16 at 64-256 rows; W1 both models bf16 against GPTQ
 #   bash benchmarks/gpu_session.sh w5tiles   # W5: W4A16 tiles for 128- and 256-row tiles (sweep); W1 GPTQ with the best
-#   bash benchmarks/gpu_session.sh tp2       # (two GPUs) tensor parallelism: its tests over NCCL; W2 + W1 at tp 1 and 2
-#   bash benchmarks/gpu_session.sh fp8      # W5: W8A8 on FP8 tensor cores: tests; W2 and W1 with FP8 weights
+#   bash benchmarks/gpu_session.sh tp2       # (two GPUs) tensor parallelism: its tests over NCCL; W2 at tp 1 and 2, W1 at 2
+#   bash benchmarks/gpu_session.sh fp8      # W5: FP8 weights (W8A16 kernel, W8A8): tests, crossover; W2 and W1
 #   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
 #   bash benchmarks/gpu_session.sh graphs12  # W1 with CUDA graphs of its 16,384-token prefill steps (knobs)
 #   bash benchmarks/gpu_session.sh next11    # GPU error tests; attention timeline (worktree .ab/tl: carry it)
@@ -575,29 +575,27 @@ case "${1:-}" in
     done
     ;;
   tp2)
-    # Tensor parallelism on two GPUs of one host: the tests (NCCL), then W2 Llama-3-8B and W1 both
-    # models at tp 1 and 2 in one run
-    nvidia-smi topo -m 2>&1 | head -4
+    # Tensor parallelism on two GPUs of one host: the tests (NCCL), then W2 Llama-3-8B at tp 1
+    # and 2, W1 both models at tp 2 (unless NO_W1)
+    nvidia-smi topo -m 2>&1 | head -3
     python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 | tail -6
     for tp in 1 2; do
-      run "W2 llama3-8b tp$tp" latency.py --model-config $MA/llama3-8b.json --batch 1 8 64 -tp $tp --out "$OUT/tp$tp"
+      run "W2 llama3-8b tp$tp" latency.py --model-config $MA/llama3-8b.json --batch 1 64 -tp $tp --out "$OUT/tp$tp"
     done
-    for m in llama3-8b qwen3-0.6b; do
-      for tp in 2 1; do
-        python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm -tp $tp --out "$OUT/tp$tp" 2>&1 \
-          | grep -E "^pagoda |^roofline of this|Error|error" | sed "s/^/W1 $m tp$tp: /"
-      done
+    [ -n "${NO_W1:-}" ] || for m in llama3-8b qwen3-0.6b; do
+      python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm -tp 2 --out "$OUT/tp2" 2>&1 \
+        | grep -E "^pagoda |^roofline of this|Error|error" | sed "s/^/W1 $m tp2: /"
     done
     ;;
   fp8)
-    # FP8 weights: the slab kernel at one row, W8A8 (per-token FP8 activations, torch._scaled_mm)
-    # above; their tests, then W2 and W1 both models
+    # FP8 weights: the slab kernel at one row, the W8A16 kernel for small batches, W8A8
+    # (per-token FP8 activations, torch._scaled_mm) above; their tests, the W8A16 / W8A8
+    # crossover, W2 Llama-3-8B (W1 both models unless NO_W1)
     python3 -m pytest -q -p no:cacheprovider tests/test_quant_w8.py tests/kernels/test_triton_ops.py \
-      -k "w8 or fp8 or eight_bit or per_token or small_m" 2>&1 | tail -3
-    for m in llama3-8b qwen3-0.6b; do
-      run "W2 $m fp8" latency.py --model-config $MA/$m.json --batch 1 8 64 --quantization fp8 --out "$OUT/fp8"
-    done
-    for m in llama3-8b qwen3-0.6b; do
+      tests/kernels/test_triton_w4a16.py -k "w8 or fp8 or eight_bit or per_token or small_m" 2>&1 | tail -3
+    python3 benchmarks/w4a16.py --w8 --rows 2 8 16 32 64 128 256 --out "$OUT" 2>&1 | grep "^w8 "
+    run "W2 llama3-8b fp8" latency.py --model-config $MA/llama3-8b.json --batch 1 8 64 --quantization fp8 --out "$OUT/fp8"
+    [ -n "${NO_W1:-}" ] || for m in llama3-8b qwen3-0.6b; do
       python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --quantization fp8 --out "$OUT/fp8" 2>&1 \
         | grep -E "^pagoda |^roofline of this|Error" | sed "s/^/W1 $m fp8: /"
     done
