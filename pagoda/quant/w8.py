@@ -37,9 +37,11 @@ from pagoda.quant.base import QuantMethod, _triton_linear
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max   # 448
 # Batches of FP8 weights under bf16 activations up to this many rows take the W8A16 kernel,
-# larger ones W8A8 (the activations' quantization is one more launch, and FP8 tensor cores pay
-# only where the matmul is compute-bound).
-W8A16_MAX_M = 64
+# larger ones W8A8. Measured on the H200 (BENCHMARKS.md, fifteenth session; Llama-3-8B's four
+# decode matrices): W8A16 145-148 us at 2-8 rows against W8A8's 152-154, even at 16, then
+# W8A8 ahead (32 rows: 149 against 187; 64: 144 against 213). W2 Llama-3-8B batch 64: 5.98 ms a
+# step with W8A8, 8.36 with W8A16.
+W8A16_MAX_M = 8
 
 
 def weight_dtype(method: str, qc: dict | None) -> torch.dtype | None:
