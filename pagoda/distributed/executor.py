@@ -2,7 +2,6 @@
 1), or over worker processes (multiproc_executor.py). Both answer the same three calls."""
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagoda.distributed.parallel_state import get_tp_size
 from pagoda.runner.model_runner import ModelRunner
 
 
@@ -22,9 +21,6 @@ class UniProcExecutor:
 
 def get_executor(config: EngineConfig):
     """The executor for ``config.parallel`` (checked by ParallelConfig.verify)."""
-    if get_tp_size() > 1:    # the layers read the process's TP state while they are built
-        raise RuntimeError("A tensor-parallel engine is already running in this process; delete it "
-                           "(del llm) before starting another engine.")
     if config.parallel.world_size == 1:
         return UniProcExecutor(config)
     from pagoda.distributed.multiproc_executor import MultiprocExecutor

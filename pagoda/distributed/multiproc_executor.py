@@ -10,9 +10,13 @@ from multiprocessing.connection import wait
 
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import SchedulerOutput
-from pagoda.distributed.parallel_state import destroy_distributed
+from pagoda.distributed.parallel_state import check_no_process_group, destroy_distributed
 from pagoda.distributed.worker import Worker, worker_main
 
+# A spawned process first imports the parent's main module: a script that starts an engine at
+# import time would start one in every worker.
+SPAWN_HINT = (" It died before it started: workers are spawned processes that import the main script "
+              "first, so a script must create its LLM under `if __name__ == \"__main__\":`.")
 # How long rank 0 waits for a worker's last words once it knows something went wrong.
 ERROR_GRACE_S = 5.0
 
@@ -43,6 +47,7 @@ def _shutdown(procs: list, conns: list) -> None:
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig):
+        check_no_process_group()          # (one torch.distributed group per process)
         ctx = mp.get_context("spawn")
         port = _free_port()
         self.procs, self.conns = [], []
@@ -59,7 +64,7 @@ class MultiprocExecutor:
                 self.procs.append(p)
                 self.conns.append(parent)
             # Every worker alive past its imports before rank 0 blocks in the rendezvous.
-            self._replies()
+            self._replies(SPAWN_HINT)
             self.worker = Worker(config, 0, port)
         except BaseException:
             self.shutdown()
@@ -105,25 +110,25 @@ class MultiprocExecutor:
         except OSError as e:
             raise self._fail(e) from e
 
-    def _replies(self) -> list:
+    def _replies(self, hint: str = "") -> list:
         """Each worker's answer to the last call, waiting as long as it works; a worker's error,
         or its death, raises."""
         results = []
         for rank, (conn, p) in enumerate(zip(self.conns, self.procs), start=1):
             wait([conn, p.sentinel])
-            status, value = self._read(rank, conn, p)
+            status, value = self._read(rank, conn, p, hint)
             if status == "error":
                 raise self._fail(WorkerFailed(value))
             results.append(value)
         return results
 
-    def _read(self, rank: int, conn, p) -> tuple[str, object]:
+    def _read(self, rank: int, conn, p, hint: str = "") -> tuple[str, object]:
         """The message of a worker whose pipe or process is ready: what it sent, or that it died."""
         try:
             return conn.recv()
         except (EOFError, OSError):
             p.join(ERROR_GRACE_S)
-            return "error", f"tensor-parallel worker rank {rank} died (exit code {p.exitcode})."
+            return "error", f"tensor-parallel worker rank {rank} died (exit code {p.exitcode}).{hint}"
 
     def _check_workers(self) -> None:
         """After a step: a worker that failed once the ranks' collectives were over, or died

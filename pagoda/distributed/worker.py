@@ -7,7 +7,7 @@ import traceback
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.parallel_state import destroy_distributed, init_distributed
+from pagoda.distributed.parallel_state import building_tp_model, destroy_distributed, init_distributed
 from pagoda.runner.model_runner import ModelRunner
 
 # Bounds every collective: a rank waiting on a peer that died or hangs fails after this long
@@ -18,15 +18,17 @@ COLLECTIVE_TIMEOUT_S = 600
 class Worker:
     def __init__(self, config: EngineConfig, rank: int, port: int):
         self.rank = rank
+        world = config.parallel.world_size
         if config.device == "cuda":
             torch.cuda.set_device(rank)        # one GPU per rank: cuda:{rank}
         else:
             # The ranks share the cores: with a thread per core each, their spinning OpenMP
             # threads would take turns on every core and each collective would wait for them.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel.world_size))
-        init_distributed(config.parallel.world_size, rank, port, config.device, COLLECTIVE_TIMEOUT_S)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        init_distributed(world, rank, port, config.device, COLLECTIVE_TIMEOUT_S)
         try:
-            self.runner = ModelRunner(config)
+            with building_tp_model(world, rank):
+                self.runner = ModelRunner(config)
         except BaseException:
             destroy_distributed()
             raise
