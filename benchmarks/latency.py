@@ -65,7 +65,6 @@ def main():
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="(the floor stays one GPU's)")
     p.add_argument("--hf", action="store_true", help="HF generate baseline at batch 1")
     p.add_argument("--quantization", choices=sorted(DUMMY_QUANT_CONFIGS), default=None,
                    help="W5: dummy 4-bit weights in this checkpoint format")
@@ -83,7 +82,7 @@ def main():
     t0 = time.perf_counter()
     llm = LLM(dummy_model_dir(args.model_config, args.quantization), load_format="dummy", dtype="bfloat16",
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
-              async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
+              async_scheduling=args.async_scheduling)
     tag = "async" if llm.llm_engine.async_scheduling else "sync"
     llm.generate({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=1), use_tqdm=False)
     startup = time.perf_counter() - t0

@@ -34,8 +34,7 @@ def run_pagoda(args, prompts, output_lens):
     from pagoda import LLM, SamplingParams
     kwargs = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,   # None: the engine's defaults
                   max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
-                  async_scheduling=args.async_scheduling, enable_prefix_caching=args.prefix_caching,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  async_scheduling=args.async_scheduling, enable_prefix_caching=args.prefix_caching)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     if args.kv_cache_gib:
@@ -287,7 +286,6 @@ def main():
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--hf", action="store_true", help="also run HF transformers' generate_batch (GPU)")
     p.add_argument("--hf-requests", type=int, default=64)
     p.add_argument("--hf-output-len", type=int, default=256)
