@@ -4,6 +4,7 @@ requests, report their own errors, and go away with the engine."""
 import gc
 import importlib.util
 import json
+import multiprocessing
 import os
 import signal
 import time
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagoda import LLM, SamplingParams
+from tests.quant_utils import fp8_folder, quantize_folder
 
 SMALL = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=256)
 PROMPTS = [{"prompt_token_ids": ids} for ids in ([5, 6, 7, 8, 9], list(range(10, 70)), [300, 2, 41])]
@@ -201,6 +203,22 @@ def test_smollm2_tp3_equals_tp1(llm, smollm_path, own_engine):
     finally:
         del tp3
         gc.collect()
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
+def test_quantized_checkpoints_split(tiny, tmp_path, method, own_engine):
+    """Packed 4-bit weights, their per-group scales and zero points, and FP8 per-tensor scales
+    (one per q / k / v shard) narrowed to each rank's slice as the dense weights are."""
+    folder = (fp8_folder(tiny, str(tmp_path / method)) if method == "fp8" else
+              quantize_folder(tiny, str(tmp_path / method), method, group=32))
+    assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
+
+
+def test_act_order_refused_and_start_up_failure_leaves_no_workers(tiny, tmp_path, own_engine):
+    folder = quantize_folder(tiny, str(tmp_path / "act"), "gptq", group=32, desc_act=True, v2=True)
+    with pytest.raises(ValueError, match="act-order .* do not split over tensor_parallel_size=2"):
+        LLM(folder, tensor_parallel_size=2, **SMALL)
+    assert not multiprocessing.active_children()
 
 
 @pytest.mark.gpu
