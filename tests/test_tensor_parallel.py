@@ -151,11 +151,13 @@ def test_worker_error_surfaces_and_workers_exit_with_the_engine(tiny, tp2):
     with pytest.raises(RuntimeError, match="has stopped .*rank 1 failed"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     # The process group is gone with it: a new engine starts, and `del llm` stops its workers.
+    threads = torch.get_num_threads()
     llm = LLM(tiny, tensor_parallel_size=2, **SMALL)
     procs = worker_procs(llm)
     assert all(p.is_alive() for p in procs)
     del llm        # (no gc.collect(): the engine holds no reference cycle)
     assert not any(p.is_alive() for p in procs)
+    assert torch.get_num_threads() == threads     # (rank 0 shared the cores while it ran)
 
 
 def test_kv_heads_replicated(tmp_path, own_engine):

@@ -8,6 +8,8 @@ import socket
 import weakref
 from multiprocessing.connection import wait
 
+import torch
+
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import SchedulerOutput
 from pagoda.distributed.parallel_state import check_no_process_group, destroy_distributed
@@ -27,9 +29,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _shutdown(procs: list, conns: list) -> None:
-    """Stop the workers (politely, then by force) and leave the process group. A plain function
-    over plain lists: the finalizer that calls it must not keep the executor alive."""
+def _shutdown(procs: list, conns: list, num_threads: int) -> None:
+    """Stop the workers (politely, then by force), leave the process group and give this process
+    back the threads rank 0 gave up. A plain function over plain values: the finalizer that
+    calls it must not keep the executor alive."""
     for conn in conns:
         try:
             conn.send(("shutdown", ()))
@@ -43,6 +46,7 @@ def _shutdown(procs: list, conns: list) -> None:
             p.join()
     for conn in conns:
         conn.close()
+    torch.set_num_threads(num_threads)
 
 
 class MultiprocExecutor:
@@ -53,7 +57,7 @@ class MultiprocExecutor:
         self.procs, self.conns = [], []
         self.dead: str | None = None
         # Runs on `del llm`, garbage collection or interpreter exit, whichever comes first.
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, torch.get_num_threads())
         try:
             for rank in range(1, config.parallel.world_size):
                 parent, child = ctx.Pipe()

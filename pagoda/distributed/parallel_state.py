@@ -12,11 +12,6 @@ _TP_SIZE = 1
 _TP_RANK = 0
 
 
-def init_tensor_parallel(tp_size: int, tp_rank: int) -> None:
-    global _TP_SIZE, _TP_RANK
-    _TP_SIZE, _TP_RANK = tp_size, tp_rank
-
-
 def get_tp_size() -> int:
     return _TP_SIZE
 
@@ -27,12 +22,13 @@ def get_tp_rank() -> int:
 
 @contextmanager
 def building_tp_model(tp_size: int, tp_rank: int):
+    global _TP_SIZE, _TP_RANK
     prev = _TP_SIZE, _TP_RANK
-    init_tensor_parallel(tp_size, tp_rank)
+    _TP_SIZE, _TP_RANK = tp_size, tp_rank
     try:
         yield
     finally:
-        init_tensor_parallel(*prev)
+        _TP_SIZE, _TP_RANK = prev
 
 
 def check_no_process_group() -> None:
