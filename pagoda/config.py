@@ -116,6 +116,45 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    def verify(self, arch: ArchConfig, device: str) -> None:
+        """Fail before anything is loaded or started on a layout this engine cannot run."""
+        tp = self.tensor_parallel_size
+        if self.pipeline_parallel_size != 1 or self.data_parallel_size != 1:
+            raise NotImplementedError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size}, data_parallel_size="
+                f"{self.data_parallel_size}: pipeline and data parallelism are not implemented yet; use 1 "
+                "for both (tensor_parallel_size splits the model over GPUs).")
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}.")
+        backend = self.distributed_executor_backend
+        if backend not in (None, "mp", "uni", "ray"):
+            raise ValueError(f"Unknown distributed_executor_backend {backend!r}; choose 'mp' or 'ray'.")
+        if backend == "ray":
+            import importlib.util
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError("distributed_executor_backend='ray' needs Ray, which is not installed: "
+                                 "pip install ray (or leave the backend unset for multiprocessing).")
+            raise NotImplementedError("The Ray executor is not implemented yet; leave distributed_executor_backend "
+                                      "unset (or 'mp') for tensor parallelism over processes on this node.")
+        if tp == 1:
+            return
+        if backend == "uni":
+            raise ValueError(f"distributed_executor_backend='uni' runs one process: it cannot run "
+                             f"tensor_parallel_size={tp}; use 'mp'.")
+        heads, kv = arch.num_attention_heads, arch.num_key_value_heads
+        if heads % tp:
+            raise ValueError(f"The model's {heads} attention heads are not divisible by tensor_parallel_size="
+                             f"{tp}; use a tensor_parallel_size that divides {heads}.")
+        if (kv % tp) if kv >= tp else (tp % kv):
+            raise ValueError(f"The model's {kv} KV heads do not split over tensor_parallel_size={tp}: it must "
+                             f"divide {kv}, or be a multiple of it (each KV head then lives on several ranks).")
+        if arch.intermediate_size % tp:
+            raise ValueError(f"The model's intermediate_size {arch.intermediate_size} is not divisible by "
+                             f"tensor_parallel_size={tp}.")
+        if device == "cuda" and torch.cuda.device_count() < tp:
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs (one per rank), but "
+                             f"{torch.cuda.device_count()} are visible.")
+
 
 @dataclass
 class EngineConfig:

@@ -196,7 +196,7 @@ def test_bad_engine_arguments(smollm_path):
         LLM(smollm_path, quantization="bitsandbytes")
     with pytest.raises(ValueError, match="quantization='awq' needs a checkpoint quantized that way"):
         LLM(smollm_path, quantization="awq")
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=4"):
+    with pytest.raises(ValueError, match="9 attention heads are not divisible by tensor_parallel_size=4"):
         LLM(smollm_path, tensor_parallel_size=4, max_model_len=256)
     with pytest.raises(ValueError, match="Unknown dtype"):
         LLM(smollm_path, dtype="int8")

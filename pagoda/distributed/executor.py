@@ -1,5 +1,5 @@
-"""Executors run the model runner on every rank. One process for now; multiprocessing and Ray
-executors plug in behind the same three calls."""
+"""Executors run the model runner on every rank: in this process alone (tensor_parallel_size
+1), or over worker processes (multiproc_executor.py). Both answer the same three calls."""
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.runner.model_runner import ModelRunner
@@ -20,10 +20,8 @@ class UniProcExecutor:
 
 
 def get_executor(config: EngineConfig):
-    p = config.parallel
-    if p.world_size > 1 or p.data_parallel_size > 1:
-        raise NotImplementedError(
-            f"tensor_parallel_size={p.tensor_parallel_size}, pipeline_parallel_size="
-            f"{p.pipeline_parallel_size}, data_parallel_size={p.data_parallel_size}: distributed "
-            "execution is not implemented yet; use 1 for each.")
-    return UniProcExecutor(config)
+    """The executor for ``config.parallel`` (checked by ParallelConfig.verify)."""
+    if config.parallel.world_size == 1:
+        return UniProcExecutor(config)
+    from pagoda.distributed.multiproc_executor import MultiprocExecutor
+    return MultiprocExecutor(config)

@@ -69,6 +69,9 @@ class EngineArgs:
         check_quantization_name(self.quantization)     # fail on a bad name before loading anything
         path = resolve_model_path(self.model or default_model_path(), self.revision)
         arch = read_arch_config(path)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                  self.data_parallel_size, self.distributed_executor_backend)
+        parallel.verify(arch, device)
         quantization, quant_config = resolve_quantization(self.quantization, read_quant_config(path, arch), path)
         dtype, compute_dtype = _resolve_dtype(self.dtype, arch.torch_dtype, device)
         if self.load_format not in _LOAD_FORMATS:
@@ -105,8 +108,6 @@ class EngineArgs:
                                 # On the CPU the forward runs as it is called: nothing to overlap.
                                 async_scheduling=(device == "cuda" if self.async_scheduling is None
                                                   else self.async_scheduling))
-        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                  self.data_parallel_size, self.distributed_executor_backend)
         return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager,
                              log_stats=not self.disable_log_stats)
 

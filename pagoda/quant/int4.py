@@ -123,8 +123,14 @@ class Int4LinearMethod(QuantMethod):
         if (c.method == "awq" and k % group) or k % c.pack or n % c.pack:
             raise ValueError(f"A {k} x {n} linear layer cannot hold {c.method.upper()} weights in groups of "
                              f"{group} packed {c.pack} a word.")
+        if getattr(layer, "tp_size", 1) > 1 and (k % group or c.desc_act):
+            # (a rank's slice of the input must hold whole groups, in the checkpoint's order)
+            raise ValueError(f"{c.method.upper()} weights in groups of {group}{' with act-order (desc_act)' if c.desc_act else ''} "
+                             f"do not split over tensor_parallel_size={layer.tp_size} (a {k}-wide input slice per "
+                             "rank); use a smaller tensor_parallel_size or a checkpoint without act-order.")
         groups = -(-k // group)
         layer.group_size = group
+        per_channel = c.group_size == -1     # one group per rank's slice: not split along the input
 
         def param(shape, dt, output_dim, output_pack, input_dim, input_pack):
             p = nn.Parameter(torch.empty(shape, dtype=dt), requires_grad=False)
@@ -136,8 +142,8 @@ class Int4LinearMethod(QuantMethod):
             layer.g_idx = param((k,), torch.int32, None, 1, 0, 1)
         else:
             layer.qweight = param((k, n // c.pack), torch.int32, 1, c.pack, 0, 1)
-        layer.qzeros = param((groups, n // c.pack), torch.int32, 1, c.pack, 0, group)
-        layer.scales = param((groups, n), dtype, 1, 1, 0, group)
+        layer.qzeros = param((groups, n // c.pack), torch.int32, 1, c.pack, None if per_channel else 0, group)
+        layer.scales = param((groups, n), dtype, 1, 1, None if per_channel else 0, group)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         c = self.config

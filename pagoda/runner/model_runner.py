@@ -11,6 +11,7 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
 from pagoda.model.layers.attention import (AttentionMetadata, TorchAttentionBackend, get_attention_backend,
                                            set_forward_context)
 from pagoda.model.loader import get_model
@@ -98,6 +99,9 @@ class ModelRunner:
         self.rng = np.random.default_rng(mc.seed)
         # Sampling in one Triton kernel (runner/sampler.py) for the batches it covers.
         self.one_kernel_sampler = self.device.type == "cuda"
+        # With tensor parallelism every rank runs the forward; rank 0 alone samples (on the
+        # gathered full-vocabulary logits) and sends the tokens to the others.
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         self.model = get_model(mc, self.device)
         self.arch = mc.arch
         self.block_size = config.cache.block_size
@@ -332,7 +336,10 @@ class ModelRunner:
         if len(sampling) == 0:
             return AsyncRunnerOutput(self, out)
         logits = self.model.compute_logits(hidden[t["logits_idx"]])
-        result = sample(logits, self._sampling_metadata(s_states, s_rows, t))
+        if self.tp_size == 1:
+            result = sample(logits, self._sampling_metadata(s_states, s_rows, t))
+        else:
+            result = self._sample_on_rank0(logits, s_states, s_rows, t)
         for s in s_states:
             s.num_tokens += 1
         self.num_sampling_steps += 1
@@ -341,6 +348,18 @@ class ModelRunner:
         self.last_sampled = result.token_ids
         return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result,
                                  self.num_sampling_steps, s_rows)
+
+    def _sample_on_rank0(self, logits, states, rows, t) -> SamplerOutput:
+        """Rank 0's sampled tokens on every rank: the other ranks need them as the next step's
+        input ids (and record them as rank 0 does)."""
+        if self.tp_rank == 0:
+            result = sample(logits, self._sampling_metadata(states, rows, t))
+            result.token_ids = result.token_ids.to(torch.int64)
+        else:
+            result = SamplerOutput(torch.empty(len(states), dtype=torch.int64, device=self.device),
+                                   None, None, None, None)
+        tp_broadcast(result.token_ids)
+        return result
 
     def _record_sampled(self, step: AsyncRunnerOutput) -> None:
         """A step's sampled tokens have reached the host: write them into the rows and fill in

@@ -33,5 +33,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = tp_all_gather(dense_linear(hidden, self.weight), dim=-1)
-        return logits[:, :self.vocab_size]
+        logits = dense_linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        return tp_all_gather(logits, self.tp_size)[:, :self.vocab_size]

@@ -141,5 +141,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(dim, self.tp_rank * size, size))
 
     def forward(self, x):
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x, self.bias)
         bias = self.bias if self.tp_rank == 0 else None
         return tp_all_reduce(self.quant_method.apply(self, x, bias))

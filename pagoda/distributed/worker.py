@@ -1,0 +1,78 @@
+"""One tensor-parallel rank: the model runner on this rank's shard of the weights. Rank 0 lives
+in the engine's process (MultiprocExecutor); ranks 1..N-1 run ``worker_main`` in processes of
+their own and do what rank 0 sends them."""
+import os
+import traceback
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.distributed.parallel_state import building_tp_model, destroy_distributed, init_distributed
+from pagoda.runner.model_runner import ModelRunner
+
+# Bounds every collective: a rank waiting on a peer that died or hangs fails after this long
+# (weights loading on a slower rank at start-up must fit in it).
+COLLECTIVE_TIMEOUT_S = 600
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int, port: int):
+        self.rank = rank
+        world = config.parallel.world_size
+        if config.device == "cuda":
+            torch.cuda.set_device(rank)        # one GPU per rank: cuda:{rank}
+        else:
+            # The ranks share the cores: with a thread per core each, their spinning OpenMP
+            # threads would take turns on every core and each collective would wait for them.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        init_distributed(world, rank, port, config.device, COLLECTIVE_TIMEOUT_S)
+        try:
+            with building_tp_model(world, rank):
+                self.runner = ModelRunner(config)
+        except BaseException:
+            destroy_distributed()
+            raise
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+
+def worker_main(config: EngineConfig, rank: int, port: int, conn) -> None:
+    """A worker process: join the group, build the runner, then serve rank 0's messages
+    ``(method, args)`` until told to stop or rank 0 is gone. Steps (``execute_model``) are not
+    answered; other calls answer ``("ok", result)``. A failure answers ``("error", traceback)``
+    and ends the process: the group's collectives can no longer be matched."""
+    conn.send(("started", None))
+    worker, last = None, None
+    try:
+        worker = Worker(config, rank, port)
+        while True:
+            try:
+                method, args = conn.recv()
+            except EOFError:          # rank 0's process has exited
+                break
+            if method == "shutdown":
+                break
+            if method == "execute_model":
+                out = worker.runner.execute_model(*args)
+                # This step's tokens reach the rows one step late, as on rank 0 with async
+                # scheduling: the next step reads them on the device meanwhile.
+                if last is not None:
+                    last.get_output()
+                last = out
+            elif callable(method):
+                conn.send(("ok", method(worker, *args)))
+            else:
+                conn.send(("ok", getattr(worker, method)(*args)))
+    except BaseException:
+        try:
+            conn.send(("error", f"tensor-parallel worker rank {rank} failed:\n{traceback.format_exc()}"))
+        except OSError:               # rank 0 is gone: nobody to tell
+            pass
+    finally:
+        if worker is not None:
+            destroy_distributed()
+        conn.close()
