@@ -578,7 +578,7 @@ case "${1:-}" in
     # Tensor parallelism on two GPUs of one host: the tests (NCCL), then W2 Llama-3-8B at tp 1
     # and 2, W1 both models at tp 2 (unless NO_W1)
     nvidia-smi topo -m 2>&1 | head -3
-    python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py 2>&1 | tail -6
+    python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py -k gpus 2>&1 | tail -6
     for tp in 1 2; do
       run "W2 llama3-8b tp$tp" latency.py --model-config $MA/llama3-8b.json --batch 1 64 -tp $tp --out "$OUT/tp$tp"
     done
