@@ -110,7 +110,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args) -> int:
-    from pagoda.entrypoints.openai.api_server import run_server
+    try:
+        from pagoda.entrypoints.openai.api_server import run_server
+    except ImportError as e:
+        raise ValueError(f"the server needs its extra dependencies ({e.name} is missing): "
+                         "pip install 'pagoda-llm[serve]'") from None
     args.model = args.model_tag or args.model
     run_server(args)
     return 0
