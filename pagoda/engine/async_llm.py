@@ -112,7 +112,10 @@ class AsyncLLM:
                     cmd = self._commands.get(block=block)
                     if cmd is None:
                         return
-                    cmd()
+                    try:
+                        cmd()
+                    except Exception:             # noqa: BLE001 - an abort that failed must not end the thread
+                        logger.exception("An engine command failed.")
                     block = False
             except queue.Empty:
                 pass

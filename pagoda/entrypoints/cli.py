@@ -14,6 +14,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None,
                    help="gptq or awq (found in a quantized checkpoint's config without it)")
+    p.add_argument("--load-format", default="auto", help="auto, safetensors, gguf, or dummy (random weights)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -36,7 +37,7 @@ def engine_args_from(args):
     if args.log_stats:
         import logging
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    return EngineArgs(model=args.model, dtype=args.dtype, quantization=args.quantization,
+    return EngineArgs(model=args.model, dtype=args.dtype, quantization=args.quantization, load_format=args.load_format,
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                       enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats)
