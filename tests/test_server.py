@@ -274,6 +274,15 @@ def test_cancelled_stream_frees_its_kv_blocks(engine, base_url):
     assert stats.num_generation_tokens - before < 500
 
 
+def test_client_gone_before_a_whole_response_frees_its_kv_blocks(engine, base_url):
+    before = engine.stats.num_generation_tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True},
+                   timeout=httpx.Timeout(30, read=1.5))
+    stats = wait_until_idle(engine)
+    assert stats.num_generation_tokens - before < 500
+
+
 def test_metrics_counters_move(client, llm):
     def scrape() -> dict:
         text = client.get("/metrics").text
