@@ -28,8 +28,13 @@ class _Stream:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item) -> bool:
+        """False when the caller's event loop has closed: nobody will read this stream."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
 
 class AsyncLLM:
@@ -134,10 +139,12 @@ class AsyncLLM:
             return
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
-                if out.finished:
-                    del self._streams[out.request_id]
-                stream.put(out)
+            if stream is None:
+                continue
+            if not stream.put(out):
+                self._abort(out.request_id)
+            elif out.finished:
+                del self._streams[out.request_id]
         self.stats = self.engine.stats
 
 
