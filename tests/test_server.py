@@ -48,7 +48,9 @@ def base_url(engine):
     server = uvicorn.Server(uvicorn.Config(build_app(engine, [MODEL]), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    deadline = time.time() + 30
     while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "uvicorn did not start"
         time.sleep(0.05)
     yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     server.should_exit = True

@@ -1,5 +1,5 @@
-"""The ``pagoda`` command: ``pagoda generate`` (batch, offline) and ``pagoda chat``
-(interactive, streaming)."""
+"""The ``pagoda`` command: ``pagoda generate`` (batch, offline), ``pagoda chat``
+(interactive, streaming) and ``pagoda serve`` (the OpenAI-compatible server)."""
 import argparse
 import sys
 import time
