@@ -30,6 +30,16 @@ def make_requests(n, prompt_range, output_range, vocab, seed):
     return prompts, output_lens.tolist()
 
 
+def requests_for(args, n):
+    """make_requests over --model-config's vocabulary (SmolLM2's without one), --prompt-len,
+    --output-len and --seed."""
+    vocab = 49152
+    if args.model_config:
+        with open(args.model_config) as f:
+            vocab = json.load(f)["vocab_size"]
+    return make_requests(n, args.prompt_len, args.output_len, vocab, args.seed)
+
+
 def run_pagoda(args, prompts, output_lens):
     from pagoda import LLM, SamplingParams
     kwargs = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,   # None: the engine's defaults
@@ -306,11 +316,7 @@ def main():
     if args.cpu_workload:
         args.prompt_len, args.output_len = [64, 256], [32, 128]
         args.max_model_len = args.max_model_len or 512
-    vocab = 49152
-    if args.model_config:
-        with open(args.model_config) as f:
-            vocab = json.load(f)["vocab_size"]
-    prompts, output_lens = make_requests(args.num_requests, args.prompt_len, args.output_len, vocab, args.seed)
+    prompts, output_lens = requests_for(args, args.num_requests)
     if args.schedule_floor:
         cfg = model_config(args.model_config, args.quantization)
         ceilings = {"copy_bytes_per_s": args.schedule_floor[0] * 1e12, "bf16_flops_per_s": args.schedule_floor[1] * 1e12}

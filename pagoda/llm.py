@@ -41,14 +41,10 @@ class LLM:
         the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        prompts = []
-        for conv in conversations:
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                           tools=tools, chat_template=chat_template,
-                                           continue_final_message=continue_final_message,
-                                           **(chat_template_kwargs or {}))
-            # The template already holds BOS and the special tokens.
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        prompts = [tok.chat_prompt(conv, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                   tools=tools, chat_template=chat_template,
+                                   continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                   for conv in conversations]
         return self._run(prompts, self._params_list(sampling_params, len(prompts)), use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False, **_ignored) -> list[BeamSearchOutput]:

@@ -190,6 +190,12 @@ class Tokenizer:
             text = _cut_after_final_message(text, messages[-1])
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
+    def chat_prompt(self, messages: list[dict], **template_kwargs) -> dict:
+        """A conversation rendered with the chat template, as an engine prompt. The rendered text
+        already holds BOS and the special tokens, so encoding adds none."""
+        text = self.apply_chat_template(messages, **template_kwargs)
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
+
     def __repr__(self) -> str:
         return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size})"
 

@@ -1,18 +1,20 @@
-"""The ``pagoda`` command: ``pagoda generate`` (batch, offline) and ``pagoda chat``
-(interactive, streaming)."""
+"""The ``pagoda`` command: ``pagoda generate`` (batch, offline), ``pagoda chat``
+(interactive, streaming) and ``pagoda serve`` (the OpenAI-compatible server)."""
 import argparse
 import sys
 import time
+from dataclasses import asdict
 
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder, .gguf file or cached hub name "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None,
                    help="gptq or awq (found in a quantized checkpoint's config without it)")
+    p.add_argument("--load-format", default="auto", help="auto, safetensors, gguf, or dummy (random weights)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -31,16 +33,22 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
 
 
-def _make_llm(args):
-    from pagoda.llm import LLM
+def engine_args_from(args):
+    """The engine arguments that ``add_engine_args`` parsed, as EngineArgs."""
+    from pagoda.engine.arg_utils import EngineArgs
     if args.log_stats:
         import logging
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    return LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
-               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-               tensor_parallel_size=args.tensor_parallel_size,
-               enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats)
+    return EngineArgs(model=args.model, dtype=args.dtype, quantization=args.quantization, load_format=args.load_format,
+                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+                      tensor_parallel_size=args.tensor_parallel_size,
+                      enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats)
+
+
+def _make_llm(args):
+    from pagoda.llm import LLM
+    return LLM(**asdict(engine_args_from(args)))
 
 
 def _params(args, **extra) -> SamplingParams:
@@ -82,8 +90,7 @@ def cmd_chat(args) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        req_id = engine.add_request(None, {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)},
+        req_id = engine.add_request(None, tok.chat_prompt(messages, add_generation_prompt=True),
                                     _params(args, output_kind=RequestOutputKind.DELTA))
         reply = []
         while engine.has_unfinished_requests():
@@ -97,6 +104,26 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) the API answers to (default: --model, or the embedded model's name)")
+    p.add_argument("--api-key", default=None, help="require this key as `Authorization: Bearer KEY`")
+    p.add_argument("--uvicorn-log-level", default="info")
+
+
+def cmd_serve(args) -> int:
+    try:
+        from pagoda.entrypoints.openai.api_server import run_server
+    except ImportError as e:
+        raise ValueError(f"the server needs its extra dependencies ({e.name} is missing): "
+                         "pip install 'pagoda-llm[serve]'") from None
+    args.model = args.model_tag or args.model
+    run_server(args)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,14 +131,19 @@ def main(argv=None) -> int:
     g.add_argument("prompts", nargs="*", help="prompts (also see --file)")
     g.add_argument("--file", help="a text file with one prompt per line")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    _engine_args(g)
+    add_engine_args(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="interactive chat, streaming to the terminal")
     c.add_argument("--system", default=None, help="system prompt")
-    _engine_args(c)
+    add_engine_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
+    v = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    v.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
+    add_serve_args(v)
+    add_engine_args(v)
+    v.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,158 @@
+"""AsyncLLM: the engine behind an asyncio server. The engine is not thread-safe, so one
+background thread owns it: it runs the requests' commands (add, abort) and steps the engine
+while requests exist, and sleeps on its command queue when there are none. Outputs go back to
+each caller's event loop; ``generate`` is an async iterator of RequestOutputs."""
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.stats import EngineStats
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class _Stream:
+    """Where one request's outputs land: an asyncio queue fed from the engine thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> bool:
+        """False when the caller's event loop has closed: nobody will read this stream."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.config.model
+        self.max_model_len = engine.config.scheduler.max_model_len
+        self.stats: EngineStats = engine.stats     # a snapshot, replaced after every step
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}      # touched only by the engine thread
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
+        return cls(LLMEngine.from_engine_args(args))
+
+    # ------------------------------------------------------------------ the caller's side
+    async def generate(self, prompt, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Add the request (a bad one raises ValueError here, before any output), then yield
+        its outputs as the engine makes them. Leaving the loop early (the client went away, the
+        task was cancelled) aborts the request, which frees its KV blocks."""
+        stream = _Stream(asyncio.get_running_loop())
+        try:
+            await self._call(lambda: self._add(request_id, prompt, sampling_params, stream))
+        except asyncio.CancelledError:
+            self.abort(request_id)      # queued after the add: it runs whether or not the add did
+            raise
+        finished = False
+        try:
+            while not finished:
+                out = await stream.queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(lambda: self._abort(request_id))
+
+    def shutdown(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    async def _call(self, fn):
+        """Run ``fn`` on the engine thread; its result or exception comes back here."""
+        fut = asyncio.get_running_loop().create_future()
+
+        def run():
+            try:
+                result = fn()
+            except BaseException as e:       # noqa: BLE001 - handed to the caller
+                fut.get_loop().call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                fut.get_loop().call_soon_threadsafe(_set_result, fut, result)
+        self._commands.put(run)
+        return await fut
+
+    # ------------------------------------------------------------------ the engine thread
+    def _add(self, request_id: str, prompt, params: SamplingParams, stream: _Stream) -> None:
+        self.engine.add_request(request_id, prompt, params)
+        self._streams[request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self.engine.abort_request(request_id)
+            self.stats = self.engine.stats
+
+    def _run(self) -> None:
+        while True:
+            # Idle: block until a command comes. Busy: take what has come, then step.
+            block = not self.engine.has_unfinished_requests()
+            try:
+                while True:
+                    cmd = self._commands.get(block=block)
+                    if cmd is None:
+                        return
+                    try:
+                        cmd()
+                    except Exception:             # noqa: BLE001 - an abort that failed must not end the thread
+                        logger.exception("An engine command failed.")
+                    block = False
+            except queue.Empty:
+                pass
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:                    # noqa: BLE001 - fail the requests, keep serving
+            logger.exception("Engine step failed; aborting %d requests.", len(self._streams))
+            self.engine.abort_request(list(self._streams))
+            for stream in self._streams.values():
+                stream.put(EngineDeadError(f"The engine step failed: {e}"))
+            self._streams.clear()
+            return
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if not stream.put(out):
+                self._abort(out.request_id)
+            elif out.finished:
+                del self._streams[out.request_id]
+        self.stats = self.engine.stats
+
+
+def _set_result(fut: asyncio.Future, result) -> None:
+    if not fut.done():
+        fut.set_result(result)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,129 @@
+"""The OpenAI-compatible HTTP server, as vLLM's ``vllm serve``:
+
+  pagoda serve [MODEL] --port 8000
+  python -m pagoda.entrypoints.openai.api_server --model MODEL
+
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics."""
+import argparse
+import asyncio
+import logging
+import os
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import pagoda
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.entrypoints.openai.metrics import ServerMetrics
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.entrypoints.openai.serving import error_response
+from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="pagoda", version=pagoda.__version__)
+    metrics = ServerMetrics(engine, served_model_names[0])
+    completion = OpenAIServingCompletion(engine, served_model_names, metrics)
+    chat = OpenAIServingChat(engine, served_model_names, metrics)
+    created = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, exc: RequestValidationError):
+        # OpenAI (and vLLM) answer a malformed body with 400, not FastAPI's 422.
+        errors = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+        return error_response(errors, 400)
+
+    if api_key:
+        @app.middleware("http")
+        async def check_key(request: Request, call_next):
+            if request.url.path.startswith("/v1") and request.headers.get("Authorization") != f"Bearer {api_key}":
+                return error_response("Invalid or missing API key.", 401)
+            return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": pagoda.__version__}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "pagoda",
+             "root": engine.model_config.model, "parent": None, "max_model_len": engine.max_model_len}
+            for name in served_model_names]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await _until_disconnected(raw, completion.create(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await _until_disconnected(raw, chat.create(body))
+
+    return app
+
+
+async def _until_disconnected(raw: Request, handler):
+    """Run ``handler``; if the client goes away first, cancel it (which aborts its requests). A
+    stream is watched by its StreamingResponse once it has started."""
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_disconnected(raw))
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if not task.done():
+        task.cancel()
+        return Response(status_code=499)        # nobody reads it; nginx's "client closed request"
+    return task.result()
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def served_names(args) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    if args.model:
+        return [args.model]
+    from pagoda.model.hub import default_model_path
+    return [os.path.basename(default_model_path()).split(".")[0]]     # SmolLM2-135M-Instruct
+
+
+def run_server(args) -> None:
+    import uvicorn
+
+    from pagoda.entrypoints.cli import engine_args_from
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    engine = AsyncLLM.from_engine_args(engine_args_from(args))
+    try:
+        app = build_app(engine, served_names(args), args.api_key)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        engine.shutdown()
+
+
+def main(argv=None) -> None:
+    from pagoda.entrypoints.cli import add_engine_args, add_serve_args
+    parser = argparse.ArgumentParser(prog="python -m pagoda.entrypoints.openai.api_server",
+                                     description="pagoda's OpenAI-compatible server")
+    add_serve_args(parser)
+    add_engine_args(parser)
+    run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""The OpenAI-compatible server with the real SmolLM2: in-process through the ASGI app, and
+through a uvicorn socket with httpx and the official openai client. Outputs are compared with
+the offline LLM's (the conftest `llm`, built with the same engine arguments)."""
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from pagoda import SamplingParams
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.entrypoints.openai.api_server import build_app
+from pagoda.sampling_params import RequestOutputKind
+from tests.conftest import TEST_KV_BYTES
+
+MODEL = "smol"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "My favourite colour is"]
+CHAT = [{"role": "user", "content": "Name three fruits."}]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm_path):
+    eng = AsyncLLM.from_engine_args(EngineArgs(smollm_path, dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES,
+                                               max_model_len=2048))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with TestClient(build_app(engine, [MODEL])) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    """A real uvicorn server on a free port, in a thread."""
+    import uvicorn
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, [MODEL]), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def sse_events(text: str) -> list:
+    """The data events of a Server-Sent Events body; asserts it ends with [DONE]."""
+    data = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def wait_until_idle(engine, timeout=20.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        s = engine.stats
+        if s.num_running == s.num_waiting == 0 and s.kv_blocks_in_use == 0:
+            return s
+        time.sleep(0.05)
+    raise AssertionError(f"the engine still holds requests or blocks: {engine.stats}")
+
+
+def test_completions_greedy_equal_llm_generate_with_usage(client, llm):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS, "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ref = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in body["choices"]] == [o.outputs[0].text for o in ref]
+    assert [c["finish_reason"] for c in body["choices"]] == [o.outputs[0].finish_reason for o in ref]
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in ref)
+    completion_tokens = sum(len(o.outputs[0].token_ids) for o in ref)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def test_token_id_prompt_and_echo(client, llm):
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0, "echo": True})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == llm.get_tokenizer().decode(ids) + ref.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_chat_greedy_equals_llm_chat(client, llm):
+    ref = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_completion_tokens": 24,
+                                                   "temperature": 0})
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": ref.outputs[0].text}
+    assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    assert body["usage"]["completion_tokens"] == len(ref.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 20}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 20}),
+])
+def test_stream_deltas_concatenate_to_the_whole_text(client, route, body):
+    body = {**body, "temperature": 0}
+    whole = client.post(route, json=body).json()
+    r = client.post(route, json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    chunks, usage = events[:-1], events[-1]
+    assert len(chunks) > 3 and usage["choices"] == [] and usage["usage"] == whole["usage"]
+    if route == "/v1/completions":
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        expected = whole["choices"][0]["text"]
+    else:
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[0]["object"] == "chat.completion.chunk"
+        text = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
+        expected = whole["choices"][0]["message"]["content"]
+    assert text == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_n_and_seed_reproducible_and_equal_llm(client, llm):
+    body = {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0.9, "n": 3, "seed": 11, "ignore_eos": True}
+    a, b = (client.post("/v1/completions", json=body).json() for _ in range(2))
+    texts = [c["text"] for c in a["choices"]]
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2] and len(set(texts)) > 1
+    assert texts == [c["text"] for c in b["choices"]]
+    ref = llm.generate(PROMPTS[2], SamplingParams(n=3, temperature=0.9, max_tokens=10, seed=11, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert texts == [c.text for c in ref.outputs]
+    assert a["usage"]["completion_tokens"] == 30
+
+
+def test_chat_n_streams_every_choice(client):
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 6, "n": 2, "temperature": 1.0,
+                                                   "seed": 3, "ignore_eos": True, "stream": True})
+    events = sse_events(r.text)
+    for index in (0, 1):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant" and mine[-1]["finish_reason"] == "length"
+
+
+def test_stop_string(client, llm):
+    base = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    stop = base[10:14]
+    assert stop.strip(), base
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0,
+                                              "ignore_eos": True, "stop": [stop, "@@never@@"]})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == base[:base.index(stop)]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+
+
+def test_logprobs_shapes(client, llm):
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0,
+                                              "logprobs": 3, "ignore_eos": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(5)]
+    for got, tok, want in zip(lp["token_logprobs"], ref.token_ids, ref.logprobs):
+        assert got == pytest.approx(want[tok].logprob, abs=1e-4)
+    assert all(3 <= len(top) <= 4 for top in lp["top_logprobs"])
+
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 5, "temperature": 0,
+                                                   "logprobs": True, "top_logprobs": 2}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == r["usage"]["completion_tokens"]
+    for entry in content:
+        top = entry["top_logprobs"]
+        assert len(top) == 2 and top[0]["logprob"] >= top[1]["logprob"]
+        assert top[0]["token"] == entry["token"]           # greedy: the chosen token ranks first
+        assert bytes(entry["bytes"]).decode() == entry["token"]
+    no_lp = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}).json()
+    assert no_lp["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("route, body, status, message", [
+    ("/v1/completions", {"prompt": "hello " * 3000}, 400, "maximum model length"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "gpt-4"),
+])
+def test_bad_requests_answer_an_openai_error_and_the_server_goes_on(client, engine, route, body, status, message):
+    r = client.post(route, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["code"] == status
+    assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    wait_until_idle(engine)
+
+
+def test_models_health_version(client):
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 2048
+    assert client.get("/health").status_code == 200
+    assert client.get("/version").json()["version"]
+
+
+def test_api_key(engine):
+    with TestClient(build_app(engine, [MODEL], api_key="sekrit")) as c:
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        assert c.get("/health").status_code == 200
+
+
+def test_concurrent_requests_all_answered(engine, llm):
+    prompts = [f"{p} {i}" for i in range(3) for p in PROMPTS]
+
+    async def run():
+        transport = httpx.ASGITransport(app=build_app(engine, [MODEL]))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            rs = await asyncio.gather(*(c.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 8, "temperature": 0, "stream": i % 2 == 1}) for i, p in enumerate(prompts)))
+        return rs
+
+    rs = asyncio.run(run())
+    ref = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    for i, (r, o) in enumerate(zip(rs, ref)):
+        assert r.status_code == 200
+        text = ("".join(e["choices"][0]["text"] for e in sse_events(r.text)) if i % 2
+                else r.json()["choices"][0]["text"])
+        assert text == o.outputs[0].text
+    wait_until_idle(engine)
+
+
+def test_async_llm_abort_when_the_caller_leaves(engine):
+    before = engine.stats.num_generation_tokens
+
+    async def run():
+        gen = engine.generate(PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True,
+                                                         output_kind=RequestOutputKind.DELTA), "leaver")
+        for _ in range(3):
+            assert not (await anext(gen)).finished
+        await gen.aclose()
+
+    asyncio.run(run())
+    stats = wait_until_idle(engine)
+    assert stats.num_generation_tokens - before < 100
+
+
+def test_cancelled_stream_frees_its_kv_blocks(engine, base_url):
+    before = engine.stats.num_generation_tokens
+    with httpx.Client(base_url=base_url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0] * 20, "max_tokens": 1000,
+                                                       "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                assert next(line for line in lines if line.startswith("data: "))
+            assert engine.stats.kv_blocks_in_use > 0
+    stats = wait_until_idle(engine)
+    assert stats.num_generation_tokens - before < 500
+
+
+def test_client_gone_before_a_whole_response_frees_its_kv_blocks(engine, base_url):
+    before = engine.stats.num_generation_tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True},
+                   timeout=httpx.Timeout(30, read=1.5))
+    stats = wait_until_idle(engine)
+    assert stats.num_generation_tokens - before < 500
+
+
+def test_metrics_counters_move(client, llm):
+    def scrape() -> dict:
+        text = client.get("/metrics").text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    label = f'{{model_name="{MODEL}"}}'
+    before = scrape()
+    client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 7, "ignore_eos": True})
+    after = scrape()
+    n_prompt = len(llm.get_tokenizer().encode(PROMPTS[1]))
+    assert after[f"vllm:prompt_tokens_total{label}"] - before[f"vllm:prompt_tokens_total{label}"] == n_prompt
+    assert after[f"vllm:generation_tokens_total{label}"] - before[f"vllm:generation_tokens_total{label}"] == 7
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_time_per_output_token_seconds_count"):
+        assert after[name + label] == before.get(name + label, 0) + 1
+    key = f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'
+    assert after[key] == before.get(key, 0) + 1
+    assert after[f"vllm:num_requests_running{label}"] == 0 and f"vllm:kv_cache_usage_perc{label}" in after
+
+
+def test_openai_client_over_a_socket(base_url, llm):
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url=base_url + "/v1", api_key="none")
+    assert [m.id for m in c.models.list()] == [MODEL]
+    ref = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0]
+    chat = c.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=16)
+    assert chat.choices[0].message.content == ref.text
+    stream = c.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=16, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == ref.text
+    comp = c.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=8)
+    assert comp.choices[0].text == llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8),
+                                                use_tqdm=False)[0].outputs[0].text
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        c.completions.create(model=MODEL, prompt="x", temperature=-2)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="x")
+
+
+def test_pagoda_serve_command(tmp_path):
+    """`pagoda serve` as a subprocess: the embedded model under its own name, one completion."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--port", str(port),
+                             "--host", "127.0.0.1", "--max-model-len", "256"], stdout=log, stderr=log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        end = time.time() + 120
+        while time.time() < end:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        models = httpx.get(url + "/v1/models").json()
+        assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
