@@ -118,14 +118,18 @@ class ParallelConfig:
 
     def verify(self, arch: ArchConfig, device: str) -> None:
         """Fail before anything is loaded or started on a layout this engine cannot run."""
-        tp = self.tensor_parallel_size
-        if self.pipeline_parallel_size != 1 or self.data_parallel_size != 1:
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if self.data_parallel_size != 1:
             raise NotImplementedError(
-                f"pipeline_parallel_size={self.pipeline_parallel_size}, data_parallel_size="
-                f"{self.data_parallel_size}: pipeline and data parallelism are not implemented yet; use 1 "
-                "for both (tensor_parallel_size splits the model over GPUs).")
+                f"data_parallel_size={self.data_parallel_size}: data parallelism is not implemented yet; use 1 "
+                "(tensor_parallel_size and pipeline_parallel_size split the model over GPUs).")
         if tp < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}.")
+        if pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got {pp}.")
+        if pp > arch.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size={pp} is more than the model's {arch.num_hidden_layers} "
+                             f"layers: every stage needs at least one; use at most {arch.num_hidden_layers}.")
         backend = self.distributed_executor_backend
         if backend not in (None, "mp", "uni", "ray"):
             raise ValueError(f"Unknown distributed_executor_backend {backend!r}; choose 'mp' or 'ray'.")
@@ -135,12 +139,17 @@ class ParallelConfig:
                 raise ValueError("distributed_executor_backend='ray' needs Ray, which is not installed: "
                                  "pip install ray (or leave the backend unset for multiprocessing).")
             raise NotImplementedError("The Ray executor is not implemented yet; leave distributed_executor_backend "
-                                      "unset (or 'mp') for tensor parallelism over processes on this node.")
-        if tp == 1:
+                                      "unset (or 'mp') for parallelism over processes on this node.")
+        if self.world_size == 1:
             return
         if backend == "uni":
             raise ValueError(f"distributed_executor_backend='uni' runs one process: it cannot run "
-                             f"tensor_parallel_size={tp}; use 'mp'.")
+                             f"tensor_parallel_size={tp} x pipeline_parallel_size={pp}; use 'mp'.")
+        if device == "cuda" and torch.cuda.device_count() < self.world_size:
+            raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {self.world_size} "
+                             f"GPUs (one per rank), but {torch.cuda.device_count()} are visible.")
+        if tp == 1:
+            return
         heads, kv = arch.num_attention_heads, arch.num_key_value_heads
         if heads % tp:
             raise ValueError(f"The model's {heads} attention heads are not divisible by tensor_parallel_size="
@@ -151,9 +160,6 @@ class ParallelConfig:
         if arch.intermediate_size % tp:
             raise ValueError(f"The model's intermediate_size {arch.intermediate_size} is not divisible by "
                              f"tensor_parallel_size={tp}.")
-        if device == "cuda" and torch.cuda.device_count() < tp:
-            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs (one per rank), but "
-                             f"{torch.cuda.device_count()} are visible.")
 
 
 @dataclass

@@ -20,20 +20,22 @@ SMALL = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 
 PROMPTS = [{"prompt_token_ids": ids} for ids in ([5, 6, 7, 8, 9], list(range(10, 70)), [300, 2, 41])]
 
 
-def write_tiny_llama(folder, heads=4, kv_heads=2, vocab=509, intermediate=128, hidden=64, seed=0) -> str:
+def write_tiny_llama(folder, heads=4, kv_heads=2, vocab=509, intermediate=128, hidden=64, seed=0, layers=2,
+                     tied=False) -> str:
     """A random-weight Llama checkpoint (safetensors), so that every rank loads its shard through
     the weight loaders. The vocabulary is odd: the vocab-parallel embedding and LM head pad it."""
     os.makedirs(folder, exist_ok=True)
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_size=hidden,
-               intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=heads,
+               intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
                num_key_value_heads=kv_heads, max_position_embeddings=256, rms_norm_eps=1e-6,
-               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+               bos_token_id=1, eos_token_id=2, tie_word_embeddings=tied)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     hd = hidden // heads
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-              "lm_head.weight": (vocab, hidden)}
-    for i in range(2):
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(layers):
         p = f"model.layers.{i}."
         shapes.update({
             p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
@@ -249,9 +251,8 @@ def test_layout_errors(tmp_path, cfg, kwargs, error):
 
 
 def test_unimplemented_parallelism_and_ray(tiny):
-    for kwargs in (dict(pipeline_parallel_size=2), dict(data_parallel_size=2)):
-        with pytest.raises(NotImplementedError, match="pipeline and data parallelism are not implemented"):
-            LLM(tiny, **SMALL, **kwargs)
+    with pytest.raises(NotImplementedError, match="data parallelism is not implemented"):
+        LLM(tiny, **SMALL, data_parallel_size=2)
     if importlib.util.find_spec("ray") is None:
         with pytest.raises(ValueError, match="pip install ray"):
             LLM(tiny, tensor_parallel_size=2, distributed_executor_backend="ray", **SMALL)

@@ -1,7 +1,8 @@
-"""Tensor parallelism over processes on one node. Rank 0 is the engine's own process (it
-schedules, samples and detokenizes); ranks 1..N-1 are spawned worker processes. Each step's
-SchedulerOutput is pickled once and written to every worker's pipe; the ranks then meet only in
-the model's collectives (torch.distributed: gloo on CPU, NCCL on CUDA)."""
+"""Tensor and pipeline parallelism over processes on one node. Rank 0 is the engine's own
+process (it schedules and detokenizes; it samples too, unless the last pipeline stage does);
+ranks 1..N-1 are spawned worker processes. Each step's SchedulerOutput is pickled once and
+written to every worker's pipe; the ranks then meet only in the model's collectives and the
+pipeline stages' sends and receives (torch.distributed: gloo on CPU, NCCL on CUDA)."""
 import multiprocessing as mp
 import pickle
 import socket
@@ -62,7 +63,7 @@ class MultiprocExecutor:
             for rank in range(1, config.parallel.world_size):
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=worker_main, args=(config, rank, port, child),
-                                name=f"pagoda-tp-rank{rank}", daemon=True)
+                                name=f"pagoda-rank{rank}", daemon=True)
                 p.start()
                 child.close()
                 self.procs.append(p)
@@ -106,7 +107,7 @@ class MultiprocExecutor:
     # ------------------------------------------------------------------ failures
     def _send(self, msg) -> None:
         if self.dead is not None:
-            raise RuntimeError(f"The tensor-parallel engine has stopped ({self.dead}); create a new LLM.")
+            raise RuntimeError(f"The parallel engine has stopped ({self.dead}); create a new LLM.")
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)   # once for all workers
         try:
             for conn in self.conns:
@@ -132,7 +133,7 @@ class MultiprocExecutor:
             return conn.recv()
         except (EOFError, OSError):
             p.join(ERROR_GRACE_S)
-            return "error", f"tensor-parallel worker rank {rank} died (exit code {p.exitcode}).{hint}"
+            return "error", f"parallel worker rank {rank} died (exit code {p.exitcode}).{hint}"
 
     def _check_workers(self) -> None:
         """After a step: a worker that failed once the ranks' collectives were over, or died

@@ -1,8 +1,14 @@
-"""Tensor-parallel state. While a model is built (``building_tp_model``), its layers read the
-group's size and this process's rank and keep them; at run time they call the collectives here
-(never torch.distributed directly) only when they are split. So a one-process engine built
-beside a tensor-parallel one in the same process stays unsplit, and pays nothing."""
+"""Parallel state. While a model is built (``building_parallel_model``), its layers read the
+tensor-parallel group's size and this process's rank in it, and the model reads its pipeline
+stage (``get_pp_group``); they keep them. At run time they call the collectives here (never
+torch.distributed directly) only when they are split. So a one-process engine built beside a
+parallel one in the same process stays unsplit, and pays nothing.
+
+Ranks are laid out as in vLLM: global rank = pp_rank * tp_size + tp_rank, so each pipeline stage
+is a tensor-parallel group of consecutive ranks, and a rank's peer in the next stage is
+rank + tp_size."""
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -10,6 +16,49 @@ import torch.distributed as dist
 
 _TP_SIZE = 1
 _TP_RANK = 0
+# This process's tensor-parallel group when the world holds several stages (None: the world).
+_TP_GROUP = None
+
+
+@dataclass(frozen=True)
+class GroupCoordinator:
+    """This rank's place in its pipeline: ``world_size`` stages, this one ``rank_in_group``;
+    the peers it passes activations to are the same tensor-parallel rank one stage away."""
+    world_size: int = 1
+    rank_in_group: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank_in_group * self.tp_size + self.tp_rank
+
+    @property
+    def last_stage_driver(self) -> int:
+        """The global rank that samples: the last stage's tensor-parallel rank 0."""
+        return (self.world_size - 1) * self.tp_size
+
+    def send_tensor_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        for t in tensors.values():
+            dist.send(t.contiguous(), dst=self.global_rank + self.tp_size)
+
+    def recv_tensor_dict(self, shapes: dict[str, tuple], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, shape in shapes.items():
+            out[name] = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(out[name], src=self.global_rank - self.tp_size)
+        return out
+
+
+_PP = GroupCoordinator()
 
 
 def get_tp_size() -> int:
@@ -20,49 +69,75 @@ def get_tp_rank() -> int:
     return _TP_RANK
 
 
+def get_pp_group() -> GroupCoordinator:
+    return _PP
+
+
 @contextmanager
-def building_tp_model(tp_size: int, tp_rank: int):
-    global _TP_SIZE, _TP_RANK
-    prev = _TP_SIZE, _TP_RANK
-    _TP_SIZE, _TP_RANK = tp_size, tp_rank
+def building_parallel_model(tp_size: int, tp_rank: int, pp_size: int = 1, pp_rank: int = 0):
+    global _TP_SIZE, _TP_RANK, _PP
+    prev = _TP_SIZE, _TP_RANK, _PP
+    _TP_SIZE, _TP_RANK, _PP = tp_size, tp_rank, GroupCoordinator(pp_size, pp_rank, tp_size, tp_rank)
     try:
         yield
     finally:
-        _TP_SIZE, _TP_RANK = prev
+        _TP_SIZE, _TP_RANK, _PP = prev
 
 
 def check_no_process_group() -> None:
     if dist.is_initialized():
-        raise RuntimeError("A tensor-parallel engine is already running in this process; delete it "
+        raise RuntimeError("A parallel engine is already running in this process; delete it "
                            "(del llm) before starting another.")
 
 
-def init_distributed(world_size: int, rank: int, port: int, device: str, timeout_s: float) -> None:
+def init_distributed(world_size: int, rank: int, port: int, device: str, timeout_s: float,
+                     tp_size: int | None = None) -> None:
     """Join the localhost process group: gloo on CPU, NCCL on CUDA. ``timeout_s`` bounds every
-    collective, so a rank left waiting on a peer that hangs fails instead of waiting forever."""
+    collective, so a rank left waiting on a peer that hangs fails instead of waiting forever.
+    With several pipeline stages of several ranks, each stage's tensor-parallel group is made
+    here, once (every rank must create every group, in the same order)."""
+    global _TP_GROUP
     check_no_process_group()
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                             init_method=f"tcp://127.0.0.1:{port}", world_size=world_size, rank=rank,
                             timeout=timedelta(seconds=timeout_s))
+    tp_size = tp_size or world_size
+    if 1 < tp_size < world_size:
+        for start in range(0, world_size, tp_size):
+            group = dist.new_group(list(range(start, start + tp_size)))
+            if start <= rank < start + tp_size:
+                _TP_GROUP = group
 
 
 def destroy_distributed() -> None:
+    global _TP_GROUP
+    _TP_GROUP = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=_TP_GROUP)
     return x
 
 
 def tp_all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp_size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=dim)
 
 
-def tp_broadcast(x: torch.Tensor) -> torch.Tensor:
-    """``x`` from rank 0 on every rank (in place)."""
-    dist.broadcast(x, src=0)
+def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """``x`` from global rank ``src`` on every rank of the world (in place)."""
+    dist.broadcast(x, src=src)
     return x
+
+
+def send_object(obj, dst: int) -> None:
+    dist.send_object_list([obj], dst=dst)
+
+
+def recv_object(src: int):
+    box = [None]
+    dist.recv_object_list(box, src=src)
+    return box[0]

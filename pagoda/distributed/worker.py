@@ -1,4 +1,5 @@
-"""One tensor-parallel rank: the model runner on this rank's shard of the weights. Rank 0 lives
+"""One rank: the model runner on this rank's shard of the weights (its tensor-parallel slice of
+its pipeline stage's layers). Rank 0 lives
 in the engine's process (MultiprocExecutor); ranks 1..N-1 run ``worker_main`` in processes of
 their own and do what rank 0 sends them."""
 import os
@@ -7,7 +8,7 @@ import traceback
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.parallel_state import building_tp_model, destroy_distributed, init_distributed
+from pagoda.distributed.parallel_state import building_parallel_model, destroy_distributed, init_distributed
 from pagoda.runner.model_runner import ModelRunner
 
 # Bounds every collective: a rank waiting on a peer that died or hangs fails after this long
@@ -18,16 +19,17 @@ COLLECTIVE_TIMEOUT_S = 600
 class Worker:
     def __init__(self, config: EngineConfig, rank: int, port: int):
         self.rank = rank
-        world = config.parallel.world_size
+        pc = config.parallel
+        world, tp = pc.world_size, pc.tensor_parallel_size
         if config.device == "cuda":
             torch.cuda.set_device(rank)        # one GPU per rank: cuda:{rank}
         else:
             # The ranks share the cores: with a thread per core each, their spinning OpenMP
             # threads would take turns on every core and each collective would wait for them.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        init_distributed(world, rank, port, config.device, COLLECTIVE_TIMEOUT_S)
+        init_distributed(world, rank, port, config.device, COLLECTIVE_TIMEOUT_S, tp)
         try:
-            with building_tp_model(world, rank):
+            with building_parallel_model(tp, rank % tp, pc.pipeline_parallel_size, rank // tp):
                 self.runner = ModelRunner(config)
         except BaseException:
             destroy_distributed()
@@ -69,7 +71,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn) -> None:
                 conn.send(("ok", getattr(worker, method)(*args)))
     except BaseException:
         try:
-            conn.send(("error", f"tensor-parallel worker rank {rank} failed:\n{traceback.format_exc()}"))
+            conn.send(("error", f"parallel worker rank {rank} failed:\n{traceback.format_exc()}"))
         except OSError:               # rank 0 is gone: nobody to tell
             pass
     finally:

@@ -236,9 +236,11 @@ class GGUFModel:
         n_head = heads if ".attn_q." in gguf_name else self.metadata.get("llama.attention.head_count_kv", heads)
         return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, dequantized tensor) pairs, but for names starting with one of ``skip`` (not read)."""
         for gguf_name in self.tensor_infos:
-            if (name := self.hf_name(gguf_name)) is not None:
+            name = self.hf_name(gguf_name)
+            if name is not None and not (skip and name.startswith(skip)):
                 yield name, self.tensor(gguf_name)
 
     def __repr__(self) -> str:

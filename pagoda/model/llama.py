@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from pagoda.config import ArchConfig
+from pagoda.distributed.parallel_state import get_pp_group
 from pagoda.kernels.reference import Rope
 from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.attention import Attention
@@ -11,6 +12,7 @@ from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
 from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.model.layers.rotary import RotaryEmbedding
+from pagoda.model.pipeline import IntermediateTensors, PPMissingLayer, make_layers
 from pagoda.quant.base import QuantMethod
 
 
@@ -74,17 +76,29 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, qk_norm: bool, quant: QuantMethod | None):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if pp.is_first_rank \
+            else PPMissingLayer()
         # One cos/sin table for all layers, owned by the model: freed with it.
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope, qk_norm, quant)
-                                    for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers, pp.rank_in_group, pp.world_size,
+            lambda: LlamaDecoderLayer(cfg, rope, qk_norm, quant))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
+        # The decoder layers this stage runs (all of them without pipeline parallelism), as a
+        # tuple: iterating it costs no more than iterating the ModuleList did.
+        self.local_layers = tuple(self.layers[self.start_layer:self.end_layer])
 
-    def forward(self, input_ids, positions):
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids, positions, intermediate_tensors: IntermediateTensors | None = None):
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.local_layers:
             hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden_states=hidden, residual=residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -101,12 +115,16 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, self.qk_norm, quant)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
+        pp = get_pp_group()
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if pp.is_last_rank else PPMissingLayer()
+        if cfg.tie_word_embeddings and pp.world_size == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None):
+        """The final hidden states on the last pipeline stage; on the others, the activations
+        for the next stage."""
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -12,6 +12,7 @@ from torch import nn
 from pagoda.config import ArchConfig, ModelConfig
 from pagoda.model.gguf_file import GGUFModel
 from pagoda.model.hub import read_json
+from pagoda.model.pipeline import missing_prefixes
 from pagoda.model.registry import get_model_class
 from pagoda.quant.base import get_quant_method
 
@@ -55,13 +56,15 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(folder: str, skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, but for those whose names start with one of ``skip`` (never read)."""
     from safetensors import SafetensorError, safe_open
     for file in safetensors_files(folder):
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if not (skip and name.startswith(skip)):
+                        yield name, f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ValueError(f"Cannot read weights file {file} (truncated or corrupt?): {e}") from None
 
@@ -69,12 +72,16 @@ def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     mapping = getattr(model, "packed_modules_mapping", {})
+    tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
             continue
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        if name == "lm_head.weight" and tied:
             continue
+        if tied and name == "model.embed_tokens.weight" and "lm_head.weight" in params \
+                and "model.embed_tokens.weight" not in params:
+            name = "lm_head.weight"       # a last stage without the embedding: its LM head is it
         shard_id = None
         for ckpt_name, (fused, sid) in mapping.items():
             if f".{ckpt_name}." in name:
@@ -111,6 +118,15 @@ def _expected_names(model: nn.Module, mapping: dict) -> set[str]:
         else:
             names.add(name)
     return names
+
+
+def other_stages_weights(model: nn.Module) -> tuple[str, ...]:
+    """Name prefixes of the checkpoint tensors that other pipeline stages hold, so this one
+    never reads them (but the embedding's, when this stage's LM head is tied to it)."""
+    skip = missing_prefixes(model)
+    if model.config.tie_word_embeddings and "lm_head." not in skip:
+        skip = tuple(p for p in skip if p != "model.embed_tokens.")
+    return skip
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
@@ -172,9 +188,9 @@ def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif config.is_gguf:
-        load_weights(model, GGUFModel(config.path).iter_weights())
+        load_weights(model, GGUFModel(config.path).iter_weights(other_stages_weights(model)))
     else:
-        load_weights(model, iter_safetensors(config.path))
+        load_weights(model, iter_safetensors(config.path, other_stages_weights(model)))
     for m in model.modules():
         qm = getattr(m, "quant_method", None)
         if qm is not None:

@@ -11,10 +11,12 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
+from pagoda.distributed.parallel_state import (broadcast, get_pp_group, get_tp_rank, get_tp_size, recv_object,
+                                               send_object)
 from pagoda.model.layers.attention import (AttentionMetadata, TorchAttentionBackend, get_attention_backend,
                                            set_forward_context)
 from pagoda.model.loader import get_model
+from pagoda.model.pipeline import IntermediateTensors, empty_intermediate, hidden_shapes
 from pagoda.runner.cuda_graph import CUDAGraphRunner
 from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, logprobs_of, sample
 from pagoda.sampling_params import SamplingParams
@@ -99,9 +101,13 @@ class ModelRunner:
         self.rng = np.random.default_rng(mc.seed)
         # Sampling in one Triton kernel (runner/sampler.py) for the batches it covers.
         self.one_kernel_sampler = self.device.type == "cuda"
-        # With tensor parallelism every rank runs the forward; rank 0 alone samples (on the
-        # gathered full-vocabulary logits) and sends the tokens to the others.
+        # With tensor parallelism every rank runs the forward; one rank alone samples (on the
+        # gathered full-vocabulary logits) and sends the tokens to the others: rank 0, or with
+        # pipeline parallelism the last stage's first rank, which has the logits.
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.pp = get_pp_group()
+        self.rank, self.driver = self.pp.global_rank, self.pp.last_stage_driver
+        self.single_rank = self.tp_size == 1 and self.pp.world_size == 1
         self.model = get_model(mc, self.device)
         self.arch = mc.arch
         self.block_size = config.cache.block_size
@@ -139,10 +145,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
-        a = self.arch
-        num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        """Bytes of one block over this rank's layers (its pipeline stage's only)."""
+        layers = self.model.model.local_layers
+        num_kv_heads = layers[0].self_attn.num_kv_heads
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * a.num_hidden_layers * self.block_size * num_kv_heads * a.head_dim * elem
+        return 2 * len(layers) * self.block_size * num_kv_heads * self.arch.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         cc = self.config.cache
@@ -172,10 +179,12 @@ class ModelRunner:
         fits = True
         try:
             with set_forward_context(None, self.backend):
-                hidden = self.model(ids, pos)
-            logits = self.model.compute_logits(hidden[:self.max_num_reqs]).float()
-            logits.log_softmax(-1).sort(-1)          # the sampler's biggest temporaries
-            del hidden, logits
+                hidden = self.model(ids, pos, self._stand_in_activations(n))
+            if self.pp.is_last_rank:
+                logits = self.model.compute_logits(hidden[:self.max_num_reqs]).float()
+                logits.log_softmax(-1).sort(-1)          # the sampler's biggest temporaries
+                del logits
+            del hidden
         except torch.OutOfMemoryError:
             fits = False   # (raised below: the exception's frames hold the step's tensors)
         if not fits:
@@ -199,7 +208,7 @@ class ModelRunner:
         return budget
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        layers = self.model.model.layers
+        layers = self.model.model.local_layers
         attn0 = layers[0].self_attn.attn
         shape = (2, num_blocks, self.block_size, attn0.num_kv_heads, attn0.head_dim)
         self.kv_caches = []
@@ -211,7 +220,9 @@ class ModelRunner:
             cache[:, 0] = 0.0      # the null block, read by padding
             layer.self_attn.attn.kv_cache = cache
             self.kv_caches.append(cache)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        # (Not with pipeline parallelism yet: a graph would hold one stage's layers without the
+        # sends and receives around them.)
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.pp.world_size == 1:
             t0 = time.perf_counter()
             self.cuda_graphs = CUDAGraphRunner(self.model, self.backend, self.max_num_reqs,
                                                self.config.scheduler.max_num_batched_tokens,
@@ -233,7 +244,7 @@ class ModelRunner:
         logits = torch.zeros(1, self.arch.vocab_size, dtype=self.kv_dtype, device=self.device)
         sample_triton(logits, one, one.long())
         sample_triton(logits, one, one.long(), one.long(), one * 0.9, one * 0)     # with filters
-        attn = self.model.model.layers[0].self_attn.attn
+        attn = self.model.model.local_layers[0].self_attn.attn
         group = attn.num_heads // attn.num_kv_heads
         for q_len in sorted({max(2, block_m // group) for block_m in triton_attention.TILES}):
             n = 1 + q_len
@@ -244,7 +255,15 @@ class ModelRunner:
                 torch.zeros(2, cdiv(q_len, self.block_size), **int32), q_len, q_len, 1)
             positions = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(q_len)]).to(self.device)
             with set_forward_context(md, self.backend):
-                self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions)
+                self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions,
+                           self._stand_in_activations(n))
+
+    def _stand_in_activations(self, num_tokens: int) -> IntermediateTensors | None:
+        """For a pipeline stage's profiling and warm-up runs: zeros for the previous stage's
+        activations (None on the first stage)."""
+        if self.pp.is_first_rank:
+            return None
+        return empty_intermediate(num_tokens, self.arch.hidden_size, self.kv_dtype, self.device)
 
     # ------------------------------------------------------------------ request state
     def _add_request(self, r: NewRequestData) -> None:
@@ -335,11 +354,11 @@ class ModelRunner:
         self._prompt_logprobs(hidden, req_ids, states, rows, computed, q_lens, cu, out)
         if len(sampling) == 0:
             return AsyncRunnerOutput(self, out)
-        logits = self.model.compute_logits(hidden[t["logits_idx"]])
-        if self.tp_size == 1:
+        logits = None if hidden is None else self.model.compute_logits(hidden[t["logits_idx"]])
+        if self.single_rank:
             result = sample(logits, self._sampling_metadata(s_states, s_rows, t))
         else:
-            result = self._sample_on_rank0(logits, s_states, s_rows, t)
+            result = self._sample_on_driver(logits, s_states, s_rows, t)
         for s in s_states:
             s.num_tokens += 1
         self.num_sampling_steps += 1
@@ -349,16 +368,24 @@ class ModelRunner:
         return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result,
                                  self.num_sampling_steps, s_rows)
 
-    def _sample_on_rank0(self, logits, states, rows, t) -> SamplerOutput:
-        """Rank 0's sampled tokens on every rank: the other ranks need them as the next step's
-        input ids (and record them as rank 0 does)."""
-        if self.tp_rank == 0:
+    def _sample_on_driver(self, logits, states, rows, t) -> SamplerOutput:
+        """The driver's sampled tokens on every rank: the others need them as the next step's
+        input ids (and record them as the driver does). With pipeline parallelism the driver is
+        not rank 0, the engine's: its logprobs go there too."""
+        if self.rank == self.driver:
             result = sample(logits, self._sampling_metadata(states, rows, t))
             result.token_ids = result.token_ids.to(torch.int64)
         else:
             result = SamplerOutput(torch.empty(len(states), dtype=torch.int64, device=self.device),
                                    None, None, None, None)
-        tp_broadcast(result.token_ids)
+        broadcast(result.token_ids, src=self.driver)
+        if self.driver != 0 and (self.num_logprobs[rows] != NO_LOGPROBS).any():
+            fields = ("logprobs", "ranks", "topk_ids", "topk_logprobs")
+            if self.rank == self.driver:
+                send_object([getattr(result, f).cpu() for f in fields], dst=0)
+            elif self.rank == 0:
+                for f, x in zip(fields, recv_object(src=self.driver)):
+                    setattr(result, f, x)
         return result
 
     def _record_sampled(self, step: AsyncRunnerOutput) -> None:
@@ -473,7 +500,23 @@ class ModelRunner:
                                t["seq_lens"], t["block_tables"], b["max_query_len"], b["max_seq_len"],
                                b["max_decode_seq_len"])
         with set_forward_context(md, self.backend):
-            return self.model(t["input_ids"], t["positions"])
+            if self.pp.world_size == 1:
+                return self.model(t["input_ids"], t["positions"])
+            return self._forward_stage(t, num_tokens)
+
+    def _forward_stage(self, t: dict[str, torch.Tensor], num_tokens: int) -> torch.Tensor | None:
+        """This pipeline stage's layers between the previous stage's activations and the next
+        one's; the final hidden states on the last stage, None on the others."""
+        pp = self.pp
+        received = None
+        if not pp.is_first_rank:
+            received = IntermediateTensors(pp.recv_tensor_dict(
+                hidden_shapes(num_tokens, self.arch.hidden_size), self.kv_dtype, self.device))
+        out = self.model(t["input_ids"], t["positions"], received)
+        if pp.is_last_rank:
+            return out
+        pp.send_tensor_dict(out)
+        return None
 
     def _sampling_arrays(self, states: list[CachedRequestState], rows: np.ndarray) -> dict[str, np.ndarray]:
         """The sampling rows' parameters for the device: only those some row uses, plus Philox
@@ -575,6 +618,15 @@ class ModelRunner:
         tokens, up to the end of the prompt)."""
         if not self.num_prompt_logprob_reqs:
             return
+        if hidden is not None:
+            self._prompt_logprobs_here(hidden, req_ids, states, rows, computed, q_lens, cu, out)
+        if self.driver != 0:     # (computed on the last pipeline stage, wanted by the engine)
+            if self.rank == self.driver:
+                send_object(out.prompt_logprobs, dst=0)
+            elif self.rank == 0:
+                out.prompt_logprobs = recv_object(src=self.driver)
+
+    def _prompt_logprobs_here(self, hidden, req_ids, states, rows, computed, q_lens, cu, out) -> None:
         for i, s in enumerate(states):
             k = s.params.prompt_logprobs
             first = int(computed[i])

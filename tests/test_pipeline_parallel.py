@@ -1,0 +1,118 @@
+"""Pipeline parallelism on the CPU: the model split by layers over stages (processes meeting over
+gloo), alone and with tensor parallelism inside each stage. Outputs must not depend on
+pipeline_parallel_size; a stage holds, loads and caches only its own layers."""
+import gc
+import multiprocessing
+import os
+import signal
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from tests.test_tensor_parallel import (GREEDY, PROMPTS, SEEDED, SMALL, assert_same, outputs_at, run,
+                                        worker_procs, write_tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def tiny4(tmp_path_factory):
+    """Four layers: two stages of two, or two stages of two TP ranks each."""
+    return write_tiny_llama(str(tmp_path_factory.mktemp("pp") / "tiny4"), layers=4)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny4):
+    return outputs_at(tiny4, 1)
+
+
+def _stage(worker):
+    """What a rank holds: its layers, its KV caches, whether it has the embedding and the LM head."""
+    m = worker.runner.model
+    return (m.model.start_layer, m.model.end_layer, len(worker.runner.kv_caches),
+            hasattr(m.model.embed_tokens, "weight"), hasattr(m.lm_head, "weight"),
+            sum(p.numel() for p in m.parameters()))
+
+
+def test_pp2_equals_pp1(tiny4, reference):
+    """Greedy tokens, their logprobs, prompt logprobs (sampled on the last stage, sent to the
+    engine) and seeded n=2 samples equal one process's, with async scheduling."""
+    assert_same(reference, outputs_at(tiny4, 1, pipeline_parallel_size=2, async_scheduling=True))
+
+
+def test_uneven_split_tied_embeddings(tmp_path):
+    """Three layers over two stages: the first stage runs two (as vLLM splits), the last one and
+    the LM head, which loads the tied embedding's tensor. Each stage caches only its own layers,
+    so fits more blocks than the whole model would; the engine takes the smaller count."""
+    folder = write_tiny_llama(str(tmp_path / "tied3"), layers=3, tied=True, seed=2)
+    ref = outputs_at(folder, 1)
+    llm = LLM(folder, pipeline_parallel_size=2, **SMALL)
+    try:
+        executor = llm.llm_engine.executor
+        first, last = executor.collective_rpc(_stage)
+        assert first[:5] == (0, 2, 2, True, False) and last[:5] == (2, 3, 1, False, True)
+        counts = executor.collective_rpc("determine_num_blocks")
+        assert counts[1] > counts[0] and llm.llm_engine.config.cache.num_blocks == counts[0]
+        assert_same(ref, (llm.generate(PROMPTS, GREEDY, use_tqdm=False), run(llm, SEEDED)))
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_tp2_pp2_equals_tp1(tiny4, reference):
+    """Four processes: two stages, each a tensor-parallel group of two (its all-reduces within
+    the stage), each rank passing activations to its peer in the next stage."""
+    assert_same(reference, outputs_at(tiny4, 2, pipeline_parallel_size=2))
+
+
+def test_dead_stage_raises_and_del_leaves_no_process(tiny4):
+    llm = LLM(tiny4, pipeline_parallel_size=2, **SMALL)
+    [proc] = worker_procs(llm)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code -9\)"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    del llm
+    gc.collect()
+    assert not multiprocessing.active_children()
+
+
+def test_smollm2_pp2_equals_pp1(llm, smollm_path):
+    """The real model (30 layers, tied embeddings, a GGUF file) over two stages, greedy,
+    against the session's one-process engine."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "请解释量子纠缠"]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    pp2 = LLM(smollm_path, pipeline_parallel_size=2, dtype="float32", kv_cache_memory_bytes=1 << 26, max_model_len=512)
+    try:
+        assert [o.outputs[0].token_ids for o in pp2.generate(prompts, params, use_tqdm=False)] == ref
+    finally:
+        del pp2
+        gc.collect()
+
+
+def _break_last_stage(worker):
+    def broken(*args):
+        raise KeyError("the last stage's forward broke")
+    if worker.rank == 1:
+        worker.runner._forward_stage = broken
+
+
+def test_stage_error_surfaces_on_rank0(tiny4):
+    """The last stage fails in its forward while rank 0 waits for its tokens: rank 0 raises the
+    worker's error (its traceback), not a timeout, and no process is left."""
+    llm = LLM(tiny4, pipeline_parallel_size=2, **SMALL)
+    llm.llm_engine.executor.collective_rpc(_break_last_stage)
+    with pytest.raises(RuntimeError, match="(?s)worker rank 1 failed.*KeyError: .the last stage's forward broke"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    del llm
+    gc.collect()
+    assert not multiprocessing.active_children()
+
+
+def test_layout_errors(tiny4):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=5 is more than the model's 4 layers"):
+        LLM(tiny4, pipeline_parallel_size=5, **SMALL)
+    with pytest.raises(NotImplementedError, match="data parallelism is not implemented"):
+        LLM(tiny4, pipeline_parallel_size=2, data_parallel_size=2, **SMALL)
+    with pytest.raises(ValueError, match="'uni' runs one process"):
+        LLM(tiny4, pipeline_parallel_size=2, distributed_executor_backend="uni", **SMALL)
+    assert not multiprocessing.active_children()
