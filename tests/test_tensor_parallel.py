@@ -196,18 +196,22 @@ def test_rank0_failure_stops_the_workers(tiny, monkeypatch, own_engine):
     gc.collect()
 
 
-def test_smollm2_tp3_equals_tp1(llm, smollm_path, own_engine):
-    """The real model (9 heads, 3 KV heads) over three ranks, greedy, against the session's
-    one-rank engine."""
+def assert_smollm2_greedy_matches(llm, smollm_path, **parallel):
+    """SmolLM2 split as ``parallel`` says gives the session's one-process engine's greedy tokens."""
     prompts = ["The capital of France is", "def fibonacci(n):", "请解释量子纠缠"]
     params = SamplingParams(temperature=0, max_tokens=8)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    tp3 = LLM(smollm_path, tensor_parallel_size=3, dtype="float32", kv_cache_memory_bytes=1 << 26, max_model_len=512)
+    split = LLM(smollm_path, dtype="float32", kv_cache_memory_bytes=1 << 26, max_model_len=512, **parallel)
     try:
-        assert [o.outputs[0].token_ids for o in tp3.generate(prompts, params, use_tqdm=False)] == ref
+        assert [o.outputs[0].token_ids for o in split.generate(prompts, params, use_tqdm=False)] == ref
     finally:
-        del tp3
+        del split
         gc.collect()
+
+
+def test_smollm2_tp3_equals_tp1(llm, smollm_path, own_engine):
+    """The real model (9 heads, 3 KV heads) over three ranks."""
+    assert_smollm2_greedy_matches(llm, smollm_path, tensor_parallel_size=3)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])

@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many processes (GPUs on CUDA)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the model's layers over this many stages (times -tp processes)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--log-stats", action="store_true",
                    help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
@@ -43,6 +45,7 @@ def engine_args_from(args):
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                       tensor_parallel_size=args.tensor_parallel_size,
+                      pipeline_parallel_size=args.pipeline_parallel_size,
                       enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats)
 
 
