@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from pagoda import LLM
+from pagoda.model.pipeline import get_pp_indices
 from tests.test_tensor_parallel import (GREEDY, PROMPTS, SEEDED, SMALL, assert_same, assert_smollm2_greedy_matches,
                                         outputs_at, run, worker_procs, write_tiny_llama)
 
@@ -24,6 +25,15 @@ def reference(tiny4):
     return outputs_at(tiny4, 1)
 
 
+@pytest.mark.parametrize("layers, pp, sizes", [(4, 2, [2, 2]), (3, 2, [2, 1]), (4, 3, [1, 2, 1]),
+                                               (30, 4, [7, 8, 8, 7]), (5, 5, [1] * 5)])
+def test_layer_split(layers, pp, sizes):
+    """An even split, the remainder one each to the stages before the last (vLLM's split)."""
+    spans = [get_pp_indices(layers, rank, pp) for rank in range(pp)]
+    assert [end - start for start, end in spans] == sizes
+    assert [start for start, _ in spans] == [0] + [end for _, end in spans[:-1]] and spans[-1][1] == layers
+
+
 def _stage(worker):
     """What a rank holds: its layers, its KV caches, whether it has the embedding and the LM head."""
     m = worker.runner.model
@@ -31,10 +41,12 @@ def _stage(worker):
             hasattr(m.model.embed_tokens, "weight"), hasattr(m.lm_head, "weight"))
 
 
-def test_pp2_equals_pp1(tiny4, reference):
+@pytest.mark.parametrize("pp", [2, 3])
+def test_pp_equals_pp1(tiny4, reference, pp):
     """Greedy tokens, their logprobs, prompt logprobs (sampled on the last stage, sent to the
-    engine) and seeded n=2 samples equal one process's, with async scheduling."""
-    assert_same(reference, outputs_at(tiny4, 1, pipeline_parallel_size=2, async_scheduling=True))
+    engine) and seeded n=2 samples equal one process's, with async scheduling; at pp=3 the
+    middle stage both receives and sends (layers 1 + 2 + 1)."""
+    assert_same(reference, outputs_at(tiny4, 1, pipeline_parallel_size=pp, async_scheduling=True))
 
 
 def test_uneven_split_tied_embeddings(tmp_path):
