@@ -118,11 +118,9 @@ class ParallelConfig:
 
     def verify(self, arch: ArchConfig, device: str) -> None:
         """Fail before anything is loaded or started on a layout this engine cannot run."""
-        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        if self.data_parallel_size != 1:
-            raise NotImplementedError(
-                f"data_parallel_size={self.data_parallel_size}: data parallelism is not implemented yet; use 1 "
-                "(tensor_parallel_size and pipeline_parallel_size split the model over GPUs).")
+        tp, pp, dp = self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size
+        if dp < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {dp}.")
         if tp < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}.")
         if pp < 1:
@@ -140,14 +138,16 @@ class ParallelConfig:
                                  "pip install ray (or leave the backend unset for multiprocessing).")
             raise NotImplementedError("The Ray executor is not implemented yet; leave distributed_executor_backend "
                                       "unset (or 'mp') for parallelism over processes on this node.")
+        gpus = dp * self.world_size
+        if device == "cuda" and gpus > 1 and torch.cuda.device_count() < gpus:
+            layout = f"data_parallel_size={dp} x " if dp > 1 else ""
+            raise ValueError(f"{layout}tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {gpus} "
+                             f"GPUs (one per rank), but {torch.cuda.device_count()} are visible.")
         if self.world_size == 1:
             return
         if backend == "uni":
             raise ValueError(f"distributed_executor_backend='uni' runs one process: it cannot run "
                              f"tensor_parallel_size={tp} x pipeline_parallel_size={pp}; use 'mp'.")
-        if device == "cuda" and torch.cuda.device_count() < self.world_size:
-            raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {self.world_size} "
-                             f"GPUs (one per rank), but {torch.cuda.device_count()} are visible.")
         if tp == 1:
             return
         heads, kv = arch.num_attention_heads, arch.num_key_value_heads

@@ -120,8 +120,6 @@ def test_stage_error_surfaces_on_rank0(tiny4):
 def test_layout_errors(tiny4):
     with pytest.raises(ValueError, match="pipeline_parallel_size=5 is more than the model's 4 layers"):
         LLM(tiny4, pipeline_parallel_size=5, **SMALL)
-    with pytest.raises(NotImplementedError, match="data parallelism is not implemented"):
-        LLM(tiny4, pipeline_parallel_size=2, data_parallel_size=2, **SMALL)
     with pytest.raises(ValueError, match="'uni' runs one process"):
         LLM(tiny4, pipeline_parallel_size=2, distributed_executor_backend="uni", **SMALL)
     assert not multiprocessing.active_children()

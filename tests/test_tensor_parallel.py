@@ -254,9 +254,7 @@ def test_layout_errors(tmp_path, cfg, kwargs, error):
         LLM(folder, **dict(SMALL, **kwargs))
 
 
-def test_unimplemented_parallelism_and_ray(tiny):
-    with pytest.raises(NotImplementedError, match="data parallelism is not implemented"):
-        LLM(tiny, **SMALL, data_parallel_size=2)
+def test_ray_unimplemented(tiny):
     if importlib.util.find_spec("ray") is None:
         with pytest.raises(ValueError, match="pip install ray"):
             LLM(tiny, tensor_parallel_size=2, distributed_executor_backend="ray", **SMALL)

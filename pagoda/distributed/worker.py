@@ -24,9 +24,10 @@ class Worker:
         if config.device == "cuda":
             torch.cuda.set_device(rank)        # one GPU per rank: cuda:{rank}
         else:
-            # The ranks share the cores: with a thread per core each, their spinning OpenMP
-            # threads would take turns on every core and each collective would wait for them.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            # The ranks share the cores (those this process may use: a data-parallel replica's
+            # share): with a thread per core each, their spinning OpenMP threads would take
+            # turns on every core and each collective would wait for them.
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
         init_distributed(world, rank, port, config.device, COLLECTIVE_TIMEOUT_S, tp)
         try:
             with building_parallel_model(tp, rank % tp, pc.pipeline_parallel_size, rank // tp):

@@ -52,12 +52,14 @@ class LLMEngine:
                     num_blocks - 1, config.cache.block_size)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs):
+        """The engine ``args`` describe: this class, or with data_parallel_size > 1 a front
+        (DPEngine) over replicas of it, which answers the same calls."""
         config = args.create_engine_config()
-        tokenizer = None
-        if not args.skip_tokenizer_init:
-            source = args.tokenizer or config.model.path
-            tokenizer = Tokenizer.from_gguf(source) if source.endswith(".gguf") else Tokenizer.from_pretrained(source)
+        tokenizer = load_tokenizer(args, config)
+        if config.parallel.data_parallel_size > 1:
+            from pagoda.engine.dp_engine import DPEngine
+            return DPEngine(args, config, tokenizer)
         return cls(config, tokenizer)
 
     def _check_kv_cache_fits(self, num_blocks: int) -> None:
@@ -209,3 +211,10 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_kv_blocks=pool.num_usable_blocks, kv_blocks_in_use=pool.num_usable_blocks - pool.num_free_blocks,
             kv_blocks_cached=pool.num_cached_blocks, kv_blocks_free=pool.num_free_blocks)
+
+
+def load_tokenizer(args: EngineArgs, config: EngineConfig) -> Tokenizer | None:
+    if args.skip_tokenizer_init:
+        return None
+    source = args.tokenizer or config.model.path
+    return Tokenizer.from_gguf(source) if source.endswith(".gguf") else Tokenizer.from_pretrained(source)

@@ -2,7 +2,7 @@
 periodic log line (vLLM's, with ``disable_log_stats=False``)."""
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -33,6 +33,12 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_blocks_in_use / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+
+def sum_stats(stats: list[EngineStats]) -> EngineStats:
+    """Several engines' (data-parallel replicas') figures as one: every field is a count, so
+    each is the sum (num_steps: the replicas' steps, which run side by side)."""
+    return EngineStats(*map(sum, zip(*map(astuple, stats))))
 
 
 class StatLogger:

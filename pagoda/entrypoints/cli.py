@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over this many processes (GPUs on CUDA)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="split the model's layers over this many stages (times -tp processes)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="run this many engine replicas, each with the whole model (or its -tp x -pp split)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--log-stats", action="store_true",
                    help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
@@ -46,6 +48,7 @@ def engine_args_from(args):
                       max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                       tensor_parallel_size=args.tensor_parallel_size,
                       pipeline_parallel_size=args.pipeline_parallel_size,
+                      data_parallel_size=args.data_parallel_size,
                       enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats)
 
 

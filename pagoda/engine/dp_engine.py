@@ -1,0 +1,124 @@
+"""Data parallelism: ``data_parallel_size`` engine replicas, each a whole LLMEngine (holding the
+model, or its tensor/pipeline-parallel split) in a spawned process, behind a front in the
+user's process that answers the engine's calls (what LLM and AsyncLLM use). A request goes to
+the replica with the fewest sequences in flight, all its samples with it (they share the
+prompt's KV blocks); its seed travels with it, so outputs do not depend on the replica count.
+A step steps every busy replica at once and gathers their outputs."""
+import itertools
+
+from pagoda.config import EngineConfig
+from pagoda.distributed.child_procs import SPAWN_HINT, ChildProcs
+from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.dp_replica import replica_main
+from pagoda.engine.stats import EngineStats, sum_stats
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer import Tokenizer
+
+
+def _step_if_busy(engine) -> list[RequestOutput]:
+    return engine.step() if engine.has_unfinished_requests() else []
+
+
+def _stats(engine) -> EngineStats:
+    return engine.stats
+
+
+def _eos_token_id(engine) -> int | None:
+    return engine.eos_token_id
+
+
+class DPEngine(ChildProcs):
+    child_name = "data parallel replica"
+    first_id = 0
+    # A replica spawns its own tensor-parallel workers. Not daemonic, it is still ended at exit:
+    # by the front's finalizer, or by its pipe's end when the front is killed.
+    daemon = False
+
+    def __init__(self, args: EngineArgs, config: EngineConfig, tokenizer: Tokenizer | None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.async_scheduling = config.scheduler.async_scheduling
+        dp, ranks = config.parallel.data_parallel_size, config.parallel.world_size
+        self._ids = itertools.count()
+        self._owner: dict[str, tuple[int, int]] = {}   # request id -> (its replica, its samples)
+        self._load = [0] * dp                          # sequences in flight, per replica
+        try:
+            self._start_children(replica_main, lambda d: (args, d, dp, ranks), dp)
+            self._replies(SPAWN_HINT)      # every replica past its imports
+            self._replies()                # every engine built (a ValueError of one raises here)
+            self.eos_token_id = self._call(0, _eos_token_id)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _call(self, replica: int, method, *args):
+        self._send((method, args), [replica])
+        return self._replies(only=[replica])[0]
+
+    def _call_all(self, method, *args) -> list:
+        self._send((method, args))
+        return self._replies()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue the request on the least-loaded replica; a bad one raises its ValueError here
+        and leaves that replica as it was."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._owner:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        replica = min(range(len(self._load)), key=self._load.__getitem__)
+        self._call(replica, "add_request", request_id, prompt, params, arrival_time)
+        self._owner[request_id] = replica, params.n
+        self._load[replica] += params.n
+        return request_id
+
+    def abort_request(self, request_ids) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        by_replica: dict[int, list[str]] = {}
+        for rid in request_ids:
+            if rid in self._owner:
+                by_replica.setdefault(self._owner[rid][0], []).append(rid)
+                self._forget(rid)
+        if self.dead is not None:     # (the caller cleans up after a failure: nothing to tell)
+            return
+        for replica, rids in by_replica.items():
+            self._call(replica, "abort_request", rids)
+
+    def _forget(self, request_id: str) -> None:
+        replica, n = self._owner.pop(request_id)
+        self._load[replica] -= n
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._owner)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._owner)
+
+    def prompt_token_ids(self, prompt) -> list[int]:
+        return self._call(0, "prompt_token_ids", prompt)
+
+    # ------------------------------------------------------------------ steps
+    def step(self) -> list[RequestOutput]:
+        """One step of every replica with requests in flight, side by side."""
+        busy = [d for d, load in enumerate(self._load) if load]
+        self._send((_step_if_busy, ()), busy)
+        outputs = [out for outs in self._replies(only=busy) for out in outs]
+        for out in outputs:
+            if out.finished:
+                self._forget(out.request_id)
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return all(self._call_all("reset_prefix_cache"))
+
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' figures summed (replica_stats() has each one's)."""
+        return sum_stats(self.replica_stats())
+
+    def replica_stats(self) -> list[EngineStats]:
+        return self._call_all(_stats)

@@ -1,0 +1,66 @@
+"""One data-parallel replica: a whole LLMEngine (with its own tensor/pipeline-parallel workers,
+if any) in a spawned process, doing what the front (DPEngine) asks over a pipe."""
+import os
+import pickle
+import traceback
+from dataclasses import replace
+
+from pagoda.engine.arg_utils import EngineArgs
+
+
+def cpu_share(dp_rank: int, dp_size: int, cpus: list[int]) -> list[int]:
+    """Replica ``dp_rank``'s cores: every ``dp_size``-th one, so that the replicas' OpenMP
+    threads do not take turns on the same cores (they share one when there are fewer cores
+    than replicas)."""
+    return cpus[dp_rank::dp_size] or [cpus[dp_rank % len(cpus)]]
+
+
+def _claim_devices(dp_rank: int, dp_size: int, ranks_per_replica: int) -> None:
+    """Before CUDA starts in this process: replica d sees only GPUs [d*W, (d+1)*W) (W ranks each),
+    as cuda:0..W-1; on the CPU it runs on its share of the cores."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(dp_size * ranks_per_replica)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[dp_rank * ranks_per_replica:(dp_rank + 1) * ranks_per_replica])
+    share = cpu_share(dp_rank, dp_size, sorted(os.sched_getaffinity(0)))
+    os.sched_setaffinity(0, share)
+    import torch
+    torch.set_num_threads(len(share))
+
+
+def _picklable(e: BaseException) -> BaseException:
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:       # noqa: BLE001 - any exception that cannot travel is told as text
+        return RuntimeError("".join(traceback.format_exception(e)))
+
+
+def replica_main(args: EngineArgs, dp_rank: int, dp_size: int, ranks_per_replica: int, conn) -> None:
+    """Build the engine, then serve ``(method, args)`` calls until told to stop or the front is
+    gone. A call that raises (a bad request) answers ``("raise", exception)`` and the replica
+    goes on; a failure to start is answered so too, and ends it."""
+    conn.send(("started", None))
+    try:
+        _claim_devices(dp_rank, dp_size, ranks_per_replica)
+        from pagoda.engine.llm_engine import LLMEngine
+        engine = LLMEngine.from_engine_args(replace(args, data_parallel_size=1))
+        conn.send(("ok", None))
+    except Exception as e:       # noqa: BLE001 - raised by the front's LLM(...) as by an engine of its own
+        conn.send(("raise", _picklable(e)))
+        conn.close()
+        return
+    while True:
+        try:
+            method, call_args = conn.recv()
+        except EOFError:          # the front's process has exited
+            break
+        if method == "shutdown":
+            break
+        try:
+            result = method(engine, *call_args) if callable(method) else getattr(engine, method)(*call_args)
+        except Exception as e:    # noqa: BLE001 - handed to the caller; the engine decides if it can go on
+            conn.send(("raise", _picklable(e)))
+        else:
+            conn.send(("ok", result))
+    del engine                    # (stops its own workers now, before the process ends)
+    conn.close()
