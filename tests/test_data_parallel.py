@@ -14,7 +14,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.engine.dp_replica import cpu_share
+from pagoda.engine.dp_replica import cpu_share, replica_env
 from tests.test_tensor_parallel import GREEDY, PROMPTS, SEEDED, SMALL, assert_same, outputs_at, run, write_tiny_llama
 
 
@@ -161,3 +161,11 @@ def test_cpu_share():
     """Each replica its own cores; with fewer cores than replicas, they share one."""
     assert [cpu_share(d, 2, [0, 1, 2, 3]) for d in range(2)] == [[0, 2], [1, 3]]
     assert [cpu_share(d, 3, [4, 5]) for d in range(3)] == [[4], [5], [4]]
+
+
+def test_replica_gpus(monkeypatch):
+    """Replica d of dp=2 x tp=2 sees the visible GPUs 2d and 2d+1, as its cuda:0 and cuda:1."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [replica_env(d, 2, 2) for d in range(2)] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    assert [replica_env(d, 2, 2)["CUDA_VISIBLE_DEVICES"] for d in range(2)] == ["3,5", "6,7"]

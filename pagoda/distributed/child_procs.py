@@ -3,7 +3,9 @@ engine (multiproc_executor.py) and the data-parallel engine replicas (engine/dp_
 A child answers each call ``("ok", result)``, ``("raise", exception)`` (the call failed but the
 child goes on) or ``("error", traceback)`` (the child has failed and exits). A failure or death
 stops every child, and later calls raise instead of waiting on a child that will never answer."""
+import contextlib
 import multiprocessing as mp
+import os
 import pickle
 import weakref
 from multiprocessing.connection import wait
@@ -40,15 +42,32 @@ def _shutdown(procs: list, conns: list, num_threads: int) -> None:
     torch.set_num_threads(num_threads)
 
 
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    """``env`` set in os.environ meanwhile: what a spawned child inherits from its first line,
+    before its imports (and the main script's, which it runs again) can read it."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 class ChildProcs:
     """Base of an owner of spawned children; ``child_name`` and ``first_id`` name them in errors."""
     child_name = "child"
     first_id = 0
     daemon = True       # (multiprocessing ends daemonic children at exit, but forbids them children)
 
-    def _start_children(self, target, args_of, count: int) -> None:
-        """Spawn ``count`` processes running ``target(*args_of(i), conn)``; each first sends
-        ("started", None), read by the caller through ``_replies(SPAWN_HINT)``."""
+    def _start_children(self, target, args_of, count: int, env_of=None) -> None:
+        """Spawn ``count`` processes running ``target(*args_of(i), conn)``, with the environment
+        variables ``env_of(i)`` on top of this process's; each first sends ("started", None),
+        read by the caller through ``_replies(SPAWN_HINT)``."""
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
         self.dead: str | None = None
@@ -58,7 +77,8 @@ class ChildProcs:
             parent, child = ctx.Pipe()
             p = ctx.Process(target=target, args=(*args_of(i), child),
                             name=f"pagoda-{self.child_name.split()[-1]}{i}", daemon=self.daemon)
-            p.start()
+            with _environ(env_of(i) if env_of else {}):
+                p.start()
             child.close()
             self.procs.append(p)
             self.conns.append(parent)

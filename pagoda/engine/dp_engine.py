@@ -9,7 +9,7 @@ import itertools
 from pagoda.config import EngineConfig
 from pagoda.distributed.child_procs import SPAWN_HINT, ChildProcs
 from pagoda.engine.arg_utils import EngineArgs
-from pagoda.engine.dp_replica import replica_main
+from pagoda.engine.dp_replica import replica_env, replica_main
 from pagoda.engine.stats import EngineStats, sum_stats
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -44,7 +44,8 @@ class DPEngine(ChildProcs):
         self._owner: dict[str, tuple[int, int]] = {}   # request id -> (its replica, its samples)
         self._load = [0] * dp                          # sequences in flight, per replica
         try:
-            self._start_children(replica_main, lambda d: (args, d, dp, ranks), dp)
+            gpus = (lambda d: replica_env(d, dp, ranks)) if config.device == "cuda" else None
+            self._start_children(replica_main, lambda d: (args, d, dp), dp, gpus)
             self._replies(SPAWN_HINT)      # every replica past its imports
             self._replies()                # every engine built (a ValueError of one raises here)
             self.eos_token_id = self._call(0, _eos_token_id)

@@ -15,12 +15,16 @@ def cpu_share(dp_rank: int, dp_size: int, cpus: list[int]) -> list[int]:
     return cpus[dp_rank::dp_size] or [cpus[dp_rank % len(cpus)]]
 
 
-def _claim_devices(dp_rank: int, dp_size: int, ranks_per_replica: int) -> None:
-    """Before CUDA starts in this process: replica d sees only GPUs [d*W, (d+1)*W) (W ranks each),
-    as cuda:0..W-1; on the CPU it runs on its share of the cores."""
+def replica_env(dp_rank: int, dp_size: int, ranks_per_replica: int) -> dict[str, str]:
+    """Replica d sees only GPUs [d*W, (d+1)*W) of those visible here (W ranks each), as
+    cuda:0..W-1; set before it starts, so nothing it imports can start CUDA with all of them."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(dp_size * ranks_per_replica)]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[dp_rank * ranks_per_replica:(dp_rank + 1) * ranks_per_replica])
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[dp_rank * ranks_per_replica:(dp_rank + 1) * ranks_per_replica])}
+
+
+def _claim_cores(dp_rank: int, dp_size: int) -> None:
+    """Run on this replica's share of the cores; its ranks split it (Worker)."""
     share = cpu_share(dp_rank, dp_size, sorted(os.sched_getaffinity(0)))
     os.sched_setaffinity(0, share)
     import torch
@@ -35,13 +39,13 @@ def _picklable(e: BaseException) -> BaseException:
         return RuntimeError("".join(traceback.format_exception(e)))
 
 
-def replica_main(args: EngineArgs, dp_rank: int, dp_size: int, ranks_per_replica: int, conn) -> None:
+def replica_main(args: EngineArgs, dp_rank: int, dp_size: int, conn) -> None:
     """Build the engine, then serve ``(method, args)`` calls until told to stop or the front is
     gone. A call that raises (a bad request) answers ``("raise", exception)`` and the replica
     goes on; a failure to start is answered so too, and ends it."""
     conn.send(("started", None))
     try:
-        _claim_devices(dp_rank, dp_size, ranks_per_replica)
+        _claim_cores(dp_rank, dp_size)
         from pagoda.engine.llm_engine import LLMEngine
         engine = LLMEngine.from_engine_args(replace(args, data_parallel_size=1))
         conn.send(("ok", None))
