@@ -195,6 +195,7 @@ def test_logprobs_shapes(client, llm):
 
 @pytest.mark.parametrize("route, body, status, message", [
     ("/v1/completions", {"prompt": "hello " * 3000}, 400, "maximum model length"),
+    ("/v1/completions", {"prompt": "hello " * 1000, "max_tokens": 2000}, 400, "maximum context length is 2048"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),

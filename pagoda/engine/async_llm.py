@@ -77,6 +77,11 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    async def prompt_token_ids(self, prompts: list) -> list[list[int]]:
+        """Each prompt's token ids as the engine reads it (on the engine's thread: a
+        data-parallel front asks a replica, over a pipe only that thread uses)."""
+        return await self._call(lambda: [self.engine.prompt_token_ids(p) for p in prompts])
+
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self._abort(request_id))
 

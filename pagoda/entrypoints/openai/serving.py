@@ -43,8 +43,8 @@ class OpenAIServing:
         if request.model is not None and request.model not in self.served_model_names:
             return error_response(f"The model `{request.model}` does not exist.", 404, "model")
         try:
-            prompts = self.engine_prompts(request)
             params = request.sampling_params()
+            prompts = await self._fitted(self.engine_prompts(request), params)
             request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
             gens = [self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
             firsts = await _start(gens)
@@ -56,6 +56,22 @@ class OpenAIServing:
         if request.stream:
             return StreamingResponse(self._stream(request, header, outputs), media_type="text/event-stream")
         return JSONResponse(await self._full(request, header, outputs))
+
+    async def _fitted(self, prompts: list, params) -> list[dict]:
+        """The prompts tokenized (once: the engine then takes the ids), and vLLM's server rule:
+        a prompt that fits but leaves no room for ``max_tokens`` is refused (400), where the
+        offline engine would stop it at the model's length."""
+        limit = self.engine.max_model_len
+        fitted = []
+        for prompt, ids in zip(prompts, await self.engine.prompt_token_ids(prompts)):
+            if params.max_tokens is not None and len(ids) <= limit < len(ids) + params.max_tokens:
+                raise ValueError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                                 f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                                 f"{params.max_tokens} in the completion). Please reduce the length of the "
+                                 "prompt or the completion.")
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+            fitted.append({"prompt": text, "prompt_token_ids": ids})
+        return fitted
 
     async def _observed(self, outputs):
         num_tokens: dict[tuple[int, int], int] = {}      # (prompt, sample) -> tokens so far
