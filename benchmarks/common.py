@@ -33,6 +33,19 @@ def dummy_model_dir(config_path: str, quantization: str | None = None) -> str:
     return folder
 
 
+def add_word_tokenizer(folder: str) -> None:
+    """A tokenizer.json for a dummy model's folder, for runs that need text (the server): one
+    word per token id of the config's vocabulary. The prompts are token ids anyway; this only
+    turns sampled ids into text as a real tokenizer of that size would."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    with open(os.path.join(folder, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")     # (joins the words with spaces)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+
+
 def bar_chart(path: str, title: str, ylabel: str, groups: list[str], series: dict[str, list]) -> bool:
     """Grouped bars (one group per entry of ``groups``, one bar per series; None leaves a gap)
     saved as a PNG at ``path``. Skipped, returning False, where matplotlib is not installed

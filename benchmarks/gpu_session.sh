@@ -53,7 +53,9 @@
 #   bash benchmarks/gpu_session.sh w4a16b    # W5: the W4A16 kernel's tile sweep, W2 GPTQ with the best
 #   bash benchmarks/gpu_session.sh w5w1      # W5: W4A16 at 64-256 rows; W1 both models bf16 against GPTQ
 #   bash benchmarks/gpu_session.sh w5tiles   # W5: W4A16 tiles for 128- and 256-row tiles (sweep); W1 GPTQ with the best
-#   bash benchmarks/gpu_session.sh tp2       # (two GPUs) tensor parallelism: its tests over NCCL; W2 at tp 1 and 2, W1 at 2
+#   bash benchmarks/gpu_session.sh tp2       # (two GPUs) TP, PP, DP tests over NCCL; W2 at tp 1 and 2, W1 at 2
+#   bash benchmarks/gpu_session.sh serve16   # W3: the OpenAI server under Poisson arrivals, both models
+#   BASE=dir bash benchmarks/gpu_session.sh serve16ab  # W3 Qwen3-0.6B: BASE's server against this tree's
 #   bash benchmarks/gpu_session.sh fp8      # W5: FP8 weights (W8A16 kernel, W8A8): tests, crossover; W2 and W1
 #   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
 #   bash benchmarks/gpu_session.sh graphs12  # W1 with CUDA graphs of its 16,384-token prefill steps (knobs)
@@ -577,14 +579,41 @@ case "${1:-}" in
   tp2)
     # Tensor parallelism on two GPUs of one host: the tests (NCCL), then W2 Llama-3-8B at tp 1
     # and 2, W1 both models at tp 2 (unless NO_W1)
+    # Each file's two-GPU test on its own, its log live; a test still running after STACKS_AFTER
+    # seconds prints the stacks of this process (faulthandler) and of the spawned ranks (USR1).
     nvidia-smi topo -m 2>&1 | head -3
-    python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py -k gpus 2>&1 | tail -6
+    for t in tensor pipeline data; do
+      ( sleep "${STACKS_AFTER:-150}"; pkill -USR1 -f "multiprocessing.spawn impor[t]" ) & watch=$!
+      timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -s -p no:cacheprovider -o log_cli=true \
+        --log-cli-level=INFO -o faulthandler_timeout="${STACKS_AFTER:-150}" "tests/test_${t}_parallel.py" -k gpus 2>&1 \
+        | grep -v "^$" | tail -40
+      kill $watch 2>/dev/null
+    done
     for tp in 1 2; do
       run "W2 llama3-8b tp$tp" latency.py --model-config $MA/llama3-8b.json --batch 1 64 -tp $tp --out "$OUT/tp$tp"
     done
     [ -n "${NO_W1:-}" ] || for m in llama3-8b qwen3-0.6b; do
       python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm -tp 2 --out "$OUT/tp2" 2>&1 \
         | grep -E "^pagoda |^roofline of this|Error|error" | sed "s/^/W1 $m tp2: /"
+    done
+    ;;
+  serve16)
+    # W3: the OpenAI server under Poisson arrivals, both models (fastapi, uvicorn, pydantic ride in .whl)
+    python3 benchmarks/serve.py --model-config $MA/qwen3-0.6b.json --num-prompts 256 --request-rates 16 64 inf \
+      --out "$OUT/w3" 2>&1 | grep -E -A5 "rate  done|Error|error" | sed "s/^/W3 qwen3-0.6b: /"
+    python3 benchmarks/serve.py --model-config $MA/llama3-8b.json --num-prompts 256 --request-rates 8 32 inf \
+      --out "$OUT/w3" 2>&1 | grep -E -A5 "rate  done|Error|error" | sed "s/^/W3 llama3-8b: /"
+    ;;
+  serve16ab)
+    # W3 Qwen3-0.6B, rates 64 and inf: BASE's server, this tree's, and this tree's with a 1 ms
+    # GIL switch interval (sitecustomize), interleaved twice
+    mkdir -p /tmp/sw && echo "import sys; sys.setswitchinterval(0.001)" > /tmp/sw/sitecustomize.py
+    for round in 1 2; do
+      for v in base tree sw; do
+        dir=.; [ $v = base ] && dir=$BASE; extra=; [ $v = sw ] && extra=/tmp/sw:
+        (cd $dir && PYTHONPATH=$extra$PWD:/tmp/site python3 $OLDPWD/benchmarks/serve.py --model-config $MA/qwen3-0.6b.json \
+          --num-prompts 256 --request-rates 64 inf --out "$OUT/w3ab" 2>&1 | grep -E "^ +(64|inf) " | sed "s/^/W3 $v $round: /")
+      done
     done
     ;;
   fp8)

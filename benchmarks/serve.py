@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bar_chart, dummy_model_dir  # noqa: E402
+from common import add_word_tokenizer, bar_chart, dummy_model_dir  # noqa: E402
 from throughput import requests_for  # noqa: E402
 
 PERCENTILES = (50, 95, 99)
@@ -99,7 +99,10 @@ def start_server(args) -> subprocess.Popen:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    model = dummy_model_dir(args.model_config) if args.model_config else args.model
+    model = args.model
+    if args.model_config:
+        model = dummy_model_dir(args.model_config)
+        add_word_tokenizer(model)
     cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", args.served_model_name, "--dtype", args.dtype, "--uvicorn-log-level", "warning"]
     cmd += ["--model", model] if model else []

@@ -348,7 +348,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     name = os.path.splitext(os.path.basename(args.model_config or args.model or "smollm2"))[0]
     name += f"-{args.quantization}" if args.quantization else ""
-    # (the floors above are one GPU's: with tensor parallelism, divide them by its size)
+    # (the floors above are one GPU's; the printed roofline divides by the tensor-parallel size)
     name += f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     result["tensor_parallel_size"] = args.tensor_parallel_size
     tag = ("async" if result["async_scheduling"] else "sync") + ("" if args.prefix_caching else "_nocache")
@@ -361,10 +361,12 @@ def main():
               f"{r['output_tok_s']:10.1f} {r['total_tok_s']:11.1f}")
     series = {r["engine"]: [r["output_tok_s"]] for r in rows}
     if "schedule_floor" in result:
-        floor = result["schedule_floor"]
-        print(f"roofline of this schedule {floor['step_floor_s']:.2f} s ({floor['output_tok_s_at_floor']:.0f} output "
-              f"tok/s); pagoda at {result['elapsed_s'] / floor['step_floor_s']:.2f}x")
-        series["floor"] = [floor["output_tok_s_at_floor"]]
+        floor, tp = result["schedule_floor"], args.tensor_parallel_size
+        across = f" over {tp} GPUs (one GPU's / {tp}: no all-reduce cost)" if tp > 1 else ""
+        print(f"roofline of this schedule{across} {floor['step_floor_s'] / tp:.2f} s "
+              f"({floor['output_tok_s_at_floor'] * tp:.0f} output tok/s); "
+              f"pagoda at {result['elapsed_s'] * tp / floor['step_floor_s']:.2f}x")
+        series["floor"] = [floor["output_tok_s_at_floor"] * tp]
     plot = os.path.join(args.out, f"throughput_{name}_{tag}.png")
     if bar_chart(plot, f"W1 offline throughput, {name}", "output tok/s", [name], series):
         print(f"plot: {plot}")

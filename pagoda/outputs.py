@@ -54,6 +54,26 @@ class RequestOutput:
     encoder_prompt_token_ids: None = None
     kv_transfer_params: dict = field(default_factory=dict)
 
+    def add(self, later: "RequestOutput") -> None:
+        """Fold ``later``, the next delta output (``RequestOutputKind.DELTA``) of the same request,
+        into this one, as if the engine had made one output of both steps. A server whose reader
+        falls behind the engine sends one chunk for what piled up, instead of one per step."""
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            if c.index not in mine:
+                mine[c.index] = c
+                self.outputs.append(c)
+                continue
+            o = mine[c.index]
+            o.text += c.text
+            o.token_ids = o.token_ids + c.token_ids
+            if c.logprobs is not None:
+                o.logprobs = (o.logprobs or []) + c.logprobs
+            o.cumulative_logprob, o.finish_reason, o.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished, self.metrics, self.num_cached_tokens = later.finished, later.metrics, later.num_cached_tokens
+
 
 @dataclass
 class BeamSearchSequence:

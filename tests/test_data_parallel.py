@@ -169,3 +169,10 @@ def test_replica_gpus(monkeypatch):
     assert [replica_env(d, 2, 2) for d in range(2)] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
     assert [replica_env(d, 2, 2)["CUDA_VISIBLE_DEVICES"] for d in range(2)] == ["3,5", "6,7"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_dp2_on_gpus_equals_dp1(tiny):
+    """Two replicas, each on its own GPU (CUDA_VISIBLE_DEVICES), with CUDA graphs."""
+    gpu = dict(device="cuda", max_num_seqs=16)
+    assert_same(outputs_at(tiny, 1, **gpu), outputs_at(tiny, 1, data_parallel_size=2, **gpu), tol=1e-3)

@@ -7,6 +7,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from pagoda import LLM
 from pagoda.model.pipeline import get_pp_indices
@@ -123,3 +124,10 @@ def test_layout_errors(tiny4):
     with pytest.raises(ValueError, match="'uni' runs one process"):
         LLM(tiny4, pipeline_parallel_size=2, distributed_executor_backend="uni", **SMALL)
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_pp2_on_gpus_equals_pp1(tiny4):
+    """Two stages on two GPUs, activations sent over NCCL (eager: no graphs with pp > 1)."""
+    gpu = dict(device="cuda", max_num_seqs=16)
+    assert_same(outputs_at(tiny4, 1, **gpu), outputs_at(tiny4, 1, pipeline_parallel_size=2, **gpu), tol=1e-3)

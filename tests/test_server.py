@@ -17,6 +17,7 @@ from pagoda import SamplingParams
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.api_server import build_app
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import RequestOutputKind
 from tests.conftest import TEST_KV_BYTES
 
@@ -353,3 +354,41 @@ def test_pagoda_serve_command(tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def test_a_slow_reader_gets_the_steps_it_missed_merged(engine, llm):
+    """A reader that lags the engine gets one output for the steps it missed: tokens, text and
+    logprobs are those of the whole run, in order, and fewer outputs than tokens arrive."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2,
+                            output_kind=RequestOutputKind.DELTA)
+
+    async def run():
+        outs = []
+        async for out in engine.generate(PROMPTS[1], params, "slow-reader"):
+            outs.append(out)
+            await asyncio.sleep(0.3)         # several engine steps on the CPU
+        return outs
+
+    outs = asyncio.run(run())
+    ref = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(outs) < 24 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert [t for o in outs for t in o.outputs[0].token_ids] == ref.token_ids
+    assert "".join(o.outputs[0].text for o in outs) == ref.text
+    merged = [lp for o in outs for lp in o.outputs[0].logprobs]
+    assert [sorted(lp) for lp in merged] == [sorted(lp) for lp in ref.logprobs]
+    assert outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_request_output_add_folds_deltas():
+    def delta(tokens, text, finish=None, lps=None, index=0):
+        return CompletionOutput(index, text, tokens, -1.0 * len(tokens), lps, finish)
+
+    a = RequestOutput("r", None, [1], None, [delta([5], "a", lps=[{5: Logprob(-0.5)}])], False)
+    a.add(RequestOutput("r", None, [1], None, [delta([6, 7], "bc", lps=[{6: Logprob(-1)}, {7: Logprob(-2)}]),
+                                               delta([9], "z", index=1)], False))
+    a.add(RequestOutput("r", None, [1], None, [delta([8], "d", "length", lps=[{8: Logprob(-3)}])], True))
+    first, second = a.outputs
+    assert (first.token_ids, first.text, first.finish_reason, a.finished) == ([5, 6, 7, 8], "abcd", "length", True)
+    assert [list(lp) for lp in first.logprobs] == [[5], [6], [7], [8]] and first.cumulative_logprob == -1.0
+    assert (second.index, second.token_ids, second.text) == (1, [9], "z")

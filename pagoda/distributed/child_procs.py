@@ -4,9 +4,11 @@ A child answers each call ``("ok", result)``, ``("raise", exception)`` (the call
 child goes on) or ``("error", traceback)`` (the child has failed and exits). A failure or death
 stops every child, and later calls raise instead of waiting on a child that will never answer."""
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import weakref
 from multiprocessing.connection import wait
 
@@ -42,6 +44,13 @@ def _shutdown(procs: list, conns: list, num_threads: int) -> None:
     torch.set_num_threads(num_threads)
 
 
+def _child_main(target, *args) -> None:
+    """A child's entry: ``kill -USR1 <pid>`` prints its threads' stacks to stderr, to see where a
+    child that seems hung (in a collective, a compile, a graph capture) is waiting."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    target(*args)
+
+
 @contextlib.contextmanager
 def _environ(env: dict[str, str]):
     """``env`` set in os.environ meanwhile: what a spawned child inherits from its first line,
@@ -75,7 +84,7 @@ class ChildProcs:
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, torch.get_num_threads())
         for i in range(self.first_id, self.first_id + count):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=target, args=(*args_of(i), child),
+            p = ctx.Process(target=_child_main, args=(target, *args_of(i), child),
                             name=f"pagoda-{self.child_name.split()[-1]}{i}", daemon=self.daemon)
             with _environ(env_of(i) if env_of else {}):
                 p.start()

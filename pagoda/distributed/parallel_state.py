@@ -7,6 +7,7 @@ parallel one in the same process stays unsplit, and pays nothing.
 Ranks are laid out as in vLLM: global rank = pp_rank * tp_size + tp_rank, so each pipeline stage
 is a tensor-parallel group of consecutive ranks, and a rank's peer in the next stage is
 rank + tp_size."""
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +19,10 @@ _TP_SIZE = 1
 _TP_RANK = 0
 # This process's tensor-parallel group when the world holds several stages (None: the world).
 _TP_GROUP = None
+# Holders of CUDA graphs that captured this group's collectives (weak references): NCCL cannot
+# tear a communicator down while a graph of its kernels lives (seen on two H200s: the abort
+# waited for good), so destroy_distributed releases them first.
+_CAPTURED: list[weakref.ref] = []
 
 
 @dataclass(frozen=True)
@@ -109,10 +114,28 @@ def init_distributed(world_size: int, rank: int, port: int, device: str, timeout
                 _TP_GROUP = group
 
 
+def graphs_captured(holder) -> None:
+    """``holder.release()`` frees CUDA graphs that captured collectives; it runs before the group
+    is torn down."""
+    _CAPTURED.append(weakref.ref(holder))
+
+
 def destroy_distributed() -> None:
+    """Leave the process group. NCCL's groups are aborted, not destroyed: destroying finalizes
+    each communicator, which waits on the peers, and a peer that has died may never answer."""
     global _TP_GROUP
     _TP_GROUP = None
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    for ref in _CAPTURED:
+        holder = ref()
+        if holder is not None:
+            holder.release()
+    _CAPTURED.clear()
+    if dist.get_backend() == "nccl":
+        torch.cuda.synchronize()
+        dist.distributed_c10d._abort_process_group()
+    else:
         dist.destroy_process_group()
 
 

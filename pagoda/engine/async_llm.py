@@ -22,19 +22,49 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    """Where one request's outputs land: an asyncio queue fed from the engine thread."""
+    """Where one request's outputs land, on the caller's event loop. Outputs the reader has not
+    taken yet are merged into one (``RequestOutput.add``): a reader that falls behind the engine
+    (hundreds of streams on a small model) catches up in one chunk instead of queueing a
+    chunk per step."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pending: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
 
-    def put(self, item) -> bool:
-        """False when the caller's event loop has closed: nobody will read this stream."""
+    def push(self, item) -> None:
+        """On the loop's thread."""
+        if isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
+            self.pending.add(item)
+        elif not isinstance(self.pending, BaseException):
+            self.pending = item
+        self.ready.set()
+
+    async def get(self):
+        await self.ready.wait()
+        self.ready.clear()
+        item, self.pending = self.pending, None
+        return item
+
+
+def _deliver(batch: list) -> None:
+    for stream, item in batch:
+        stream.push(item)
+
+
+def _hand_over(items: list[tuple[_Stream, object]]) -> set[asyncio.AbstractEventLoop]:
+    """One step's outputs to their streams: one wake-up of each event loop per step, not one
+    per output. Returns the loops that have closed (nobody reads their streams)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    closed = set()
+    for loop, batch in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_deliver, batch)
         except RuntimeError:
-            return False
-        return True
+            closed.add(loop)
+    return closed
 
 
 class AsyncLLM:
@@ -68,7 +98,7 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                out = await stream.queue.get()
+                out = await stream.get()
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
@@ -138,15 +168,14 @@ class AsyncLLM:
         except Exception as e:                    # noqa: BLE001 - fail the requests, keep serving
             logger.exception("Engine step failed; aborting %d requests.", len(self._streams))
             self.engine.abort_request(list(self._streams))
-            for stream in self._streams.values():
-                stream.put(EngineDeadError(f"The engine step failed: {e}"))
+            error = EngineDeadError(f"The engine step failed: {e}")
+            _hand_over([(stream, error) for stream in self._streams.values()])
             self._streams.clear()
             return
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if not stream.put(out):
+        items = [(self._streams[out.request_id], out) for out in outputs if out.request_id in self._streams]
+        closed = _hand_over(items)
+        for stream, out in items:
+            if stream.loop in closed:
                 self._abort(out.request_id)
             elif out.finished:
                 del self._streams[out.request_id]

@@ -109,6 +109,11 @@ class CUDAGraphRunner:
             self.graphs[key] = graph
         torch.cuda.synchronize()
 
+    def release(self) -> None:
+        """Destroy the graphs (before their NCCL communicators are torn down)."""
+        self.graphs.clear()
+        self.outputs.clear()
+
     def graph_key(self, num_reqs: int, num_tokens: int) -> tuple[str, int] | None:
         """The captured size a batch pads to, or None (run it eagerly)."""
         if num_reqs == num_tokens and num_reqs <= self.sizes[-1]:

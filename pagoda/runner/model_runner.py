@@ -11,8 +11,8 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pagoda.distributed.parallel_state import (broadcast, get_pp_group, get_tp_rank, get_tp_size, recv_object,
-                                               send_object)
+from pagoda.distributed.parallel_state import (broadcast, get_pp_group, get_tp_rank, get_tp_size,
+                                               graphs_captured, recv_object, send_object)
 from pagoda.model.layers.attention import (AttentionMetadata, TorchAttentionBackend, get_attention_backend,
                                            set_forward_context)
 from pagoda.model.loader import get_model
@@ -228,6 +228,8 @@ class ModelRunner:
                                                self.config.scheduler.max_num_batched_tokens,
                                                self.block_table.shape[1], self.max_model_len, self.device)
             self.cuda_graphs.capture()
+            if not self.single_rank:
+                graphs_captured(self.cuda_graphs)
             logger.info("Captured CUDA graphs for %d decode batch sizes and %d mixed-step sizes in %.1f s.",
                         len(self.cuda_graphs.sizes), len(self.cuda_graphs.mixed_sizes), time.perf_counter() - t0)
         if self.device.type == "cuda":
