@@ -144,10 +144,12 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def tp_all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
-    return torch.cat(parts, dim=dim)
+def tp_gather(x: torch.Tensor, tp_size: int, tp_rank: int, dim: int = -1) -> torch.Tensor | None:
+    """``x`` of every rank of the tensor-parallel group, concatenated along ``dim`` on the
+    group's first rank (the one that samples); None on the others."""
+    parts = [torch.empty_like(x) for _ in range(tp_size)] if tp_rank == 0 else None
+    dist.gather(x.contiguous(), parts, group=_TP_GROUP, group_dst=0)
+    return None if parts is None else torch.cat(parts, dim=dim)
 
 
 def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:

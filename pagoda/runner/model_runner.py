@@ -180,10 +180,10 @@ class ModelRunner:
         try:
             with set_forward_context(None, self.backend):
                 hidden = self.model(ids, pos, self._stand_in_activations(n))
-            if self.pp.is_last_rank:
-                logits = self.model.compute_logits(hidden[:self.max_num_reqs]).float()
-                logits.log_softmax(-1).sort(-1)          # the sampler's biggest temporaries
-                del logits
+            logits = self.model.compute_logits(hidden[:self.max_num_reqs]) if self.pp.is_last_rank else None
+            if logits is not None:                       # (the rank that samples)
+                logits.float().log_softmax(-1).sort(-1)  # the sampler's biggest temporaries
+            del logits
             del hidden
         except torch.OutOfMemoryError:
             fits = False   # (raised below: the exception's frames hold the step's tensors)
@@ -637,6 +637,9 @@ class ModelRunner:
             last = min(first + int(q_lens[i]), s.num_prompt_tokens - 1)   # exclusive
             h = hidden[int(cu[i] - q_lens[i]):int(cu[i] - q_lens[i]) + last - first]
             targets = self._to_device(self.token_ids[rows[i], first + 1:last + 1].astype(np.int64))
-            lp, ranks, topk_ids, topk_lp = logprobs_of(self.model.compute_logits(h), targets, k)
+            logits = self.model.compute_logits(h)
+            if logits is None:             # (a tensor-parallel rank that does not sample)
+                continue
+            lp, ranks, topk_ids, topk_lp = logprobs_of(logits, targets, k)
             out.prompt_logprobs[req_ids[i]] = (first + 1, targets.tolist(), lp.tolist(), ranks.tolist(),
                                                topk_ids.tolist(), topk_lp.tolist())

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce, tp_gather
 from pagoda.quant.base import dense_linear
 
 
@@ -32,8 +32,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The full vocabulary's logits; with tensor parallelism only on the group's first rank
+        (the one that samples), None on the others."""
         logits = dense_linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
-        return tp_all_gather(logits, self.tp_size)[:, :self.vocab_size]
+        logits = tp_gather(logits, self.tp_size, self.tp_rank)
+        return None if logits is None else logits[:, :self.vocab_size]
