@@ -3,11 +3,13 @@ through a uvicorn socket with httpx and the official openai client. Outputs are 
 the offline LLM's (the conftest `llm`, built with the same engine arguments)."""
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import types
 
 import httpx
 import pytest
@@ -392,3 +394,19 @@ def test_request_output_add_folds_deltas():
     assert (first.token_ids, first.text, first.finish_reason, a.finished) == ([5, 6, 7, 8], "abcd", "length", True)
     assert [list(lp) for lp in first.logprobs] == [[5], [6], [7], [8]] and first.cumulative_logprob == -1.0
     assert (second.index, second.token_ids, second.text) == (1, [9], "z")
+
+
+def test_w3_client_streams_every_token(base_url):
+    """benchmarks/serve.py's client (raw asyncio streams) against a real server: every request
+    completes with its max_tokens, and the latencies it reports are consistent."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import serve
+    args = types.SimpleNamespace(base_url=base_url, served_model_name=MODEL, seed=0, slo_ttft_ms=1e9, slo_tpot_ms=1e9)
+    prompts, lens = [[5, 6, 7], list(range(10, 40)), [300, 2, 41, 9]], [6, 9, 3]
+    row = asyncio.run(serve.run_rate(args, float("inf"), prompts, lens))
+    assert row["completed"] == 3 and not row["errors"]
+    assert row["output_tok_s"] * row["duration_s"] == pytest.approx(sum(lens))
+    assert 0 < row["ttft_ms"]["p50"] <= row["e2e_ms"]["p50"] and row["tpot_ms"]["p50"] > 0
+    wrong_model = types.SimpleNamespace(**{**vars(args), "served_model_name": "nope"})
+    bad = asyncio.run(serve.run_rate(wrong_model, float("inf"), prompts[:1], [4]))
+    assert bad["completed"] == 0 and "HTTP 404" in bad["errors"][0]
