@@ -10,7 +10,8 @@ from torch import nn
 
 
 @functools.cache
-def _triton_linear():
+def triton_linear_kernels():
+    """The batch-1 linear kernels module (shared by the unquantized and 8-bit paths)."""
     from pagoda.kernels import triton_linear   # on first CUDA use: importing triton is slow
     return triton_linear
 
@@ -18,7 +19,7 @@ def _triton_linear():
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, through the batch-1 Triton kernel on the GPU where it beats cuBLAS."""
     if x.is_cuda:
-        out = _triton_linear().linear(x, weight, bias)
+        out = triton_linear_kernels().linear(x, weight, bias)
         if out is not None:
             return out
     return F.linear(x, weight, bias)

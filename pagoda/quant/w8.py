@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import triton_w4a16
-from pagoda.quant.base import QuantMethod, _triton_linear
+from pagoda.quant.base import QuantMethod, triton_linear_kernels
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max   # 448
@@ -107,7 +107,7 @@ class W8LinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:
-            out = _triton_linear().linear(x, layer.weight, bias, layer.weight_scale)
+            out = triton_linear_kernels().linear(x, layer.weight, bias, layer.weight_scale)
             if out is not None:
                 return out
             tensor_cores = use_scaled_mm(x, layer.weight)
