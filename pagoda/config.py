@@ -136,10 +136,12 @@ class ParallelConfig:
             if importlib.util.find_spec("ray") is None:
                 raise ValueError("distributed_executor_backend='ray' needs Ray, which is not installed: "
                                  "pip install ray (or leave the backend unset for multiprocessing).")
-            raise NotImplementedError("The Ray executor is not implemented yet; leave distributed_executor_backend "
-                                      "unset (or 'mp') for parallelism over processes on this node.")
+            if dp > 1:
+                raise ValueError(f"data_parallel_size={dp} runs its replicas in processes of this node, not "
+                                 f"over Ray: leave distributed_executor_backend unset with data parallelism.")
         gpus = dp * self.world_size
-        if device == "cuda" and gpus > 1 and torch.cuda.device_count() < gpus:
+        # (Over Ray the GPUs may be on other nodes: the executor asks the cluster instead.)
+        if device == "cuda" and gpus > 1 and backend != "ray" and torch.cuda.device_count() < gpus:
             layout = f"data_parallel_size={dp} x " if dp > 1 else ""
             raise ValueError(f"{layout}tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {gpus} "
                              f"GPUs (one per rank), but {torch.cuda.device_count()} are visible.")

@@ -38,7 +38,9 @@ def test_chat_streams_replies():
 
 @pytest.mark.parametrize("bad, message", [(["generate", "x", "--temperature", "-1"], "temperature"),
                                           (["generate", "x", "--model", "/nope"], "not found"),
-                                          (["generate", "x", "--quantization", "awq"], "no quantization config")])
+                                          (["generate", "x", "--quantization", "awq"], "no quantization config"),
+                                          (["generate", "x", "-dp", "2", "--distributed-executor-backend", "ray"],
+                                           "not over Ray")])
 def test_bad_arguments_fail_cleanly(bad, message):
     r = run(bad + ["--max-model-len", "256"])
     assert r.returncode == 1 and "Traceback" not in r.stderr

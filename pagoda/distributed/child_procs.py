@@ -67,7 +67,29 @@ def _environ(env: dict[str, str]):
                 os.environ[k] = v
 
 
-class ChildProcs:
+class StopsOnFailure:
+    """An owner of ranks or replicas that stop together: after a failure that involves them,
+    later calls raise at once instead of waiting on one that will never answer. A subclass
+    defines ``shutdown()`` and ``_last_words()``."""
+    dead: str | None = None
+
+    def _check_running(self) -> None:
+        if self.dead is not None:
+            raise RuntimeError(f"The parallel engine has stopped ({self.dead}); create a new LLM.")
+
+    def _fail(self, error: BaseException) -> BaseException:
+        """After a failed call that involves the others, stop them all (a parallel group's
+        collectives can no longer be matched). The error to raise is the other's (with its
+        traceback) when one failed or died, else this process's own."""
+        if not isinstance(error, WorkerFailed):
+            reason = self._last_words()
+            error = WorkerFailed(reason) if reason else error
+        self.shutdown()
+        self.dead = str(error).splitlines()[0] if str(error) else repr(error)
+        return error
+
+
+class ChildProcs(StopsOnFailure):
     """Base of an owner of spawned children; ``child_name`` and ``first_id`` name them in errors."""
     child_name = "child"
     first_id = 0
@@ -97,8 +119,7 @@ class ChildProcs:
 
     def _send(self, msg, only: list[int] | None = None) -> None:
         """``msg`` to every child (pickled once), or to those numbered in ``only``."""
-        if self.dead is not None:
-            raise RuntimeError(f"The parallel engine has stopped ({self.dead}); create a new LLM.")
+        self._check_running()
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for _, conn, _ in self._children(only):
@@ -151,18 +172,6 @@ class ChildProcs:
                 if status == "error":
                     return value
         return None
-
-    def _fail(self, error: BaseException) -> BaseException:
-        """After a failed call that involves the children, stop them all (a parallel group's
-        collectives can no longer be matched). The error to raise is the child's (with its
-        traceback) when one failed or died, else this process's own."""
-        if not isinstance(error, WorkerFailed):
-            reason = self._last_words()
-            error = WorkerFailed(reason) if reason else error
-        self.shutdown()
-        self.dead = str(error).splitlines()[0] if str(error) else repr(error)
-        return error
-
 
 class WorkerFailed(RuntimeError):
     pass

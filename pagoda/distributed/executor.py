@@ -1,5 +1,6 @@
 """Executors run the model runner on every rank: in this process alone (tensor_parallel_size
-1), or over worker processes (multiproc_executor.py). Both answer the same three calls."""
+1), or over worker processes on this node (multiproc_executor.py) or Ray actors on a cluster's
+nodes (ray_executor.py). All answer the same three calls."""
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.runner.model_runner import ModelRunner
@@ -19,9 +20,26 @@ class UniProcExecutor:
         return self.runner.execute_model(sched)
 
 
+class ParallelExecutor:
+    """The calls that every rank answers, over a subclass's ``collective_rpc``."""
+
+    def collective_rpc(self, method, args: tuple = ()) -> list:
+        raise NotImplementedError
+
+    def determine_num_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+
 def get_executor(config: EngineConfig):
-    """The executor for ``config.parallel`` (checked by ParallelConfig.verify)."""
+    """The executor for ``config.parallel`` (checked by ParallelConfig.verify). One rank runs in
+    this process whatever the backend: Ray would only add a process to talk to."""
     if config.parallel.world_size == 1:
         return UniProcExecutor(config)
+    if config.parallel.distributed_executor_backend == "ray":
+        from pagoda.distributed.ray_executor import RayExecutor
+        return RayExecutor(config)
     from pagoda.distributed.multiproc_executor import MultiprocExecutor
     return MultiprocExecutor(config)

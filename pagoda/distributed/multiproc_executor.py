@@ -3,28 +3,21 @@ process (it schedules and detokenizes; it samples too, unless the last pipeline 
 ranks 1..N-1 are spawned worker processes. Each step's SchedulerOutput is pickled once and
 written to every worker's pipe; the ranks then meet only in the model's collectives and the
 pipeline stages' sends and receives (torch.distributed: gloo on CPU, NCCL on CUDA)."""
-import socket
-
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import SchedulerOutput
 from pagoda.distributed.child_procs import SPAWN_HINT, ChildProcs
-from pagoda.distributed.parallel_state import check_no_process_group
+from pagoda.distributed.executor import ParallelExecutor
+from pagoda.distributed.parallel_state import check_no_process_group, free_port
 from pagoda.distributed.worker import Worker, worker_main
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MultiprocExecutor(ChildProcs):
+class MultiprocExecutor(ChildProcs, ParallelExecutor):
     child_name = "parallel worker rank"
     first_id = 1
 
     def __init__(self, config: EngineConfig):
         check_no_process_group()          # (one torch.distributed group per process)
-        port = _free_port()
+        port = free_port()
         try:
             self._start_children(worker_main, lambda rank: (config, rank, port), config.parallel.world_size - 1)
             # Every worker alive past its imports before rank 0 blocks in the rendezvous.
@@ -40,16 +33,10 @@ class MultiprocExecutor(ChildProcs):
         every rank; the results in rank order."""
         self._send((method, args))
         try:
-            local = method(self.worker, *args) if callable(method) else getattr(self.worker, method)(*args)
+            local = self.worker.call(method, args)
         except BaseException as e:
             raise self._fail(e) from e
         return [local] + self._replies()
-
-    def determine_num_blocks(self) -> int:
-        return min(self.collective_rpc("determine_num_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
     def execute_model(self, sched: SchedulerOutput):
         self._send(("execute_model", (sched,)))

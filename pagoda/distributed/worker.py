@@ -1,7 +1,7 @@
 """One rank: the model runner on this rank's shard of the weights (its tensor-parallel slice of
-its pipeline stage's layers). Rank 0 lives
-in the engine's process (MultiprocExecutor); ranks 1..N-1 run ``worker_main`` in processes of
-their own and do what rank 0 sends them."""
+its pipeline stage's layers). Rank 0 lives in the engine's process (MultiprocExecutor,
+RayExecutor); ranks 1..N-1 run in processes of their own (``worker_main``, or a Ray actor) and
+do what rank 0 sends them."""
 import os
 import traceback
 
@@ -17,18 +17,23 @@ COLLECTIVE_TIMEOUT_S = 600
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int, port: int):
+    def __init__(self, config: EngineConfig, rank: int, port: int, host: str = "127.0.0.1",
+                 local_rank: int | None = None):
+        """Join the group at ``host:port`` (rank 0's node) as ``rank``. On CUDA the rank's GPU
+        is ``cuda:{local_rank}`` of this process: its rank on one node of spawned processes, 0
+        (or what Ray gave it) in a Ray actor, which sees its own GPU alone."""
         self.rank = rank
+        self.last = None       # the step before, whose outputs this rank reads one step late
         pc = config.parallel
         world, tp = pc.world_size, pc.tensor_parallel_size
         if config.device == "cuda":
-            torch.cuda.set_device(rank)        # one GPU per rank: cuda:{rank}
+            torch.cuda.set_device(rank if local_rank is None else local_rank)
         else:
             # The ranks share the cores (those this process may use: a data-parallel replica's
             # share): with a thread per core each, their spinning OpenMP threads would take
             # turns on every core and each collective would wait for them.
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
-        init_distributed(world, rank, port, config.device, COLLECTIVE_TIMEOUT_S, tp)
+        init_distributed(world, rank, port, config.device, COLLECTIVE_TIMEOUT_S, tp, host)
         try:
             with building_parallel_model(tp, rank % tp, pc.pipeline_parallel_size, rank // tp):
                 self.runner = ModelRunner(config)
@@ -36,11 +41,24 @@ class Worker:
             destroy_distributed()
             raise
 
+    def call(self, method, args: tuple = ()):
+        """``method``: a Worker method's name, or a function taking the worker first."""
+        return method(self, *args) if callable(method) else getattr(self, method)(*args)
+
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, sched) -> None:
+        """A step on a rank other than 0, whose outputs nobody reads: this step's tokens reach
+        the rows one step late, as on rank 0 with async scheduling (the next step reads them on
+        the device meanwhile)."""
+        out = self.runner.execute_model(sched)
+        if self.last is not None:
+            self.last.get_output()
+        self.last = out
 
 
 def worker_main(config: EngineConfig, rank: int, port: int, conn) -> None:
@@ -49,7 +67,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn) -> None:
     answered; other calls answer ``("ok", result)``. A failure answers ``("error", traceback)``
     and ends the process: the group's collectives can no longer be matched."""
     conn.send(("started", None))
-    worker, last = None, None
+    worker = None
     try:
         worker = Worker(config, rank, port)
         while True:
@@ -59,17 +77,9 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn) -> None:
                 break
             if method == "shutdown":
                 break
-            if method == "execute_model":
-                out = worker.runner.execute_model(*args)
-                # This step's tokens reach the rows one step late, as on rank 0 with async
-                # scheduling: the next step reads them on the device meanwhile.
-                if last is not None:
-                    last.get_output()
-                last = out
-            elif callable(method):
-                conn.send(("ok", method(worker, *args)))
-            else:
-                conn.send(("ok", getattr(worker, method)(*args)))
+            result = worker.call(method, args)
+            if method != "execute_model":
+                conn.send(("ok", result))
     except BaseException:
         try:
             conn.send(("error", f"parallel worker rank {rank} failed:\n{traceback.format_exc()}"))

@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model's layers over this many stages (times -tp processes)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="run this many engine replicas, each with the whole model (or its -tp x -pp split)")
+    p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
+                   help="where ranks 1..N-1 of -tp x -pp run: processes of this node (mp, the default) or the "
+                        "actors of a Ray cluster (ray: several nodes)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--log-stats", action="store_true",
                    help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
@@ -49,6 +52,7 @@ def engine_args_from(args):
                       tensor_parallel_size=args.tensor_parallel_size,
                       pipeline_parallel_size=args.pipeline_parallel_size,
                       data_parallel_size=args.data_parallel_size,
+                      distributed_executor_backend=args.distributed_executor_backend,
                       enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats)
 
 
