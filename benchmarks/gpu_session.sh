@@ -55,6 +55,7 @@
 #   bash benchmarks/gpu_session.sh w5tiles   # W5: W4A16 tiles for 128- and 256-row tiles (sweep); W1 GPTQ with the best
 #   bash benchmarks/gpu_session.sh tp2       # (two GPUs) TP, PP, DP tests over NCCL; W2 at tp 1 and 2, W1 at 2
 #   bash benchmarks/gpu_session.sh serve16   # W3: the OpenAI server under Poisson arrivals, both models
+#   bash benchmarks/gpu_session.sh serve17   # W3 with the asyncio client, both models; the server stack over a stand-in engine
 #   BASE=dir bash benchmarks/gpu_session.sh serve16ab  # W3 Qwen3-0.6B: BASE's server against this tree's
 #   bash benchmarks/gpu_session.sh fp8      # W5: FP8 weights (W8A16 kernel, W8A8): tests, crossover; W2 and W1
 #   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
@@ -603,6 +604,16 @@ case "${1:-}" in
       --out "$OUT/w3" 2>&1 | grep -E -A5 "rate  done|Error|error" | sed "s/^/W3 qwen3-0.6b: /"
     python3 benchmarks/serve.py --model-config $MA/llama3-8b.json --num-prompts 256 --request-rates 8 32 inf \
       --out "$OUT/w3" 2>&1 | grep -E -A5 "rate  done|Error|error" | sed "s/^/W3 llama3-8b: /"
+    ;;
+  serve17)
+    # W3 with the asyncio client: both models at W1's lengths, then the server stack alone over a
+    # stand-in engine of Qwen3-0.6B's step time (this host's CPU, no GPU work)
+    for m in qwen3-0.6b llama3-8b; do
+      python3 benchmarks/serve.py --model-config $MA/$m.json --num-prompts 256 --request-rates 16 64 inf \
+        --out "$OUT/w3" 2>&1 | grep -E -A4 "rate  done|Error|error" | sed "s/^/W3 $m: /"
+    done
+    python3 benchmarks/serve.py --fake-step-ms 6 --num-prompts 256 --request-rates inf --out "$OUT/w3" 2>&1 \
+      | grep -E -A2 "rate  done|Error|error" | sed "s/^/W3 fake 6 ms: /"
     ;;
   serve16ab)
     # W3 Qwen3-0.6B, rates 64 and inf: BASE's server, this tree's, and this tree's with a 1 ms
