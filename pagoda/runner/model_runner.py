@@ -183,8 +183,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[:self.max_num_reqs]) if self.pp.is_last_rank else None
             if logits is not None:                       # (the rank that samples)
                 logits.float().log_softmax(-1).sort(-1)  # the sampler's biggest temporaries
-            del logits
-            del hidden
+            del logits, hidden
         except torch.OutOfMemoryError:
             fits = False   # (raised below: the exception's frames hold the step's tensors)
         if not fits:
@@ -636,10 +635,10 @@ class ModelRunner:
                 continue
             last = min(first + int(q_lens[i]), s.num_prompt_tokens - 1)   # exclusive
             h = hidden[int(cu[i] - q_lens[i]):int(cu[i] - q_lens[i]) + last - first]
-            targets = self._to_device(self.token_ids[rows[i], first + 1:last + 1].astype(np.int64))
-            logits = self.model.compute_logits(h)
+            logits = self.model.compute_logits(h)       # (collective: every tensor-parallel rank)
             if logits is None:             # (a tensor-parallel rank that does not sample)
                 continue
+            targets = self._to_device(self.token_ids[rows[i], first + 1:last + 1].astype(np.int64))
             lp, ranks, topk_ids, topk_lp = logprobs_of(logits, targets, k)
             out.prompt_logprobs[req_ids[i]] = (first + 1, targets.tolist(), lp.tolist(), ranks.tolist(),
                                                topk_ids.tolist(), topk_lp.tolist())
