@@ -56,6 +56,7 @@
 #   bash benchmarks/gpu_session.sh tp2       # (two GPUs) TP, PP, DP tests over NCCL; W2 at tp 1 and 2, W1 at 2
 #   bash benchmarks/gpu_session.sh serve16   # W3: the OpenAI server under Poisson arrivals, both models
 #   bash benchmarks/gpu_session.sh serve17   # W3 with the asyncio client, both models; the server stack over a stand-in engine
+#   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   BASE=dir bash benchmarks/gpu_session.sh serve16ab  # W3 Qwen3-0.6B: BASE's server against this tree's
 #   bash benchmarks/gpu_session.sh fp8      # W5: FP8 weights (W8A16 kernel, W8A8): tests, crossover; W2 and W1
 #   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
@@ -614,6 +615,21 @@ case "${1:-}" in
     done
     python3 benchmarks/serve.py --fake-step-ms 6 --num-prompts 256 --request-rates inf --out "$OUT/w3" 2>&1 \
       | grep -E -A2 "rate  done|Error|error" | sed "s/^/W3 fake 6 ms: /"
+    ;;
+  skip18)
+    # The most fusing the layers' norms and SiLU-and-mul into their GEMMs could gain: W1 with those
+    # kernels replaced by views (op_skip_probe.py), against the plain tree, interleaved
+    warm_w1 .
+    for round in 1 2; do
+      for v in none norm,silu; do
+        python3 benchmarks/op_skip_probe.py $v --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/skip_$v" 2>&1 \
+          | grep -E "^pagoda " | sed "s/^/W1 qwen3 skip=$v $round: /"
+      done
+    done
+    for v in none norm,silu; do
+      python3 benchmarks/op_skip_probe.py $v --model-config $MA/llama3-8b.json --no-tqdm --out "$OUT/skipl_$v" 2>&1 \
+        | grep -E "^pagoda " | sed "s/^/W1 llama skip=$v: /"
+    done
     ;;
   serve16ab)
     # W3 Qwen3-0.6B, rates 64 and inf: BASE's server, this tree's, and this tree's with a 1 ms

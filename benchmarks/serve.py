@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_word_tokenizer, bar_chart, dummy_model_dir  # noqa: E402
-from throughput import requests_for  # noqa: E402
+from throughput import requests_for, vocab_for  # noqa: E402
 
 PERCENTILES = (50, 95, 99)
 
@@ -88,6 +88,12 @@ async def one_request(args, prompt: list[int], max_tokens: int) -> dict:
     return {"ttft": ttft, "e2e": e2e, "tokens": tokens, "prompt_tokens": len(prompt),
             "tpot": (e2e - ttft) / (tokens - 1) if tokens > 1 else None,
             "itl": np.diff(chunk_times).tolist()}
+
+
+def fresh_token_ids(prompts: list[list[int]], vocab: int, seed: int) -> list[list[int]]:
+    """The prompts' lengths with new random token ids."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, len(p)).tolist() for p in prompts]
 
 
 async def run_rate(args, rate: float, prompts, output_lens) -> dict:
@@ -189,8 +195,11 @@ def main():
     prompts, output_lens = requests_for(args, args.num_prompts)
     proc = None if args.base_url else start_server(args)
     try:
-        asyncio.run(run_rate(args, float("inf"), prompts[:2], [4, 4]))      # warm-up (compiles, allocator)
-        rows = [asyncio.run(run_rate(args, rate, prompts, output_lens)) for rate in args.request_rates]
+        # Each run its own token ids (the same lengths): a prompt sent again would be served from
+        # the prefix cache, without its prefill.
+        runs = [fresh_token_ids(prompts, vocab_for(args), args.seed + 1 + i) for i in range(len(args.request_rates) + 1)]
+        asyncio.run(run_rate(args, float("inf"), runs[0][:2], [4, 4]))      # warm-up (compiles, allocator)
+        rows = [asyncio.run(run_rate(args, rate, run, output_lens)) for rate, run in zip(args.request_rates, runs[1:])]
     finally:
         if proc is not None:
             proc.terminate()

@@ -30,14 +30,17 @@ def make_requests(n, prompt_range, output_range, vocab, seed):
     return prompts, output_lens.tolist()
 
 
-def requests_for(args, n):
-    """make_requests over --model-config's vocabulary (SmolLM2's without one), --prompt-len,
-    --output-len and --seed."""
-    vocab = 49152
+def vocab_for(args) -> int:
+    """--model-config's vocabulary size (SmolLM2's without one)."""
     if args.model_config:
         with open(args.model_config) as f:
-            vocab = json.load(f)["vocab_size"]
-    return make_requests(n, args.prompt_len, args.output_len, vocab, args.seed)
+            return json.load(f)["vocab_size"]
+    return 49152
+
+
+def requests_for(args, n):
+    """make_requests over ``vocab_for(args)``, --prompt-len, --output-len and --seed."""
+    return make_requests(n, args.prompt_len, args.output_len, vocab_for(args), args.seed)
 
 
 def run_pagoda(args, prompts, output_lens):

@@ -410,3 +410,16 @@ def test_w3_client_streams_every_token(base_url):
     wrong_model = types.SimpleNamespace(**{**vars(args), "served_model_name": "nope"})
     bad = asyncio.run(serve.run_rate(wrong_model, float("inf"), prompts[:1], [4]))
     assert bad["completed"] == 0 and "HTTP 404" in bad["errors"][0]
+
+
+def test_w3_runs_share_no_prompts():
+    """Each of benchmarks/serve.py's runs sends prompts of the same lengths with new token ids:
+    a prompt sent again would be served from the prefix cache without its prefill (the sixteenth
+    session's W3 runs at 64 req/s and above were)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import serve
+    prompts = [list(range(n)) for n in (3, 40, 17)]
+    a, b = serve.fresh_token_ids(prompts, 1000, 1), serve.fresh_token_ids(prompts, 1000, 2)
+    assert [len(p) for p in a] == [len(p) for p in b] == [3, 40, 17]
+    assert all(0 <= t < 1000 for p in a + b for t in p)
+    assert all(pa[:3] != pb[:3] for pa, pb in zip(a, b)) and a == serve.fresh_token_ids(prompts, 1000, 1)
