@@ -3,6 +3,7 @@ parameters, fixes them up after loading, and runs the matmul. Unquantized weight
 first method, GPTQ/AWQ (``int4.py``) and 8-bit FP8/INT8 (``w8.py``) the others. Which one a
 model gets: ``resolve_quantization``."""
 import functools
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -10,16 +11,16 @@ from torch import nn
 
 
 @functools.cache
-def triton_linear_kernels():
-    """The batch-1 linear kernels module (shared by the unquantized and 8-bit paths)."""
-    from pagoda.kernels import triton_linear   # on first CUDA use: importing triton is slow
-    return triton_linear
+def triton_kernels(module: str):
+    """``pagoda.kernels.<module>``, imported on first CUDA use: importing triton is slow, and it
+    fixes for the whole process whether kernels run compiled or in the CPU interpreter."""
+    return importlib.import_module(f"pagoda.kernels.{module}")
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, through the batch-1 Triton kernel on the GPU where it beats cuBLAS."""
     if x.is_cuda:
-        out = triton_linear_kernels().linear(x, weight, bias)
+        out = triton_kernels("triton_linear").linear(x, weight, bias)
         if out is not None:
             return out
     return F.linear(x, weight, bias)

@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import triton_w4a16
-from pagoda.quant.base import QuantMethod
+from pagoda.quant.base import QuantMethod, triton_kernels
 
 # AWQ's order of the 8 columns in a packed word: slot i holds column AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -166,9 +165,9 @@ class Int4LinearMethod(QuantMethod):
         del layer.qzeros
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if triton_w4a16.use_w4a16(x):   # decode batches on the GPU: dequantized in registers
-            return triton_w4a16.w4a16_linear(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx,
-                                             self.config.bits, bias,
-                                             None if self.config.desc_act else layer.group_size)
+        if x.is_cuda and (w4a16 := triton_kernels("triton_w4a16")).use_w4a16(x):
+            # decode batches on the GPU: dequantized in registers
+            return w4a16.w4a16_linear(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.config.bits,
+                                      bias, None if self.config.desc_act else layer.group_size)
         w = dequantize(layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.config.bits)
         return F.linear(x, w.t(), bias)

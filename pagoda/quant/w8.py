@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import triton_w4a16
-from pagoda.quant.base import QuantMethod, triton_linear_kernels
+from pagoda.quant.base import QuantMethod, triton_kernels
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max   # 448
@@ -107,12 +106,13 @@ class W8LinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:
-            out = triton_linear_kernels().linear(x, layer.weight, bias, layer.weight_scale)
+            out = triton_kernels("triton_linear").linear(x, layer.weight, bias, layer.weight_scale)
             if out is not None:
                 return out
             tensor_cores = use_scaled_mm(x, layer.weight)
-            if triton_w4a16.use_w4a16(x) and not (tensor_cores and x.shape[0] > W8A16_MAX_M):
-                return triton_w4a16.w8a16_linear(x, layer.weight, layer.weight_scale, bias)
+            w4a16 = triton_kernels("triton_w4a16")
+            if w4a16.use_w4a16(x) and not (tensor_cores and x.shape[0] > W8A16_MAX_M):
+                return w4a16.w8a16_linear(x, layer.weight, layer.weight_scale, bias)
             if tensor_cores:
                 return fp8_linear(x, layer.weight, layer.weight_scale, bias)
         return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype), bias)

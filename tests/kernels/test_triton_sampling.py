@@ -111,7 +111,7 @@ def test_greedy_ties_take_first_index():
 
 def test_uniforms_are_uniform(request):
     """One uniform number per row, a function of the row's seed alone: uniform in [0, 1)."""
-    n = 20_000 if ON_GPU else 2_000
+    n = 20_000 if ON_GPU else 500    # (the CPU interpreter runs a program in about 5 ms)
     seeds = random_seeds(n, gen_for(request))
     u = row_uniforms_triton(seeds).cpu().double()
     assert ((u >= 0) & (u < 1)).all()
