@@ -27,3 +27,25 @@ def test_rotary_equals_hf_bit_for_bit(tokens, heads, kv_heads, head_dim):
         hf = x * cos + modeling_llama.rotate_half(x) * sin
         assert out.shape == (tokens, x.shape[1] * head_dim)
         assert torch.equal(out.view_as(hf), hf)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 64, 65, 300])
+def test_cpu_dense_linear(rows, monkeypatch):
+    """The CPU's dense matmul (``quant.base.dense_linear``): F.linear's result in float32 at every
+    row count, contiguous, with and without bias; 2-64 rows go the transposed way
+    (``weight @ x.T``), the others through F.linear."""
+    import torch.nn.functional as F
+
+    from pagoda.quant import base
+    gen = torch.Generator().manual_seed(rows)
+    w, bias = torch.randn(200, 96, generator=gen) * 0.1, torch.randn(200, generator=gen)
+    x = torch.randn(rows, 96, generator=gen)
+    transposed = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: transposed.append(a.shape) or real_mm(a, b))
+    for b in (None, bias):
+        out = base.dense_linear(x, w, b)
+        assert out.is_contiguous() and out.shape == (rows, 200)
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    lo, hi = base.CPU_TRANSPOSED_ROWS
+    assert transposed == ([(200, 96)] * 2 if lo <= rows <= hi else [])
