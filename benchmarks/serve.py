@@ -197,7 +197,8 @@ def main():
     try:
         # Each run its own token ids (the same lengths): a prompt sent again would be served from
         # the prefix cache, without its prefill.
-        runs = [fresh_token_ids(prompts, vocab_for(args), args.seed + 1 + i) for i in range(len(args.request_rates) + 1)]
+        vocab = vocab_for(args)
+        runs = [fresh_token_ids(prompts, vocab, args.seed + 1 + i) for i in range(len(args.request_rates) + 1)]
         asyncio.run(run_rate(args, float("inf"), runs[0][:2], [4, 4]))      # warm-up (compiles, allocator)
         rows = [asyncio.run(run_rate(args, rate, run, output_lens)) for rate, run in zip(args.request_rates, runs[1:])]
     finally:

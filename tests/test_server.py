@@ -415,7 +415,7 @@ def test_w3_client_streams_every_token(base_url):
 def test_w3_runs_share_no_prompts():
     """Each of benchmarks/serve.py's runs sends prompts of the same lengths with new token ids:
     a prompt sent again would be served from the prefix cache without its prefill (the sixteenth
-    session's W3 runs at 64 req/s and above were)."""
+    session's W3 runs at their second and third rates were)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import serve
     prompts = [list(range(n)) for n in (3, 40, 17)]
