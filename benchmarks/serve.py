@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_word_tokenizer, bar_chart, dummy_model_dir  # noqa: E402
-from throughput import requests_for, vocab_for  # noqa: E402
+from throughput import random_token_ids, requests_for, vocab_for  # noqa: E402
 
 PERCENTILES = (50, 95, 99)
 
@@ -92,8 +92,7 @@ async def one_request(args, prompt: list[int], max_tokens: int) -> dict:
 
 def fresh_token_ids(prompts: list[list[int]], vocab: int, seed: int) -> list[list[int]]:
     """The prompts' lengths with new random token ids."""
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, len(p)).tolist() for p in prompts]
+    return random_token_ids(map(len, prompts), vocab, np.random.default_rng(seed))
 
 
 async def run_rate(args, rate: float, prompts, output_lens) -> dict:

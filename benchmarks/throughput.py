@@ -22,12 +22,16 @@ from common import (DUMMY_QUANT_CONFIGS, Timer, TritonCompiles, add_knob_arg, ap
                     param_counts, weight_bytes)
 
 
+def random_token_ids(lengths, vocab: int, rng: np.random.Generator) -> list[list[int]]:
+    """One prompt of random token ids per length."""
+    return [rng.integers(0, vocab, int(n)).tolist() for n in lengths]
+
+
 def make_requests(n, prompt_range, output_range, vocab, seed):
     rng = np.random.default_rng(seed)
     prompt_lens = rng.integers(prompt_range[0], prompt_range[1] + 1, n)
     output_lens = rng.integers(output_range[0], output_range[1] + 1, n)
-    prompts = [rng.integers(0, vocab, int(p)).tolist() for p in prompt_lens]
-    return prompts, output_lens.tolist()
+    return random_token_ids(prompt_lens, vocab, rng), output_lens.tolist()
 
 
 def vocab_for(args) -> int:
