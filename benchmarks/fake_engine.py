@@ -1,4 +1,4 @@
-"""The OpenAI server's whole stack (uvicorn, the routes, AsyncLLM and its engine thread) over a
+"""The OpenAI server's whole stack (uvicorn, the routes, AsyncLLM and its engine loop) over a
 stand-in engine whose step sleeps ``step_ms`` (a GPU step: the GIL is free meanwhile) and gives
 every running request one more token. What W3 measures against it is the server's own cost per
 streamed token, on any machine:
@@ -59,10 +59,19 @@ class FakeEngine:
 
 
 def main(port: int, step_ms: float, served_model_name: str = "bench") -> None:
+    """The engine in a process of its own, as ``pagoda serve`` runs it (PAGODA_ENGINE_PROCESS=0:
+    on a thread of the server's process)."""
+    import os
+    from functools import partial
+
     import uvicorn
     from pagoda.engine.async_llm import AsyncLLM
     from pagoda.entrypoints.openai.api_server import build_app
-    app = build_app(AsyncLLM(FakeEngine(step_ms)), [served_model_name])
+    if os.environ.get("PAGODA_ENGINE_PROCESS", "1") == "0":
+        engine = AsyncLLM(FakeEngine(step_ms))
+    else:
+        engine = AsyncLLM.in_engine_process(partial(FakeEngine, step_ms), lambda model_config: WordTokenizer())
+    app = build_app(engine, [served_model_name])
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 

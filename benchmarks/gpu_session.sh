@@ -57,6 +57,8 @@
 #   bash benchmarks/gpu_session.sh serve16   # W3: the OpenAI server under Poisson arrivals, both models
 #   bash benchmarks/gpu_session.sh serve17   # W3 with the asyncio client, both models; the server stack over a stand-in engine
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
+#   bash benchmarks/gpu_session.sh serve19   # W3: the engine in its own process against its thread, interleaved
+#   BASE=dir bash benchmarks/gpu_session.sh serve19ab  # W3: BASE's server against this tree's, interleaved
 #   BASE=dir bash benchmarks/gpu_session.sh serve16ab  # W3 Qwen3-0.6B: BASE's server against this tree's
 #   bash benchmarks/gpu_session.sh fp8      # W5: FP8 weights (W8A16 kernel, W8A8): tests, crossover; W2 and W1
 #   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
@@ -629,6 +631,36 @@ case "${1:-}" in
     for v in none norm,silu; do
       python3 benchmarks/op_skip_probe.py $v --model-config $MA/llama3-8b.json --no-tqdm --out "$OUT/skipl_$v" 2>&1 \
         | grep -E "^pagoda " | sed "s/^/W1 llama skip=$v: /"
+    done
+    ;;
+  serve19)
+    # W3 with the engine in a process of its own (default) against its thread in the server's
+    # process (PAGODA_ENGINE_PROCESS=0), interleaved: the stand-in engine (6 ms steps), then
+    # MODELS (default qwen3-0.6b) at rates 64 and inf; QUANT=1 first reruns the GPTQ/AWQ tests
+    [ -n "${QUANT:-}" ] && python3 -m pytest -q -p no:cacheprovider tests/test_quant_int4.py 2>&1 | tail -3
+    for mode in 1 0; do
+      PAGODA_ENGINE_PROCESS=$mode python3 benchmarks/serve.py --fake-step-ms 6 --num-prompts 256 --request-rates inf \
+        --prompt-len 10 20 --output-len 200 300 --out "$OUT/w3fake" 2>&1 | grep -E "^ +inf |Error" | sed "s/^/W3 fake process=$mode: /"
+    done
+    for m in ${MODELS:-qwen3-0.6b}; do
+      for mode in 1 0; do
+        PAGODA_ENGINE_PROCESS=$mode python3 benchmarks/serve.py --model-config $MA/$m.json --num-prompts 256 \
+          --request-rates 64 inf --out "$OUT/w3_$mode" 2>&1 | grep -E "^ +(64|inf) |Error" | sed "s/^/W3 $m process=$mode: /"
+      done
+    done
+    ;;
+  serve19ab)
+    # W3: BASE's server (the engine on a thread of its process) against this tree's (the engine
+    # in a process of its own), interleaved: MODELS (default qwen3-0.6b), ROUNDS (default 2)
+    for m in ${MODELS:-qwen3-0.6b}; do
+      for round in $(seq ${ROUNDS:-2}); do
+        for v in base tree; do
+          dir=.; [ $v = base ] && dir=$BASE
+          (cd $dir && PYTHONPATH=$PWD:/tmp/site python3 $OLDPWD/benchmarks/serve.py --model-config $MA/$m.json \
+            --num-prompts 256 --request-rates 64 inf --out "$OUT/w3ab" 2>&1 | grep -E "^ +(64|inf) |Error" \
+            | sed "s/^/W3 $m $v $round: /")
+        done
+      done
     done
     ;;
   serve16ab)

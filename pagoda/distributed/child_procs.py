@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import traceback
 import weakref
 from multiprocessing.connection import wait
 
@@ -65,6 +66,16 @@ def _environ(env: dict[str, str]):
                 os.environ.pop(k)
             else:
                 os.environ[k] = v
+
+
+def picklable(e: BaseException) -> BaseException:
+    """``e``, or its traceback's text in a RuntimeError when ``e`` cannot be pickled (to send it
+    to another process)."""
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:       # noqa: BLE001 - any exception that cannot travel is told as text
+        return RuntimeError("".join(traceback.format_exception(e)))
 
 
 class StopsOnFailure:

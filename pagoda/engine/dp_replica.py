@@ -1,10 +1,9 @@
 """One data-parallel replica: a whole LLMEngine (with its own tensor/pipeline-parallel workers,
 if any) in a spawned process, doing what the front (DPEngine) asks over a pipe."""
 import os
-import pickle
-import traceback
 from dataclasses import replace
 
+from pagoda.distributed.child_procs import picklable
 from pagoda.engine.arg_utils import EngineArgs
 
 
@@ -31,14 +30,6 @@ def _claim_cores(dp_rank: int, dp_size: int) -> None:
     torch.set_num_threads(len(share))
 
 
-def _picklable(e: BaseException) -> BaseException:
-    try:
-        pickle.dumps(e)
-        return e
-    except Exception:       # noqa: BLE001 - any exception that cannot travel is told as text
-        return RuntimeError("".join(traceback.format_exception(e)))
-
-
 def replica_main(args: EngineArgs, dp_rank: int, dp_size: int, conn) -> None:
     """Build the engine, then serve ``(method, args)`` calls until told to stop or the front is
     gone. A call that raises (a bad request) answers ``("raise", exception)`` and the replica
@@ -50,7 +41,7 @@ def replica_main(args: EngineArgs, dp_rank: int, dp_size: int, conn) -> None:
         engine = LLMEngine.from_engine_args(replace(args, data_parallel_size=1))
         conn.send(("ok", None))
     except Exception as e:       # noqa: BLE001 - raised by the front's LLM(...) as by an engine of its own
-        conn.send(("raise", _picklable(e)))
+        conn.send(("raise", picklable(e)))
         conn.close()
         return
     while True:
@@ -63,7 +54,7 @@ def replica_main(args: EngineArgs, dp_rank: int, dp_size: int, conn) -> None:
         try:
             result = method(engine, *call_args) if callable(method) else getattr(engine, method)(*call_args)
         except Exception as e:    # noqa: BLE001 - handed to the caller; the engine decides if it can go on
-            conn.send(("raise", _picklable(e)))
+            conn.send(("raise", picklable(e)))
         else:
             conn.send(("ok", result))
     del engine                    # (stops its own workers now, before the process ends)

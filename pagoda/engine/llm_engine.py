@@ -56,7 +56,7 @@ class LLMEngine:
         """The engine ``args`` describe: this class, or with data_parallel_size > 1 a front
         (DPEngine) over replicas of it, which answers the same calls."""
         config = args.create_engine_config()
-        tokenizer = load_tokenizer(args, config)
+        tokenizer = load_tokenizer(args, config.model.path)
         if config.parallel.data_parallel_size > 1:
             from pagoda.engine.dp_engine import DPEngine
             return DPEngine(args, config, tokenizer)
@@ -213,8 +213,9 @@ class LLMEngine:
             kv_blocks_cached=pool.num_cached_blocks, kv_blocks_free=pool.num_free_blocks)
 
 
-def load_tokenizer(args: EngineArgs, config: EngineConfig) -> Tokenizer | None:
+def load_tokenizer(args: EngineArgs, model_path: str) -> Tokenizer | None:
+    """The tokenizer ``args`` name, else the model's (``model_path``: its resolved folder or file)."""
     if args.skip_tokenizer_init:
         return None
-    source = args.tokenizer or config.model.path
+    source = args.tokenizer or model_path
     return Tokenizer.from_gguf(source) if source.endswith(".gguf") else Tokenizer.from_pretrained(source)

@@ -125,8 +125,11 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr
 
 def use_w4a16(x: torch.Tensor) -> bool:
     """Whether ``w4a16_linear`` runs this matmul (from shapes only: the same choice at CUDA-graph
-    capture and replay). On CPUs the interpreter would be slower than dequantizing."""
-    return x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(1) == 1
+    capture and replay). On CPUs the interpreter would be slower than dequantizing. The tiles
+    are sized for 2-byte activations: float32 ones need more shared memory than an H200 SM has
+    (246 of 227 KiB at 32 rows), and float32 models on a GPU are for checking, not speed."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(1) == 1
+            and x.dtype in (torch.float16, torch.bfloat16))
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -1,0 +1,166 @@
+"""The engine core (``pagoda.engine.engine_core``): its loop's commands and failures, outputs
+across the process boundary, and a server's AsyncLLM when the engine's process dies."""
+import asyncio
+import os
+import signal
+import time
+import types
+
+import pytest
+
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.engine_core import EngineDeadError, pack_output, run_engine_loop, unpack_output
+from pagoda.engine.stats import EngineStats
+from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+
+class StubEngine:
+    """One token a step for each request (token = its count so far); ``fail_at``: the step
+    number that raises; ``step_s``: how long a step takes."""
+
+    def __init__(self, fail_at: int | None = None, step_s: float = 0.0):
+        self.fail_at, self.step_s = fail_at, step_s
+        self.running: dict[str, list] = {}
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.tokenizer = None
+        self.config = types.SimpleNamespace(model=types.SimpleNamespace(model="stub", path="stub"),
+                                            scheduler=types.SimpleNamespace(max_model_len=64))
+
+    @property
+    def stats(self) -> EngineStats:
+        return EngineStats(num_steps=self.steps, num_running=len(self.running))
+
+    def add_request(self, request_id, prompt, params):
+        if not prompt:
+            raise ValueError("The prompt is empty.")
+        self.running[request_id] = [list(prompt), params.max_tokens, 0]
+
+    def abort_request(self, request_ids):
+        for r in request_ids:
+            self.aborted.append(r)
+            self.running.pop(r, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def prompt_token_ids(self, prompt):
+        return list(prompt)
+
+    def step(self):
+        self.steps += 1
+        time.sleep(self.step_s)
+        if self.steps == self.fail_at:
+            raise RuntimeError("device lost")
+        outs = []
+        for rid, state in list(self.running.items()):
+            state[2] += 1
+            done = state[2] >= state[1]
+            outs.append(RequestOutput(rid, None, state[0], None, [CompletionOutput(
+                0, f"t{state[2]}", [state[2]], None, None, "length" if done else None)], done))
+            if done:
+                del self.running[rid]
+        return outs
+
+
+def _run_loop(engine, commands: list) -> list:
+    """Run the loop over ``commands`` (a None: step until the engine is idle), then shut down;
+    returns every event emitted."""
+    pending, events = list(commands) + [("shutdown", ())], []
+
+    def next_command(block):
+        if pending and (pending[0] is not None or not engine.has_unfinished_requests()):
+            cmd = pending.pop(0)
+            return next_command(block) if cmd is None else cmd
+        assert not block, "the loop blocked while commands were waiting"
+        return None
+
+    run_engine_loop(engine, next_command, events.extend)
+    return events
+
+
+def test_engine_loop_commands_and_failures():
+    engine = StubEngine(fail_at=4)
+    params = SamplingParams(max_tokens=2)
+    events = _run_loop(engine, [
+        ("add", "a", [1, 2], params), ("add", "bad", [], params), ("call", 7, "prompt_token_ids", ([[4, 5]],)),
+        None,                                       # a: two steps, then done
+        ("add", "b", [3], SamplingParams(max_tokens=9)), ("add", "c", [3], SamplingParams(max_tokens=9)),
+        ("abort", ["c", "never-added"]), None])     # b: one step, then the fourth fails
+    kinds = [e[0] for e in events]
+    assert ("fail", "bad") in [(e[0], e[1]) for e in events]
+    assert isinstance(next(e for e in events if e[:2] == ("fail", "bad"))[2], ValueError)
+    assert ("reply", 7, True, [[4, 5]]) in events
+    outs = [e for e in events if e[0] == "out"]
+    assert [(e[1], e[2].outputs[0].token_ids, e[3]) for e in outs] == [("a", [1], True), ("a", [2], False),
+                                                                       ("b", [1], True)]
+    assert engine.aborted == ["c", "b"]             # the abort, then the failed step's live requests
+    fail_b = next(e for e in events if e[:2] == ("fail", "b"))
+    assert isinstance(fail_b[2], EngineDeadError) and "device lost" in str(fail_b[2])
+    assert kinds.count("stats") >= 3 and events[-1][0] == "stats" and not engine.running
+
+
+def test_outputs_cross_the_pipe_unchanged():
+    lps = [{5: Logprob(-0.5, 1, "a"), 9: Logprob(-1.5, 2, "b")}]
+    metrics = RequestMetrics(1.0, 1.5, 2.0, 3.0, 3.5, 1)
+
+    def out(step: int, finished: bool) -> RequestOutput:
+        return RequestOutput("r", "hi", [1, 2, 3], [None, {2: Logprob(-2.0, 1, "x")}],
+                             [CompletionOutput(0, f"s{step}", [step], -0.5, lps, "length" if finished else None),
+                              CompletionOutput(1, "", [], None, None)], finished,
+                             metrics if finished else None, num_cached_tokens=2)
+
+    prompts: dict = {}
+    for step, first, finished in ((1, True, False), (2, False, False), (3, False, True)):
+        sent = out(step, finished)
+        got = unpack_output(pack_output(sent, first), prompts)
+        if not finished:                     # the metrics travel with the last output only
+            sent.metrics = None
+        assert got == sent
+    assert prompts == {}                     # forgotten once finished
+
+
+def test_engine_process_death_fails_the_streams_and_later_requests():
+    from functools import partial
+    llm = AsyncLLM.in_engine_process(partial(StubEngine, step_s=0.02))
+    assert (llm.model_config.model, llm.max_model_len) == ("stub", 64)
+    pid = llm._core.procs[0].pid
+
+    async def run():
+        got = []
+        with pytest.raises(EngineDeadError):
+            async for o in llm.generate([1, 2], SamplingParams(max_tokens=10_000), "long"):
+                got.append(o)
+                if len(got) == 3:
+                    os.kill(pid, signal.SIGKILL)
+        assert len(got) >= 3
+        with pytest.raises(EngineDeadError):
+            await anext(llm.generate([1], SamplingParams(max_tokens=2), "after"))
+        with pytest.raises(EngineDeadError):
+            await llm.prompt_token_ids([[1]])
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        llm.shutdown()
+
+
+def test_engine_process_serves_and_stops():
+    """Requests, a bad one's error and a call through the process; shutdown ends it."""
+    from functools import partial
+    llm = AsyncLLM.in_engine_process(partial(StubEngine))
+
+    async def run():
+        tokens = [t for o in [o async for o in llm.generate([1], SamplingParams(max_tokens=4), "r")]
+                  for t in o.outputs[0].token_ids]
+        with pytest.raises(ValueError, match="empty"):
+            await anext(llm.generate([], SamplingParams(max_tokens=4), "bad"))
+        return tokens, await llm.prompt_token_ids([[4, 5], [6]])
+
+    try:
+        assert asyncio.run(asyncio.wait_for(run(), 60)) == ([1, 2, 3, 4], [[4, 5], [6]])
+        assert llm.stats.num_steps == 4
+    finally:
+        llm.shutdown()
+    assert not llm._core.procs[0].is_alive()
