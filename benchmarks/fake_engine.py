@@ -70,7 +70,7 @@ def main(port: int, step_ms: float, served_model_name: str = "bench") -> None:
     if os.environ.get("PAGODA_ENGINE_PROCESS", "1") == "0":
         engine = AsyncLLM(FakeEngine(step_ms))
     else:
-        engine = AsyncLLM.in_engine_process(partial(FakeEngine, step_ms), lambda model_config: WordTokenizer())
+        engine = AsyncLLM.in_engine_process([partial(FakeEngine, step_ms)], lambda model_config: WordTokenizer())
     app = build_app(engine, [served_model_name])
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 

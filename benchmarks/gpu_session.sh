@@ -59,6 +59,7 @@
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh serve19   # W3: the engine in its own process against its thread, interleaved
 #   BASE=dir bash benchmarks/gpu_session.sh serve19ab  # W3: BASE's server against this tree's, interleaved
+#   bash benchmarks/gpu_session.sh serve19dp # two GPUs: data-parallel tests, W3 Llama-3-8B at dp 1 and 2
 #   BASE=dir bash benchmarks/gpu_session.sh serve16ab  # W3 Qwen3-0.6B: BASE's server against this tree's
 #   bash benchmarks/gpu_session.sh fp8      # W5: FP8 weights (W8A16 kernel, W8A8): tests, crossover; W2 and W1
 #   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
@@ -660,6 +661,17 @@ case "${1:-}" in
             --num-prompts 256 --request-rates 64 inf --out "$OUT/w3ab" 2>&1 | grep -E "^ +(64|inf) |Error" \
             | sed "s/^/W3 $m $v $round: /")
         done
+      done
+    done
+    ;;
+  serve19dp)
+    # Two GPUs: the data-parallel tests (DPEngine and the server's engine cores), then W3
+    # Llama-3-8B with one engine core against two data-parallel ones (a GPU each), interleaved
+    python3 -m pytest -q -p no:cacheprovider tests/test_data_parallel.py 2>&1 | tail -3
+    for round in $(seq ${ROUNDS:-1}); do
+      for dp in 1 2; do
+        python3 benchmarks/serve.py --model-config $MA/llama3-8b.json --num-prompts 256 --request-rates 64 inf \
+          --server-args "-dp $dp" --out "$OUT/w3dp$dp" 2>&1 | grep -E "^ +(64|inf) |Error" | sed "s/^/W3 llama3-8b dp=$dp $round: /"
       done
     done
     ;;

@@ -88,9 +88,7 @@ def test_bad_request_leaves_replicas_running(dp2):
     assert all(s.num_running == s.num_waiting == 0 for s in dp2.llm_engine.replica_stats())
 
 
-def test_async_llm_over_replicas(dp2, reference):
-    """The server's engine front drives the replicas as it drives one engine."""
-    engine = AsyncLLM(dp2.llm_engine)
+def _async_greedy(engine: AsyncLLM) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     async def one(i):
@@ -100,11 +98,32 @@ def test_async_llm_over_replicas(dp2, reference):
 
     async def all_of_them():
         return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+    return asyncio.run(all_of_them())
+
+
+def test_async_llm_over_replicas(dp2, reference):
+    """The engine front (DPEngine) on AsyncLLM's thread drives the replicas as it drives one engine."""
+    engine = AsyncLLM(dp2.llm_engine)
     try:
-        assert asyncio.run(all_of_them()) == [o.outputs[0].token_ids for o in reference[0]]
+        assert _async_greedy(engine) == [o.outputs[0].token_ids for o in reference[0]]
     finally:
         engine.shutdown()
     assert dp2.get_stats().num_running == 0 and not dp2.llm_engine.has_unfinished_requests()
+
+
+def test_server_engine_cores_over_replicas(tiny, reference):
+    """`pagoda serve -dp 2`'s engine: one engine core process a replica, each stepping on its own;
+    greedy tokens equal one engine's, the requests spread over both, the processes end with it."""
+    from pagoda.engine.arg_utils import EngineArgs
+    engine = AsyncLLM.from_engine_args(EngineArgs(tiny, data_parallel_size=2, **SMALL))
+    try:
+        assert len(engine._cores) == 2
+        assert _async_greedy(engine) == [o.outputs[0].token_ids for o in reference[0]]
+        assert all(s.num_generation_tokens > 0 for s in engine._stats)
+        assert engine.stats.num_generation_tokens == 3 * 12
+    finally:
+        engine.shutdown()
+    assert not any(core.procs[0].is_alive() for core in engine._cores)
 
 
 def test_dead_replica_raises_and_takes_the_rest_down(tiny):
@@ -124,6 +143,8 @@ def test_dead_replica_raises_and_takes_the_rest_down(tiny):
 def test_dp2_tp2_equals_dp1_and_exits_with_every_worker(tiny, reference):
     """Two replicas of two tensor-parallel ranks each (four model processes); `del llm` ends the
     replicas and their workers."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < 4:
+        pytest.skip("on CUDA, two replicas of two ranks need four GPUs")
     llm = LLM(tiny, data_parallel_size=2, tensor_parallel_size=2, **SMALL)
     workers = [pid for pids in llm.llm_engine._call_all(_worker_pids) for pid in pids]
     assert len(workers) == 2 and all(alive(pid) for pid in workers)

@@ -123,9 +123,9 @@ def test_outputs_cross_the_pipe_unchanged():
 
 def test_engine_process_death_fails_the_streams_and_later_requests():
     from functools import partial
-    llm = AsyncLLM.in_engine_process(partial(StubEngine, step_s=0.02))
+    llm = AsyncLLM.in_engine_process([partial(StubEngine, step_s=0.02)])
     assert (llm.model_config.model, llm.max_model_len) == ("stub", 64)
-    pid = llm._core.procs[0].pid
+    pid = llm._cores[0].procs[0].pid
 
     async def run():
         got = []
@@ -149,7 +149,7 @@ def test_engine_process_death_fails_the_streams_and_later_requests():
 def test_engine_process_serves_and_stops():
     """Requests, a bad one's error and a call through the process; shutdown ends it."""
     from functools import partial
-    llm = AsyncLLM.in_engine_process(partial(StubEngine))
+    llm = AsyncLLM.in_engine_process([partial(StubEngine)])
 
     async def run():
         tokens = [t for o in [o async for o in llm.generate([1], SamplingParams(max_tokens=4), "r")]
@@ -163,4 +163,32 @@ def test_engine_process_serves_and_stops():
         assert llm.stats.num_steps == 4
     finally:
         llm.shutdown()
-    assert not llm._core.procs[0].is_alive()
+    assert not llm._cores[0].procs[0].is_alive()
+
+
+def test_data_parallel_engine_cores_share_the_requests():
+    """Two engine cores (data-parallel replicas): a request goes to the one with the fewest in
+    flight, each streams its own requests' tokens, the stats are summed; a bad request is
+    answered by the core it went to."""
+    from functools import partial
+    llm = AsyncLLM.in_engine_process([partial(StubEngine, step_s=0.01), partial(StubEngine, step_s=0.01)])
+
+    async def one(i: int):
+        return [t for o in [o async for o in llm.generate([i + 1], SamplingParams(max_tokens=3 + i), f"r{i}")]
+                for t in o.outputs[0].token_ids]
+
+    async def run():
+        got = await asyncio.gather(*(one(i) for i in range(4)))
+        with pytest.raises(ValueError, match="empty"):
+            await anext(llm.generate([], SamplingParams(max_tokens=4), "bad"))
+        return got
+
+    try:
+        assert asyncio.run(asyncio.wait_for(run(), 60)) == [list(range(1, 4 + i)) for i in range(4)]
+        # r0, r2 on core 0 (3 and 5 tokens), r1, r3 on core 1 (4 and 6): at least 5 and 6 steps
+        steps = [s.num_steps for s in llm._stats]
+        assert steps[0] >= 5 and steps[1] >= 6 and llm.stats.num_steps == sum(steps)
+        assert llm._load == [0, 0]
+    finally:
+        llm.shutdown()
+    assert not any(core.procs[0].is_alive() for core in llm._cores)

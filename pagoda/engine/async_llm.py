@@ -1,6 +1,7 @@
 """AsyncLLM: the engine behind an asyncio server. The engine core's loop (``engine_core.py``)
 steps the engine while requests exist, on a thread of this process (``AsyncLLM(engine)``) or,
-for a server (``AsyncLLM.from_engine_args``), in a process of its own. Its events come back on
+for a server (``AsyncLLM.from_engine_args``), in a process of its own (one per data-parallel
+replica: each steps on its own, none waits for another). Its events come back on
 that thread (or on the thread reading the process's pipe) and go to each caller's event loop,
 one wake-up of each loop a step; ``generate`` is an async iterator of RequestOutputs."""
 import asyncio
@@ -10,9 +11,10 @@ from collections.abc import AsyncIterator
 from functools import partial
 
 from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine.dp_replica import replica_engine, replica_env
 from pagoda.engine.engine_core import EngineCoreProc, EngineDeadError, EngineThread
 from pagoda.engine.llm_engine import LLMEngine, load_tokenizer
-from pagoda.engine.stats import EngineStats
+from pagoda.engine.stats import EngineStats, sum_stats
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -23,8 +25,9 @@ class _Stream:
     (hundreds of streams on a small model) catches up in one chunk instead of queueing a
     chunk per step."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, core: int):
         self.loop = loop
+        self.core = core                    # the engine core that runs the request
         self.pending: RequestOutput | BaseException | None = None
         self.ready = asyncio.Event()
 
@@ -67,45 +70,69 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine):
         """``engine`` stepped by a thread of this process (it shares the interpreter, and its
         GIL, with the caller's event loop)."""
-        self._setup(engine.tokenizer, engine.config.model, engine.config.scheduler.max_model_len, engine.stats)
-        self._core = EngineThread(engine, self._dispatch)
+        self._setup(1)
+        self._describe(engine.tokenizer, engine.config.model, engine.config.scheduler.max_model_len, [engine.stats])
+        self._cores = [EngineThread(engine, partial(self._dispatch, 0))]
 
     @classmethod
-    def in_engine_process(cls, make_engine, make_tokenizer=None) -> "AsyncLLM":
-        """The engine ``make_engine()`` builds (a picklable callable) in a spawned process of its
-        own, as vLLM's engine core; ``make_tokenizer(model_config)`` loads the tokenizer here."""
+    def in_engine_process(cls, make_engines: list, make_tokenizer=None, envs: list | None = None) -> "AsyncLLM":
+        """The engines ``make_engines`` build (picklable callables), each in a spawned process
+        of its own, as vLLM's engine cores (with ``envs[d]`` in core d's environment); several
+        are data-parallel replicas, and a request goes to the one with the fewest sequences in
+        flight. ``make_tokenizer(model_config)`` loads the tokenizer here."""
         self = cls.__new__(cls)
-        core = EngineCoreProc(make_engine, self._dispatch)
-        model_config, max_model_len, stats = core.info
+        self._setup(len(make_engines))
+        self._cores = []
         try:
+            for d, make_engine in enumerate(make_engines):
+                self._cores.append(EngineCoreProc(make_engine, partial(self._dispatch, d), d,
+                                                  envs[d] if envs else None))
+            infos = [core.wait_ready() for core in self._cores]     # the engines start side by side
+            model_config, max_model_len, _ = infos[0]
             tokenizer = make_tokenizer(model_config) if make_tokenizer is not None else None
         except BaseException:
-            core.shutdown()
+            self.shutdown()
             raise
-        self._setup(tokenizer, model_config, max_model_len, stats)
-        self._core = core
+        self._describe(tokenizer, model_config, max_model_len, [info[2] for info in infos])
         return self
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, engine_process: bool | None = None) -> "AsyncLLM":
-        """The engine ``args`` describe, in a process of its own unless ``engine_process`` is
-        False (by default, unless the environment sets PAGODA_ENGINE_PROCESS=0)."""
+        """The engine ``args`` describe, in a process of its own (with data_parallel_size D > 1,
+        D processes, one a replica) unless ``engine_process`` is False (by default, unless the
+        environment sets PAGODA_ENGINE_PROCESS=0; then one engine, or DPEngine's replicas, on a
+        thread here)."""
         if engine_process is None:
             engine_process = os.environ.get("PAGODA_ENGINE_PROCESS", "1") != "0"
         if not engine_process:
             return cls(LLMEngine.from_engine_args(args))
-        return cls.in_engine_process(partial(LLMEngine.from_engine_args, args),
-                                     lambda model_config: load_tokenizer(args, model_config.path))
+        make_tokenizer = lambda model_config: load_tokenizer(args, model_config.path)   # noqa: E731
+        dp = args.data_parallel_size
+        if dp == 1:
+            return cls.in_engine_process([partial(LLMEngine.from_engine_args, args)], make_tokenizer)
+        config = args.create_engine_config()          # (a layout that does not split raises here)
+        envs = None
+        if config.device == "cuda":
+            envs = [replica_env(d, dp, config.parallel.world_size) for d in range(dp)]
+        return cls.in_engine_process([partial(replica_engine, args, d, dp) for d in range(dp)], make_tokenizer, envs)
 
-    def _setup(self, tokenizer, model_config, max_model_len: int, stats: EngineStats) -> None:
-        self.tokenizer = tokenizer
-        self.model_config = model_config
-        self.max_model_len = max_model_len
-        self.stats = stats                        # a snapshot, replaced after every step
+    def _setup(self, num_cores: int) -> None:
         self.dead: EngineDeadError | None = None
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
+        self._load = [0] * num_cores                # sequences in flight, per engine core
+
+    def _describe(self, tokenizer, model_config, max_model_len: int, stats: list[EngineStats]) -> None:
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self._stats = stats                         # each core's, replaced after each of its steps
+
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's figures (data-parallel cores' summed)."""
+        return self._stats[0] if len(self._stats) == 1 else sum_stats(self._stats)
 
     # ------------------------------------------------------------------ the caller's side
     async def generate(self, prompt, sampling_params: SamplingParams,
@@ -116,11 +143,13 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         self._check_alive()
-        stream = _Stream(asyncio.get_running_loop())
+        core = min(range(len(self._cores)), key=self._load.__getitem__)
+        stream = _Stream(asyncio.get_running_loop(), core)
         self._streams[request_id] = stream
+        self._load[core] += sampling_params.n         # (changed on the event loop's thread only)
         finished = False
         try:
-            self._core.send(("add", request_id, prompt, sampling_params))
+            self._cores[core].send(("add", request_id, prompt, sampling_params))
             while not finished:
                 out = await stream.get()
                 if isinstance(out, BaseException):
@@ -129,6 +158,7 @@ class AsyncLLM:
                 finished = out.finished
                 yield out
         finally:
+            self._load[core] -= sampling_params.n
             if not finished:
                 self.abort(request_id)
 
@@ -137,12 +167,13 @@ class AsyncLLM:
         return await self._call("prompt_token_ids", prompts)
 
     def abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        if self.dead is None:
-            self._core.send(("abort", [request_id]))
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and self.dead is None:     # (else it has finished or failed)
+            self._cores[stream.core].send(("abort", [request_id]))
 
     def shutdown(self) -> None:
-        self._core.shutdown()
+        for core in self._cores:
+            core.shutdown()
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -154,14 +185,14 @@ class AsyncLLM:
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            self._core.send(("call", call_id, name, args))
+            self._cores[0].send(("call", call_id, name, args))
             return await fut
         finally:
             self._calls.pop(call_id, None)
 
     # ------------------------------------------------------------------ the engine's side
-    def _dispatch(self, events: list) -> None:
-        """One round of the engine loop's events (on the engine's thread, or the pipe reader's)."""
+    def _dispatch(self, core: int, events: list) -> None:
+        """One round of engine core ``core``'s events (on its thread, or its pipe's reader)."""
         items = []
         for event in events:
             kind = event[0]
@@ -182,7 +213,7 @@ class AsyncLLM:
                 if fut is not None:
                     fut.get_loop().call_soon_threadsafe(_set_result if ok else _set_exception, fut, value)
             elif kind == "stats":
-                self.stats = event[1]
+                self._stats[core] = event[1]
             elif kind == "dead":
                 self.dead = event[1]
                 items += [(rid, stream, event[1]) for rid, stream in list(self._streams.items())]

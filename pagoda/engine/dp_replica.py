@@ -30,15 +30,21 @@ def _claim_cores(dp_rank: int, dp_size: int) -> None:
     torch.set_num_threads(len(share))
 
 
+def replica_engine(args: EngineArgs, dp_rank: int, dp_size: int):
+    """Replica ``dp_rank``'s LLMEngine, on its share of the cores (its GPUs are set by
+    ``replica_env`` before its process starts)."""
+    _claim_cores(dp_rank, dp_size)
+    from pagoda.engine.llm_engine import LLMEngine
+    return LLMEngine.from_engine_args(replace(args, data_parallel_size=1))
+
+
 def replica_main(args: EngineArgs, dp_rank: int, dp_size: int, conn) -> None:
     """Build the engine, then serve ``(method, args)`` calls until told to stop or the front is
     gone. A call that raises (a bad request) answers ``("raise", exception)`` and the replica
     goes on; a failure to start is answered so too, and ends it."""
     conn.send(("started", None))
     try:
-        _claim_cores(dp_rank, dp_size)
-        from pagoda.engine.llm_engine import LLMEngine
-        engine = LLMEngine.from_engine_args(replace(args, data_parallel_size=1))
+        engine = replica_engine(args, dp_rank, dp_size)
         conn.send(("ok", None))
     except Exception as e:       # noqa: BLE001 - raised by the front's LLM(...) as by an engine of its own
         conn.send(("raise", picklable(e)))

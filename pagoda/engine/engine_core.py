@@ -181,27 +181,27 @@ def _core_main(make_engine, conn) -> None:
 
 
 class EngineCoreProc(ChildProcs):
-    """The loop in a spawned process (the engine, its model and its GPU live there); a thread
-    here reads its events. Not daemonic: a data-parallel engine spawns its replicas from it.
-    ``info``: the engine's (model config, max_model_len, stats) once it has started (its tokenizer
-    is not sent: the server loads its own)."""
+    """The loop in a spawned process (the engine, its model and its GPU live there), started
+    here; ``wait_ready()`` waits for its engine, then a thread here reads its events. Not
+    daemonic: a data-parallel engine spawns its replicas from it."""
     child_name = "engine core"
     daemon = False
 
-    def __init__(self, make_engine, dispatch):
-        try:
-            self._start_children(_core_main, lambda i: (make_engine,), 1)
-            self._replies(SPAWN_HINT)
-            (self.info,) = self._replies()        # a ValueError of the engine's raises here
-        except BaseException:
-            self.shutdown()
-            raise
+    def __init__(self, make_engine, dispatch, index: int = 0, env: dict[str, str] | None = None):
+        self.first_id = index
+        self._dispatch = dispatch
+        self._start_children(_core_main, lambda i: (make_engine,), 1, (lambda i: env) if env else None)
+
+    def wait_ready(self) -> tuple:
+        """The engine's (model config, max_model_len, stats) once it has started (its tokenizer
+        is not sent: the server loads its own); its start-up error raises here."""
+        self._replies(SPAWN_HINT)
+        (info,) = self._replies()
         self._conn = self.conns[0]
         self._lock = threading.Lock()             # sends come from the event loop and from shutdown
         self._prompts: dict[str, tuple] = {}
-        self._reader = threading.Thread(target=self._read_events, args=(dispatch,), name="pagoda-engine-reader",
-                                        daemon=True)
-        self._reader.start()
+        threading.Thread(target=self._read_events, name=f"pagoda-engine-reader{self.first_id}", daemon=True).start()
+        return info
 
     def send(self, cmd: tuple) -> None:
         data = pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
@@ -211,13 +211,13 @@ class EngineCoreProc(ChildProcs):
         except (OSError, ValueError) as e:
             raise EngineDeadError(f"The engine core process has stopped ({e}).") from e
 
-    def _read_events(self, dispatch) -> None:
+    def _read_events(self) -> None:
         while True:
             try:
                 events = pickle.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
                 code = self.procs[0].exitcode
-                dispatch([("dead", EngineDeadError(f"The engine core process has stopped (exit code {code})."))])
+                self._dispatch([("dead", EngineDeadError(f"The engine core process has stopped (exit code {code})."))])
                 return
-            dispatch([("out", e[1], unpack_output(e[2], self._prompts), False) if e[0] == "out" else e
-                      for e in events])
+            self._dispatch([("out", e[1], unpack_output(e[2], self._prompts), False) if e[0] == "out" else e
+                            for e in events])
