@@ -3,7 +3,8 @@
   pagoda serve [MODEL] --port 8000
   python -m pagoda.entrypoints.openai.api_server --model MODEL
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /metrics."""
+Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-tool-choice
+--tool-call-parser hermes), /v1/models, /health, /version, /metrics."""
 import argparse
 import asyncio
 import logging
@@ -22,15 +23,18 @@ from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, Completion
 from pagoda.entrypoints.openai.serving import error_response
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagoda.entrypoints.openai.tool_parsers import check_tool_call_parser
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     app = FastAPI(title="pagoda", version=pagoda.__version__)
     metrics = ServerMetrics(engine, served_model_names[0])
     completion = OpenAIServingCompletion(engine, served_model_names, metrics)
-    chat = OpenAIServingChat(engine, served_model_names, metrics)
+    chat = OpenAIServingChat(engine, served_model_names, metrics, enable_auto_tool_choice=enable_auto_tool_choice,
+                             tool_call_parser=tool_call_parser)
     created = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -108,9 +112,12 @@ def run_server(args) -> None:
 
     from pagoda.entrypoints.cli import engine_args_from
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (known: hermes).")
+    check_tool_call_parser(args.tool_call_parser)
     engine = AsyncLLM.from_engine_args(engine_args_from(args))
     try:
-        app = build_app(engine, served_names(args), args.api_key)
+        app = build_app(engine, served_names(args), args.api_key, args.enable_auto_tool_choice, args.tool_call_parser)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     finally:
         engine.shutdown()

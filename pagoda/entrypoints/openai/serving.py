@@ -33,9 +33,9 @@ class OpenAIServing:
     def engine_prompts(self, request) -> list:
         raise NotImplementedError
 
-    def choice(self, request, out: RequestOutput, c: CompletionOutput, index: int, state: dict) -> dict:
+    def choice(self, request, out: RequestOutput, c: CompletionOutput, index: int, state: dict) -> dict | None:
         """One choice of the response, or of one stream chunk (``state`` is the choice's own,
-        kept across its chunks)."""
+        kept across its chunks; None: no chunk for this output)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ one request
@@ -109,7 +109,8 @@ class OpenAIServing:
                     completion_tokens += len(c.token_ids)
                     index = i * request.n + c.index
                     choice = self.choice(request, out, c, index, states.setdefault(index, {}))
-                    yield _sse({**header, "object": self.chunk_object_name, "choices": [choice]})
+                    if choice is not None:
+                        yield _sse({**header, "object": self.chunk_object_name, "choices": [choice]})
         except Exception as e:             # noqa: BLE001 - the headers are gone: say it in the stream
             yield _sse(error_body(str(e), 500))
         opts = request.stream_options

@@ -1,0 +1,109 @@
+"""Tool calls in a chat model's text, as vLLM's ``--tool-call-parser`` finds them (with
+``--enable-auto-tool-choice``). ``hermes``: the format of Hermes, Qwen2.5 and Qwen3 models,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+one block per call; the text before the first block is the message's content. Calls become
+OpenAI's ``tool_calls`` (``arguments`` a JSON string); a block that is not a JSON object with a
+name leaves the text as it was, content."""
+import json
+import uuid
+
+TOOL_CALL_PARSERS = ("hermes",)
+
+
+def check_tool_call_parser(name: str | None) -> None:
+    if name is not None and name not in TOOL_CALL_PARSERS:
+        raise ValueError(f"Unknown tool call parser {name!r}; known: {list(TOOL_CALL_PARSERS)}.")
+
+
+class HermesToolParser:
+    start, end = "<tool_call>", "</tool_call>"
+
+    def extract(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool calls) of a whole message."""
+        head, sep, rest = text.partition(self.start)
+        calls = []
+        while sep:
+            body, closed, after = rest.partition(self.end)
+            call = _tool_call(body)
+            if call is None:
+                return text, []
+            calls.append(call)
+            if not closed:
+                break
+            _, sep, rest = after.partition(self.start)
+        if not calls:
+            return text, []
+        return head.strip() or None, calls
+
+
+class StreamingToolCalls:
+    """A streamed message's deltas as (content delta, tool calls completed by it): text that may
+    start a tool-call block is held back until it is known not to; each call is sent whole once
+    its block closes (a client sums tool-call deltas by index, so one delta a call is valid)."""
+
+    def __init__(self, parser: HermesToolParser):
+        self.parser = parser
+        self.held = ""               # text not yet sent: a possible start tag, or an open block
+        self.in_call = False
+        self.num_calls = 0
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
+        self.held += delta
+        content, calls = "", []
+        start, end = self.parser.start, self.parser.end
+        while True:
+            if self.in_call:
+                body, closed, after = self.held.partition(end)
+                if not closed and not final:
+                    break
+                call = _tool_call(body)
+                if call is None:             # not a call after all: say it as text
+                    content += start + body + closed
+                else:
+                    calls.append(call)
+                self.in_call, self.held = False, after
+                if not closed:
+                    break
+            else:
+                head, sep, after = self.held.partition(start)
+                if sep:
+                    content += head if not self.num_calls and not calls else ""
+                    self.in_call, self.held = True, after
+                    continue
+                keep = 0 if final else _partial_suffix(self.held, start)
+                sent = self.held[:len(self.held) - keep]
+                content += sent if not self.num_calls and not calls else ""
+                self.held = self.held[len(sent):]
+                break
+        self.num_calls += len(calls)
+        return content, calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def _tool_call(body: str) -> dict | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": obj["name"],
+                         "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+
+
+def get_tool_parser(name: str) -> HermesToolParser:
+    check_tool_call_parser(name)
+    return HermesToolParser()

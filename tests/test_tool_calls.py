@@ -1,0 +1,206 @@
+"""Tool calling in the chat route (``--enable-auto-tool-choice --tool-call-parser hermes``):
+the parser on whole and streamed answers, tools rendered into the prompt, OpenAI's tool_calls
+in responses and stream chunks, and the choices pagoda refuses."""
+import json
+import random
+import types
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.stats import EngineStats
+from pagoda.entrypoints.openai.api_server import build_app
+from pagoda.entrypoints.openai.tool_parsers import HermesToolParser, StreamingToolCalls
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import RequestOutputKind
+from pagoda.tokenizer import Tokenizer
+
+CALLS_TEXT = ('I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "24h"}}\n</tool_call>')
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+# A template that shows what it was given: the tools' names, and a call's argument.
+TEMPLATE = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+            "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
+            "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} city={{ c.function.arguments.city }}]"
+            "{% endfor %}{% endfor %}<assistant>")
+
+
+def _names_args(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_hermes_extract():
+    p = HermesToolParser()
+    content, calls = p.extract(CALLS_TEXT)
+    assert content == "I will check both."
+    assert _names_args(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris", "fmt": "24h"})]
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    assert p.extract("No tools needed.") == ("No tools needed.", [])
+    bad = "<tool_call>\n{not json}\n</tool_call>"
+    assert p.extract(bad) == (bad, [])                               # not a call: the text stays
+    content, calls = p.extract('<tool_call>{"name": "f", "arguments": {}}')   # cut off by max_tokens
+    assert content is None and _names_args(calls) == [("f", {})]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_streamed_answer_gives_the_whole_answers_calls(seed):
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(CALLS_TEXT)), rng.randint(1, 40)))
+    pieces = [CALLS_TEXT[a:b] for a, b in zip([0] + cuts, cuts + [len(CALLS_TEXT)])]
+    stream = StreamingToolCalls(HermesToolParser())
+    content, calls = "", []
+    for i, piece in enumerate(pieces):
+        text, new = stream.feed(piece, final=i == len(pieces) - 1)
+        assert "<" not in text                                       # never a piece of a tag
+        content += text
+        calls += new
+    assert content.strip() == "I will check both."
+    assert _names_args(calls) == _names_args(HermesToolParser().extract(CALLS_TEXT)[1])
+    assert stream.num_calls == 2
+
+
+def test_streamed_plain_answer_is_sent_whole():
+    stream = StreamingToolCalls(HermesToolParser())
+    got = [stream.feed(p) for p in ("a < b", " and <", "tool", " x")] + [stream.feed("", final=True)]
+    assert "".join(t for t, _ in got) == "a < b and <tool x" and not any(c for _, c in got)
+    assert got[1][0] == " and "                                      # "<" held until it could not be a tag
+
+
+class ScriptedEngine:
+    """Answers every request with ``answer``, a few characters a step; records the prompts."""
+
+    def __init__(self, tokenizer, answer: str, piece: int = 7):
+        self.tokenizer, self.answer, self.piece = tokenizer, answer, piece
+        self.config = types.SimpleNamespace(model=types.SimpleNamespace(model="scripted", path="scripted"),
+                                            scheduler=types.SimpleNamespace(max_model_len=4096))
+        self.stats = EngineStats()
+        self.prompts: list[dict] = []
+        self.running: dict[str, list] = {}
+
+    def prompt_token_ids(self, prompt) -> list[int]:
+        return prompt["prompt_token_ids"]
+
+    def add_request(self, request_id, prompt, params):
+        self.prompts.append(prompt)
+        self.running[request_id] = [prompt, params, 0]
+
+    def abort_request(self, request_ids):
+        for r in request_ids:
+            self.running.pop(r, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        outs = []
+        for rid, state in list(self.running.items()):
+            prompt, params, sent = state
+            state[2] = end = sent + self.piece
+            done = end >= len(self.answer)
+            delta = params.output_kind == RequestOutputKind.DELTA
+            if not done and not delta:
+                continue
+            text = self.answer[sent:end] if delta else self.answer
+            outs.append(RequestOutput(rid, prompt["prompt"], prompt["prompt_token_ids"], None,
+                                      [CompletionOutput(0, text, [1], None, None, "stop" if done else None)], done))
+            if done:
+                del self.running[rid]
+        return outs
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm_path):
+    return Tokenizer.from_gguf(smollm_path)
+
+
+def _client(tokenizer, answer: str, **tool_flags):
+    engine = ScriptedEngine(tokenizer, answer)
+    return engine, TestClient(build_app(AsyncLLM(engine), ["m"], **tool_flags))
+
+
+def _chat(**extra) -> dict:
+    return {"model": "m", "chat_template": TEMPLATE, "tools": TOOLS,
+            "messages": [{"role": "user", "content": "Weather and time in Paris?"}], **extra}
+
+
+def test_chat_returns_tool_calls(tokenizer):
+    engine, client = _client(tokenizer, CALLS_TEXT, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with client:
+        body = client.post("/v1/chat/completions", json=_chat()).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "I will check both."
+    assert _names_args(choice["message"]["tool_calls"])[0] == ("get_weather", {"city": "Paris"})
+    assert engine.prompts[0]["prompt"].startswith("[tool get_weather]<user>")    # the tools reach the template
+
+
+def test_streamed_chat_returns_tool_call_deltas(tokenizer):
+    _, client = _client(tokenizer, CALLS_TEXT, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with client:
+        text = client.post("/v1/chat/completions", json=_chat(stream=True)).text
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content") or "" for d in deltas).strip() == "I will check both."
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [tc["index"] for tc in calls] == [0, 1]
+    assert _names_args(calls) == _names_args(HermesToolParser().extract(CALLS_TEXT)[1])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_plain_answer_and_tool_history(tokenizer):
+    """No call in the answer: plain content, finish "stop". An assistant turn's call (arguments
+    as OpenAI's JSON string) reaches the template as an object."""
+    engine, client = _client(tokenizer, "It is sunny.", enable_auto_tool_choice=True, tool_call_parser="hermes")
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    with client:
+        body = client.post("/v1/chat/completions", json=_chat(messages=history)).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny."}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert "[call get_weather city=Oslo]<tool>sunny<assistant>" in engine.prompts[0]["prompt"]
+
+
+def test_tool_choices_that_are_refused(tokenizer):
+    _, plain = _client(tokenizer, CALLS_TEXT)                         # no --enable-auto-tool-choice
+    with plain:
+        r = plain.post("/v1/chat/completions", json=_chat())
+        assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+        r = plain.post("/v1/chat/completions", json=_chat(tool_choice="none"))      # tools shown, none parsed
+        assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+    _, client = _client(tokenizer, CALLS_TEXT, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with client:
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            r = client.post("/v1/chat/completions", json=_chat(tool_choice=choice))
+            assert r.status_code == 400 and "structured outputs" in r.json()["error"]["message"]
+
+
+def test_serve_refuses_a_bad_tool_parser_setup(capsys):
+    from pagoda.entrypoints.cli import main
+    assert main(["serve", "--enable-auto-tool-choice"]) == 1
+    assert "--tool-call-parser" in capsys.readouterr().err
+    assert main(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "nope"]) == 1
+    assert "Unknown tool call parser 'nope'" in capsys.readouterr().err
+
+
+def test_openai_client_reads_the_tool_calls(tokenizer):
+    """The official client parses the response and sums the streamed tool-call deltas."""
+    from openai import OpenAI
+    _, client = _client(tokenizer, CALLS_TEXT, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with client:
+        api = OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
+        kwargs = dict(model="m", messages=[{"role": "user", "content": "Paris?"}], tools=TOOLS,
+                      extra_body={"chat_template": TEMPLATE})
+        message = api.chat.completions.create(**kwargs).choices[0].message
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == \
+            _names_args(HermesToolParser().extract(CALLS_TEXT)[1])
+        names = {}
+        for chunk in api.chat.completions.create(stream=True, **kwargs):
+            for tc in chunk.choices[0].delta.tool_calls or []:
+                names[tc.index] = tc.function.name
+        assert names == {0: "get_weather", 1: "get_time"}
