@@ -98,6 +98,7 @@ def test_engine_loop_commands_and_failures():
     assert engine.aborted == ["c", "b"]             # the abort, then the failed step's live requests
     fail_b = next(e for e in events if e[:2] == ("fail", "b"))
     assert isinstance(fail_b[2], EngineDeadError) and "device lost" in str(fail_b[2])
+    assert ("aborted", "c") in events and ("aborted", "never-added") not in events
     assert kinds.count("stats") >= 3 and events[-1][0] == "stats" and not engine.running
 
 
@@ -156,11 +157,18 @@ def test_engine_process_serves_and_stops():
                   for t in o.outputs[0].token_ids]
         with pytest.raises(ValueError, match="empty"):
             await anext(llm.generate([], SamplingParams(max_tokens=4), "bad"))
+        left = llm.generate([7, 8], SamplingParams(max_tokens=1000), "left")   # abandoned after two outputs
+        assert (await anext(left)).prompt_token_ids == (await anext(left)).prompt_token_ids == [7, 8]
+        await left.aclose()
         return tokens, await llm.prompt_token_ids([[4, 5], [6]])
 
     try:
         assert asyncio.run(asyncio.wait_for(run(), 60)) == ([1, 2, 3, 4], [[4, 5], [6]])
-        assert llm.stats.num_steps == 4
+        deadline = time.time() + 10
+        while llm.stats.num_running and time.time() < deadline:
+            time.sleep(0.01)
+        assert llm.stats.num_running == 0
+        assert llm._cores[0]._prompts == {}        # the abandoned request's prompt is not kept
     finally:
         llm.shutdown()
     assert not llm._cores[0].procs[0].is_alive()

@@ -19,6 +19,8 @@ from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError"]
+
+
 class _Stream:
     """Where one request's outputs land, on the caller's event loop. Outputs the reader has not
     taken yet are merged into one (``RequestOutput.add``): a reader that falls behind the engine

@@ -8,7 +8,8 @@ and the engine loop then hold a GIL each, and neither waits for the other's Pyth
 Commands, plain tuples:  ("add", request_id, prompt, params) | ("abort", [request_ids]) |
                          ("call", call_id, name, args) | ("shutdown", ())
 Events, a list a step:   ("out", request_id, RequestOutput, first) | ("fail", request_id, error) |
-                         ("reply", call_id, ok, value) | ("stats", EngineStats) | ("dead", error)
+                         ("aborted", request_id) | ("reply", call_id, ok, value) |
+                         ("stats", EngineStats) | ("dead", error)
 
 Across the process boundary an output travels as a tuple of plain values (``pack_output``):
 pickling a step's 256 RequestOutput dataclasses took 1.2 ms and unpickling 1.9 (this CPU),
@@ -69,6 +70,7 @@ def _command(engine, cmd: tuple, live: dict[str, bool]) -> list:
         ids = [r for r in cmd[1] if live.pop(r, None) is not None]
         if ids:
             engine.abort_request(ids)
+            return [("aborted", r) for r in ids]
     elif kind == "call":
         _, call_id, name, args = cmd
         try:
@@ -198,7 +200,7 @@ class EngineCoreProc(ChildProcs):
         self._replies(SPAWN_HINT)
         (info,) = self._replies()
         self._conn = self.conns[0]
-        self._lock = threading.Lock()             # sends come from the event loop and from shutdown
+        self._lock = threading.Lock()             # sends come from the event loop and the reader
         self._prompts: dict[str, tuple] = {}
         threading.Thread(target=self._read_events, name=f"pagoda-engine-reader{self.first_id}", daemon=True).start()
         return info
@@ -219,5 +221,8 @@ class EngineCoreProc(ChildProcs):
                 code = self.procs[0].exitcode
                 self._dispatch([("dead", EngineDeadError(f"The engine core process has stopped (exit code {code})."))])
                 return
+            for e in events:
+                if e[0] in ("aborted", "fail"):   # (nothing of it comes after this on the pipe)
+                    self._prompts.pop(e[1], None)
             self._dispatch([("out", e[1], unpack_output(e[2], self._prompts), False) if e[0] == "out" else e
                             for e in events])
