@@ -10,6 +10,7 @@ _PUBLIC = {
     "LLM": "pagoda.llm",
     "SamplingParams": "pagoda.sampling_params",
     "BeamSearchParams": "pagoda.sampling_params",
+    "StructuredOutputsParams": "pagoda.sampling_params",
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",
 }

@@ -12,6 +12,26 @@ class RequestOutputKind(enum.IntEnum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's constraint on an answer (``SamplingParams(structured_outputs=...)``): exactly one of
+    a JSON schema (a dict or its JSON text), any JSON object, a regex, one of several strings,
+    or a Lark grammar."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar or json_object; "
+                             f"got {given or 'none'}.")
+        if self.choice is not None and not all(isinstance(c, str) for c in self.choice):
+            raise ValueError("structured_outputs.choice must be a list of strings.")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     best_of: int | None = None
@@ -36,6 +56,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine: every token id that ends the request (EOS + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

@@ -3,6 +3,7 @@ through a uvicorn socket with httpx and the official openai client. Outputs are 
 the offline LLM's (the conftest `llm`, built with the same engine arguments)."""
 import asyncio
 import json
+import re
 import os
 import socket
 import subprocess
@@ -423,3 +424,27 @@ def test_w3_runs_share_no_prompts():
     assert [len(p) for p in a] == [len(p) for p in b] == [3, 40, 17]
     assert all(0 <= t < 1000 for p in a + b for t in p)
     assert all(pa[:3] != pb[:3] for pa, pb in zip(a, b)) and a == serve.fresh_token_ids(prompts, 1000, 1)
+
+
+def test_structured_outputs_over_http(client):
+    """response_format (json_schema, json_object) in chat, vLLM's structured_outputs and
+    guided_choice in completions; malformed ones answer 400."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    r = client.post("/v1/chat/completions", json={
+        "messages": CHAT, "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    assert set(json.loads(r.json()["choices"][0]["message"]["content"])) == {"city"}
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 1.0, "seed": 1,
+                                             "guided_choice": ["red", "blue"], "n": 3})
+    assert {c["text"] for c in r.json()["choices"]} <= {"red", "blue"}
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 12,
+                                             "structured_outputs": {"regex": "[A-Z][a-z]+"}})
+    assert re.fullmatch("[A-Z][a-z]+", r.json()["choices"][0]["text"])
+    for body, message in [({"response_format": {"type": "xml"}}, "Unknown response_format type"),
+                          ({"structured_outputs": {"regx": "a"}}, "Unknown structured_outputs field"),
+                          ({"guided_regex": "[0-9"}, "unclosed character class"),
+                          ({"guided_regex": "a", "guided_choice": ["a"]}, "exactly one")]:
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[0], **body})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)

@@ -177,7 +177,7 @@ def test_tool_choices_that_are_refused(tokenizer):
     with client:
         for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
             r = client.post("/v1/chat/completions", json=_chat(tool_choice=choice))
-            assert r.status_code == 400 and "structured outputs" in r.json()["error"]["message"]
+            assert r.status_code == 400 and "forces a tool call" in r.json()["error"]["message"]
 
 
 def test_serve_refuses_a_bad_tool_parser_setup(capsys):

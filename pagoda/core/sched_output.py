@@ -33,6 +33,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)   # runner may drop their state
     # (src, dst) KV blocks to copy before the forward: forked samples' copy-on-write.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Structured outputs: req_id -> the tokens its next sample may take, a bit each (int32 words).
+    grammar_bitmasks: dict = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

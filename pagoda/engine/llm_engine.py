@@ -15,6 +15,7 @@ from pagoda.distributed.executor import get_executor
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.output_processor import OutputProcessor, ParentState
 from pagoda.engine.stats import EngineStats, StatLogger
+from pagoda.engine.structured_output import StructuredOutputs
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
@@ -42,6 +43,8 @@ class LLMEngine:
         self.eos_token_id = self._eos_token_id()
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight = None         # (SchedulerOutput, AsyncRunnerOutput) of the step on the device
+        self.structured: StructuredOutputs | None = None     # made at the first structured request
+        self._structured_ids: set[str] = set()                  # its sequences that may still run
         # What exists now (torch, the model, its CUDA graphs: ~450,000 objects) lives as long as
         # the engine. Frozen, the cyclic GC no longer rescans it: one full collection, which adding
         # W1's 256 requests triggered, took 0.1-0.16 s on this CPU. (The engine holds no reference
@@ -97,6 +100,7 @@ class LLMEngine:
             raise ValueError(f"Prompt token ids must be in [0, {vocab}); got min {min(token_ids)}, "
                              f"max {max(token_ids)}.")
         params = self._finalize_params(params)
+        grammar = self._grammar(params.structured_outputs) if params.structured_outputs is not None else None
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(token_ids)
         arrival = arrival_time or time.time()
         parent = ParentState(request_id, text, token_ids, params, arrival)
@@ -115,9 +119,18 @@ class LLMEngine:
                                     cache_salt, fork_parent=children[0] if children else None))
         self.output_processor.add(parent, children)
         for req in children:
+            if grammar is not None:
+                req.matcher = self.structured.matcher(grammar)
+                self._structured_ids.add(req.request_id)
             self.scheduler.add_request(req)
         self.num_prompt_tokens += len(token_ids) * params.n
         return request_id
+
+    def _grammar(self, params) -> str:
+        if self.structured is None:
+            eos = sorted({self.eos_token_id, *(self.tokenizer.eos_token_ids if self.tokenizer else ())} - {None})
+            self.structured = StructuredOutputs(self.tokenizer, self.config.model.arch.vocab_size, eos)
+        return self.structured.compile(params)
 
     def prompt_token_ids(self, prompt) -> list[int]:
         return self._tokenize(prompt)[1]
@@ -171,13 +184,19 @@ class LLMEngine:
         reach the host, stop checks, detokenization, outputs. Without async scheduling (or
         when nothing is left to run) the step just queued is finished at once, so the two
         modes share this code. Step N+1 needs none of step N's tokens on the host: the
-        scheduler counts them as placeholders and the runner reads them on the device."""
-        sched = self.scheduler.schedule()
+        scheduler counts them as placeholders and the runner reads them on the device. Structured
+        outputs do need them (their masks follow the tokens): while such sequences run, step N is
+        finished before step N+1 is scheduled."""
+        outputs = []
         try:
+            if self._in_flight is not None and self._structured_running():
+                outputs, self._in_flight = self._finish_step(*self._in_flight), None
+            sched = self.scheduler.schedule()
+            if self._structured_ids:
+                sched.grammar_bitmasks = self.structured.bitmasks(sched.num_scheduled_tokens, self.scheduler.requests)
             launched = self.executor.execute_model(sched)
-            outputs = []
             if self._in_flight is not None:
-                outputs = self._finish_step(*self._in_flight)
+                outputs += self._finish_step(*self._in_flight)
         except BaseException:
             # The caller aborts the requests. The blocks the failed steps were to fill are
             # already indexed: forget the index, so no later request reads what was never written.
@@ -190,9 +209,15 @@ class LLMEngine:
             self._in_flight = None
         return outputs
 
+    def _structured_running(self) -> bool:
+        self._structured_ids.intersection_update(self.scheduler.requests)
+        return bool(self._structured_ids)
+
     def _finish_step(self, sched, launched) -> list[RequestOutput]:
         runner_out = launched.get_output()
         updated = self.scheduler.update_from_output(sched, runner_out)
+        if self._structured_ids and (done := self.structured.accept(updated)):
+            self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)   # grammar complete
         outputs, stopped = self.output_processor.process(updated, runner_out)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

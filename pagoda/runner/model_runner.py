@@ -18,7 +18,7 @@ from pagoda.model.layers.attention import (AttentionMetadata, TorchAttentionBack
 from pagoda.model.loader import get_model
 from pagoda.model.pipeline import IntermediateTensors, empty_intermediate, hidden_shapes
 from pagoda.runner.cuda_graph import CUDAGraphRunner
-from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, logprobs_of, sample
+from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, apply_grammar_bitmasks, logprobs_of, sample
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -356,6 +356,8 @@ class ModelRunner:
         if len(sampling) == 0:
             return AsyncRunnerOutput(self, out)
         logits = None if hidden is None else self.model.compute_logits(hidden[t["logits_idx"]])
+        if sched.grammar_bitmasks and logits is not None:
+            apply_grammar_bitmasks(logits, [req_ids[i] for i in sampling], sched.grammar_bitmasks)
         if self.single_rank:
             result = sample(logits, self._sampling_metadata(s_states, s_rows, t))
         else:

@@ -5,6 +5,7 @@ penalties, logit bias, banned tokens or logprobs take one Triton kernel instead
 (kernels/triton_sampling.py: the same filters, thresholds found without sorting)."""
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -151,3 +152,20 @@ def logprobs_of(logits: torch.Tensor, targets: torch.Tensor, k: int):
     ranks = (lp > target_lp[:, None]).sum(-1) + 1
     topk_lp, topk_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], targets[:, None][:, :0])
     return target_lp, ranks, topk_ids, topk_lp
+
+
+def apply_grammar_bitmasks(logits: torch.Tensor, req_ids: list[str], masks: dict) -> None:
+    """Set to -inf the logits of the tokens a row's grammar forbids (structured outputs; rows in
+    ``req_ids`` order, rows without a mask left alone). A mask holds a bit a token, token t at
+    bit t % 32 of int32 word t // 32 (llguidance's layout); columns past its bits are forbidden."""
+    rows = [i for i, r in enumerate(req_ids) if r in masks]
+    if not rows:
+        return
+    words = torch.from_numpy(np.stack([masks[req_ids[i]] for i in rows])).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))

@@ -4,7 +4,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
@@ -36,6 +36,15 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured outputs: OpenAI's response_format ({"type": "json_object"}, or "json_schema" with
+    # {"json_schema": {"schema": ...}}), vLLM's structured_outputs ({"json" | "regex" | "choice" |
+    # "grammar" | "json_object": ...}) and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (an HTTP 400) on values SamplingParams refuses."""
@@ -48,8 +57,30 @@ class SamplingRequest(BaseModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's constraint, from whichever field names it (a 400 if they are malformed)."""
+        fields = dict(self.structured_outputs or {})
+        for key in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f"guided_{key}") is not None:
+                fields[key] = getattr(self, f"guided_{key}")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            fields["json_object"] = True
+        elif kind == "json_schema":
+            schema = (self.response_format.get("json_schema") or {}).get("schema")
+            if schema is None:
+                raise ValueError('response_format of type "json_schema" needs json_schema.schema.')
+            fields["json"] = schema
+        elif kind != "text":
+            raise ValueError(f"Unknown response_format type {kind!r}; known: text, json_object, json_schema.")
+        unknown = set(fields) - {"json", "regex", "choice", "grammar", "json_object"}
+        if unknown:
+            raise ValueError(f"Unknown structured_outputs field(s) {sorted(unknown)}; known: json, regex, choice, "
+                             "grammar, json_object.")
+        return StructuredOutputsParams(**fields) if fields else None
 
 
 class CompletionRequest(SamplingRequest):

@@ -28,7 +28,7 @@ class OpenAIServingChat(OpenAIServing):
     def _check_tool_choice(self, request: ChatCompletionRequest) -> None:
         """As vLLM: tools are rendered into the prompt whatever the choice; "auto" (the choice
         when tools come without one) needs a parser. Forcing a call ("required", a named
-        function) needs constrained decoding, not here yet."""
+        function) is not done yet."""
         choice = request.tool_choice or "auto"
         if choice == "none" or not request.tools:
             return
@@ -37,8 +37,8 @@ class OpenAIServingChat(OpenAIServing):
                 raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                  "to be set")
             return
-        raise ValueError(f"tool_choice={json.dumps(choice)} forces a tool call, which needs structured outputs "
-                         '(constrained decoding) that pagoda does not have yet; use "auto" or "none".')
+        raise ValueError(f"tool_choice={json.dumps(choice)} forces a tool call, which pagoda does not do yet "
+                         '(it would hold the answer to a tool-call grammar); use "auto" or "none".')
 
     def _parses_tools(self, request: ChatCompletionRequest) -> bool:
         return self.tool_parser is not None and bool(request.tools) and request.tool_choice in (None, "auto")

@@ -1,0 +1,84 @@
+"""Structured outputs, as vLLM's: an answer held to a JSON schema, any JSON object, a regex, one
+of several strings or a Lark grammar (``SamplingParams(structured_outputs=...)``; the server's
+``response_format``). llguidance compiles the constraint into a matcher for each sequence. Each
+step the engine asks the matchers of the scheduled sequences which tokens may come next (a bit
+a token) and the runner masks those rows' logits before sampling (``sampler.apply_grammar_bitmasks``);
+each sampled token then advances its matcher, and a matcher that has completed its grammar ends
+the sequence ("stop"). The masks need the last step's tokens, so while such sequences run the
+engine does not queue a step before the last one's tokens are back (no async overlap)."""
+import json
+import re
+
+import numpy as np
+
+from pagoda.sampling_params import StructuredOutputsParams
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError("structured outputs need llguidance: pip install 'pagoda-llm[structured]'") from None
+    return llguidance
+
+
+def grammar_of(p: StructuredOutputsParams) -> str:
+    """The constraint as an llguidance grammar."""
+    matcher = _llguidance().LLMatcher
+    if p.json is not None or p.json_object:
+        schema = p.json if p.json is not None else {"type": "object"}
+        return matcher.grammar_from_json_schema(schema if isinstance(schema, str) else json.dumps(schema))
+    if p.regex is not None:
+        return matcher.grammar_from_regex(p.regex)
+    if p.choice is not None:
+        return matcher.grammar_from_regex("|".join(re.escape(c) for c in p.choice))
+    return matcher.grammar_from_lark(p.grammar)
+
+
+class StructuredOutputs:
+    """The engine's side: matchers for new sequences, the step's masks, the sampled tokens."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        llg = _llguidance()
+        if tokenizer is None:
+            raise ValueError("structured outputs need the tokenizer (skip_tokenizer_init=True was set).")
+        self.tokenizer = llg.LLTokenizer(tokenizer.inner.to_str(), n_vocab=vocab_size,
+                                         eos_token=eos_token_ids or None)
+        self.words = (vocab_size + 31) // 32
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """The request's grammar; a bad schema, regex or grammar raises ValueError naming it."""
+        try:
+            grammar = grammar_of(params)
+        except Exception as e:        # noqa: BLE001 - llguidance's own errors: the user's input
+            raise ValueError(f"Invalid structured_outputs: {e}") from None
+        error = _llguidance().LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise ValueError(f"Invalid structured_outputs: {error.strip()}")
+        return grammar
+
+    def matcher(self, grammar: str):
+        return _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
+
+    def bitmasks(self, req_ids, requests: dict) -> dict[str, np.ndarray]:
+        """The allowed next tokens of each scheduled sequence that has a matcher."""
+        masks = {}
+        for req_id in req_ids:
+            m = getattr(requests.get(req_id), "matcher", None)
+            if m is not None:
+                masks[req_id] = np.frombuffer(m.compute_bitmask(), dtype=np.int32, count=self.words)
+        return masks
+
+    @staticmethod
+    def accept(updated) -> list[str]:
+        """Advance the matchers of the sequences that got a token; returns the ids of those whose
+        grammar is now complete (and that no other rule ended)."""
+        done = []
+        for req in updated:
+            m = getattr(req, "matcher", None)
+            if m is None or req.is_finished:
+                continue
+            m.consume_token(req.all_token_ids[-1])
+            if m.is_stopped():
+                done.append(req.request_id)
+        return done
