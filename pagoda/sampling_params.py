@@ -15,12 +15,13 @@ class RequestOutputKind(enum.IntEnum):
 class StructuredOutputsParams:
     """vLLM's constraint on an answer (``SamplingParams(structured_outputs=...)``): exactly one of
     a JSON schema (a dict or its JSON text), any JSON object, a regex, one of several strings,
-    or a Lark grammar."""
+    or a Lark grammar (llguidance's dialect)."""
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False     # JSON: no whitespace but ", " and ": " (else any)
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]

@@ -448,3 +448,21 @@ def test_structured_outputs_over_http(client):
                           ({"guided_regex": "a", "guided_choice": ["a"]}, "exactly one")]:
         r = client.post("/v1/completions", json={"prompt": PROMPTS[0], **body})
         assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+
+
+def test_forced_tool_calls_from_the_real_model(client):
+    """SmolLM2 held to the calls' schema: a named function's arguments and "required"'s calls
+    parse and name the request's tools."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    base = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": tools,
+            "max_tokens": 200, "temperature": 0}
+    r = client.post("/v1/chat/completions", json={**base, "tool_choice": {"type": "function",
+                                                                         "function": {"name": "get_weather"}}})
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and set(json.loads(call["arguments"])) == {"city"}
+    r = client.post("/v1/chat/completions", json={**base, "tool_choice": "required"})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]][:1] == ["get_weather"]

@@ -56,6 +56,13 @@ def test_answers_match_their_constraints(llm):
     assert_no_leaks(llm)
 
 
+def test_json_without_free_whitespace(llm):
+    """disable_any_whitespace: the JSON has no whitespace but the ", " and ": " separators."""
+    out = llm.generate("A person as JSON:", SamplingParams(temperature=0, max_tokens=80, structured_outputs=(
+        StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))), use_tqdm=False)[0].outputs[0]
+    assert _check_person(out.text) and "\n" not in out.text and json.dumps(json.loads(out.text)) == out.text
+
+
 def test_parallel_samples_each_follow_the_grammar(llm):
     out = llm.generate("Pick one:", SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=10,
                                                    structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"])),

@@ -1,6 +1,7 @@
 """Tool calling in the chat route (``--enable-auto-tool-choice --tool-call-parser hermes``):
 the parser on whole and streamed answers, tools rendered into the prompt, OpenAI's tool_calls
-in responses and stream chunks, and the choices pagoda refuses."""
+in responses and stream chunks; forced choices ("required", a named function) as a JSON schema
+the answer is held to; the requests pagoda refuses."""
 import json
 import random
 import types
@@ -78,6 +79,7 @@ class ScriptedEngine:
                                             scheduler=types.SimpleNamespace(max_model_len=4096))
         self.stats = EngineStats()
         self.prompts: list[dict] = []
+        self.params: list = []
         self.running: dict[str, list] = {}
 
     def prompt_token_ids(self, prompt) -> list[int]:
@@ -85,6 +87,7 @@ class ScriptedEngine:
 
     def add_request(self, request_id, prompt, params):
         self.prompts.append(prompt)
+        self.params.append(params)
         self.running[request_id] = [prompt, params, 0]
 
     def abort_request(self, request_ids):
@@ -166,18 +169,13 @@ def test_plain_answer_and_tool_history(tokenizer):
     assert "[call get_weather city=Oslo]<tool>sunny<assistant>" in engine.prompts[0]["prompt"]
 
 
-def test_tool_choices_that_are_refused(tokenizer):
+def test_auto_tool_choice_needs_the_flags(tokenizer):
     _, plain = _client(tokenizer, CALLS_TEXT)                         # no --enable-auto-tool-choice
     with plain:
         r = plain.post("/v1/chat/completions", json=_chat())
         assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
         r = plain.post("/v1/chat/completions", json=_chat(tool_choice="none"))      # tools shown, none parsed
         assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
-    _, client = _client(tokenizer, CALLS_TEXT, enable_auto_tool_choice=True, tool_call_parser="hermes")
-    with client:
-        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-            r = client.post("/v1/chat/completions", json=_chat(tool_choice=choice))
-            assert r.status_code == 400 and "forces a tool call" in r.json()["error"]["message"]
 
 
 def test_serve_refuses_a_bad_tool_parser_setup(capsys):
@@ -204,3 +202,34 @@ def test_openai_client_reads_the_tool_calls(tokenizer):
             for tc in chunk.choices[0].delta.tool_calls or []:
                 names[tc.index] = tc.function.name
         assert names == {0: "get_weather", 1: "get_time"}
+
+
+def test_forced_tool_choices_hold_the_answer_to_the_calls_schema(tokenizer):
+    """tool_choice "required" / a named function: the engine gets the calls' JSON schema as its
+    structured output, and the answer comes back as tool_calls (no parser needed)."""
+    required = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    engine, client = _client(tokenizer, required)
+    with client:
+        body = client.post("/v1/chat/completions", json=_chat(tool_choice="required")).json()
+        schema = engine.params[0].structured_outputs.json
+        assert schema["type"] == "array" and schema["minItems"] == 1
+        assert schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert _names_args(choice["message"]["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+    engine, client = _client(tokenizer, '{"city": "Oslo"}')
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with client:
+        body = client.post("/v1/chat/completions", json=_chat(tool_choice=named)).json()
+        assert engine.params[0].structured_outputs.json == TOOLS[0]["function"]["parameters"]
+        assert _names_args(body["choices"][0]["message"]["tool_calls"]) == [("get_weather", {"city": "Oslo"})]
+        text = client.post("/v1/chat/completions", json=_chat(tool_choice=named, stream=True)).text
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+        assert _names_args(calls) == [("get_weather", {"city": "Oslo"})] and calls[0]["index"] == 0
+        for choice, message in [({"type": "function", "function": {"name": "nope"}}, "not among the request's tools"),
+                                ("sometimes", "Unknown tool_choice")]:
+            r = client.post("/v1/chat/completions", json=_chat(tool_choice=choice))
+            assert r.status_code == 400 and message in r.json()["error"]["message"]
+        r = client.post("/v1/chat/completions", json=_chat(tool_choice="required", response_format={"type": "json_object"}))
+        assert r.status_code == 400 and "cannot be combined" in r.json()["error"]["message"]

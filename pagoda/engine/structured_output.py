@@ -27,7 +27,9 @@ def grammar_of(p: StructuredOutputsParams) -> str:
     matcher = _llguidance().LLMatcher
     if p.json is not None or p.json_object:
         schema = p.json if p.json is not None else {"type": "object"}
-        return matcher.grammar_from_json_schema(schema if isinstance(schema, str) else json.dumps(schema))
+        compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        return matcher.grammar_from_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
+                                                defaults=compact if p.disable_any_whitespace else None)
     if p.regex is not None:
         return matcher.grammar_from_regex(p.regex)
     if p.choice is not None:

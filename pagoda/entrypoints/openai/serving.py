@@ -33,6 +33,9 @@ class OpenAIServing:
     def engine_prompts(self, request) -> list:
         raise NotImplementedError
 
+    def sampling_params(self, request):
+        return request.sampling_params()
+
     def choice(self, request, out: RequestOutput, c: CompletionOutput, index: int, state: dict) -> dict | None:
         """One choice of the response, or of one stream chunk (``state`` is the choice's own,
         kept across its chunks; None: no chunk for this output)."""
@@ -43,7 +46,7 @@ class OpenAIServing:
         if request.model is not None and request.model not in self.served_model_names:
             return error_response(f"The model `{request.model}` does not exist.", 404, "model")
         try:
-            params = request.sampling_params()
+            params = self.sampling_params(request)
             prompts = await self._fitted(self.engine_prompts(request), params)
             request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
             gens = [self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]

@@ -1,11 +1,13 @@
 """POST /v1/chat/completions: the messages (and tools) rendered with the model's chat template;
-with ``--enable-auto-tool-choice --tool-call-parser NAME``, tool calls found in the answer."""
+with ``--enable-auto-tool-choice --tool-call-parser NAME``, tool calls found in the answer; with
+tool_choice "required" or a named function, the answer held to the calls' JSON schema."""
 import json
 
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.serving import OpenAIServing, finite_logprob
-from pagoda.entrypoints.openai.tool_parsers import StreamingToolCalls, get_tool_parser
+from pagoda.entrypoints.openai.tool_parsers import StreamingToolCalls, get_tool_parser, make_tool_call
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.sampling_params import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -18,30 +20,26 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser = get_tool_parser(tool_call_parser) if enable_auto_tool_choice else None
 
     def engine_prompts(self, request: ChatCompletionRequest) -> list:
-        self._check_tool_choice(request)
         messages = [_plain(m.model_dump(exclude_none=True)) for m in request.messages]
         return [self.engine.tokenizer.chat_prompt(
             messages, add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
             continue_final_message=request.continue_final_message, chat_template=request.chat_template,
             tools=request.tools, **(request.chat_template_kwargs or {}))]
 
-    def _check_tool_choice(self, request: ChatCompletionRequest) -> None:
-        """As vLLM: tools are rendered into the prompt whatever the choice; "auto" (the choice
-        when tools come without one) needs a parser. Forcing a call ("required", a named
-        function) is not done yet."""
-        choice = request.tool_choice or "auto"
-        if choice == "none" or not request.tools:
-            return
-        if choice == "auto":
-            if self.tool_parser is None:
-                raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                                 "to be set")
-            return
-        raise ValueError(f"tool_choice={json.dumps(choice)} forces a tool call, which pagoda does not do yet "
-                         '(it would hold the answer to a tool-call grammar); use "auto" or "none".')
-
-    def _parses_tools(self, request: ChatCompletionRequest) -> bool:
-        return self.tool_parser is not None and bool(request.tools) and request.tool_choice in (None, "auto")
+    def sampling_params(self, request: ChatCompletionRequest):
+        """As vLLM: tools are rendered into the prompt whatever the choice. "auto" (the choice when
+        tools come without one) needs a parser; "required" and a named function hold the answer
+        to a JSON schema (a list of {"name", "parameters"}, or the function's parameters), whatever
+        the model's own tool-call format."""
+        params = request.sampling_params()
+        choice = _tool_choice(request)
+        if choice == "auto" and self.tool_parser is None:
+            raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+        if choice not in ("auto", "none"):
+            if params.structured_outputs is not None:
+                raise ValueError("A forced tool_choice cannot be combined with response_format or structured_outputs.")
+            params.structured_outputs = StructuredOutputsParams(json=_forced_schema(request, choice))
+        return params
 
     def choice(self, request: ChatCompletionRequest, out: RequestOutput, c: CompletionOutput,
                index: int, state: dict) -> dict | None:
@@ -52,7 +50,17 @@ class OpenAIServingChat(OpenAIServing):
                                                                   key=lambda lp: lp.rank))
                                     for t, lps in zip(c.token_ids, c.logprobs)]}
         text, calls, finish = c.text, [], c.finish_reason
-        if self._parses_tools(request):
+        choice = _tool_choice(request)
+        if choice not in ("auto", "none"):
+            # A forced call: the whole answer is its JSON, sent once it is complete.
+            state["answer"] = state.get("answer", "") + text
+            text, called = None, finish is not None
+            if called:
+                calls = _forced_calls(choice, state["answer"])
+                calls = [{"index": i, **call} for i, call in enumerate(calls)] if request.stream else calls
+                if choice == "required" and calls and finish == "stop":
+                    finish = "tool_calls"
+        elif choice == "auto" and self.tool_parser is not None:
             if request.stream:
                 tools = state.setdefault("tools", StreamingToolCalls(self.tool_parser))
                 text, calls = tools.feed(c.text, final=finish is not None)
@@ -80,6 +88,47 @@ class OpenAIServingChat(OpenAIServing):
             body = {"message": message}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": c.stop_reason}
+
+
+def _tool_choice(request: ChatCompletionRequest) -> str | dict:
+    """"none", "auto", "required" or the named function's dict."""
+    if not request.tools:
+        return "none"
+    choice = request.tool_choice or "auto"
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise ValueError(f'Unknown tool_choice {choice!r}; known: "none", "auto", "required" or a named function.')
+    return choice
+
+
+def _function(tool: dict) -> dict:
+    return tool.get("function") or {}
+
+
+def _forced_schema(request: ChatCompletionRequest, choice) -> dict:
+    if choice == "required":
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [_function(t).get("name")]},
+                                                   "parameters": _function(t).get("parameters") or {"type": "object"}},
+                  "required": ["name", "parameters"]} for t in request.tools]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        return schema if request.parallel_tool_calls else {**schema, "maxItems": 1}
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    for t in request.tools:
+        if _function(t).get("name") == name:
+            return _function(t).get("parameters") or {"type": "object"}
+    raise ValueError(f"tool_choice names the function {name!r}, which is not among the request's tools.")
+
+
+def _forced_calls(choice, answer: str) -> list[dict]:
+    """The calls in a forced answer (the grammar made it valid JSON, unless max_tokens cut it off:
+    then a named function's arguments are that text, and "required" gives no call)."""
+    if choice != "required":
+        return [make_tool_call(choice["function"]["name"], answer)]
+    try:
+        items = json.loads(answer)
+    except json.JSONDecodeError:
+        return []
+    return [make_tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+
 
 
 def _plain(message: dict) -> dict:

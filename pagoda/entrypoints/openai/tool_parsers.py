@@ -99,9 +99,13 @@ def _tool_call(body: str) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
+    return make_tool_call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def make_tool_call(name: str, arguments: str) -> dict:
+    """One of OpenAI's ``tool_calls`` (``arguments``: JSON text)."""
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": obj["name"],
-                         "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": arguments}}
 
 
 def get_tool_parser(name: str) -> HermesToolParser:
