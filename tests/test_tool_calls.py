@@ -188,7 +188,7 @@ def test_serve_refuses_a_bad_tool_parser_setup(capsys):
 
 def test_openai_client_reads_the_tool_calls(tokenizer):
     """The official client parses the response and sums the streamed tool-call deltas."""
-    from openai import OpenAI
+    OpenAI = pytest.importorskip("openai", reason="the openai client (a test dependency) is not installed").OpenAI
     _, client = _client(tokenizer, CALLS_TEXT, enable_auto_tool_choice=True, tool_call_parser="hermes")
     with client:
         api = OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client)
