@@ -107,3 +107,27 @@ def test_bitmask_against_a_reference(device):
         ref[row][~allowed[k, :vocab].to(device)] = float("-inf")
     assert torch.equal(out, ref)
     assert isinstance(masks["b"], np.ndarray)
+
+
+def test_batched_bitmasks_equal_each_matchers_own(smollm_path):
+    """The step's masks, computed side by side, against each matcher's own (at different points
+    of different grammars); sequences without a matcher get none."""
+    import types
+    from pagoda.engine.structured_output import StructuredOutputs
+    from pagoda.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(smollm_path)
+    so = StructuredOutputs(tok, 49152, [tok.eos_token_id])
+    requests = {}
+    for i, (c, text) in enumerate([(StructuredOutputsParams(json=SCHEMA), '{"name": "Al'),
+                                   (StructuredOutputsParams(regex=PHONE), "(01) 2"),
+                                   (StructuredOutputsParams(choice=["red", "green"]), ""),
+                                   (StructuredOutputsParams(json_object=True), '{"a": [1, ')]):
+        m = so.matcher(so.compile(c))
+        assert m.consume_tokens(tok.encode(text, add_special_tokens=False))
+        requests[f"r{i}"] = types.SimpleNamespace(matcher=m)
+    requests["plain"] = types.SimpleNamespace(matcher=None)
+    masks = so.bitmasks(["plain", "r2", "r0", "r3", "r1", "gone"], requests)
+    assert list(masks) == ["r2", "r0", "r3", "r1"]
+    for r, mask in masks.items():
+        own = np.frombuffer(requests[r].matcher.compute_bitmask(), dtype=np.int32)[:so.words]
+        assert np.array_equal(mask, own) and mask.any()

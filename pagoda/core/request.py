@@ -58,6 +58,8 @@ class Request:
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         # Parallel sampling (n > 1): the sample that computes the prompt, which this one forks.
         self.fork_parent = fork_parent
+        # Structured outputs: the llguidance matcher of this sequence's grammar (set by the engine).
+        self.matcher = None
 
     @property
     def num_output_tokens(self) -> int:
