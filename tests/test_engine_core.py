@@ -17,25 +17,26 @@ from pagoda.sampling_params import SamplingParams
 
 class StubEngine:
     """One token a step for each request (token = its count so far); ``fail_at``: the step
-    number that raises; ``step_s``: how long a step takes."""
+    number that raises; ``step_s``: how long a step takes. Subclasses answer otherwise
+    (``_output``)."""
 
-    def __init__(self, fail_at: int | None = None, step_s: float = 0.0):
+    def __init__(self, fail_at: int | None = None, step_s: float = 0.0, tokenizer=None, max_model_len: int = 64):
         self.fail_at, self.step_s = fail_at, step_s
-        self.running: dict[str, list] = {}
+        self.running: dict[str, list] = {}      # request id -> [prompt, params, steps run]
         self.aborted: list[str] = []
         self.steps = 0
-        self.tokenizer = None
+        self.tokenizer = tokenizer
         self.config = types.SimpleNamespace(model=types.SimpleNamespace(model="stub", path="stub"),
-                                            scheduler=types.SimpleNamespace(max_model_len=64))
+                                            scheduler=types.SimpleNamespace(max_model_len=max_model_len))
 
     @property
     def stats(self) -> EngineStats:
         return EngineStats(num_steps=self.steps, num_running=len(self.running))
 
     def add_request(self, request_id, prompt, params):
-        if not prompt:
+        if not self.prompt_token_ids(prompt):
             raise ValueError("The prompt is empty.")
-        self.running[request_id] = [list(prompt), params.max_tokens, 0]
+        self.running[request_id] = [prompt, params, 0]
 
     def abort_request(self, request_ids):
         for r in request_ids:
@@ -46,7 +47,7 @@ class StubEngine:
         return bool(self.running)
 
     def prompt_token_ids(self, prompt):
-        return list(prompt)
+        return list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
 
     def step(self):
         self.steps += 1
@@ -56,12 +57,17 @@ class StubEngine:
         outs = []
         for rid, state in list(self.running.items()):
             state[2] += 1
-            done = state[2] >= state[1]
-            outs.append(RequestOutput(rid, None, state[0], None, [CompletionOutput(
-                0, f"t{state[2]}", [state[2]], None, None, "length" if done else None)], done))
-            if done:
-                del self.running[rid]
+            out = self._output(rid, *state)
+            if out is not None:
+                outs.append(out)
+                if out.finished:
+                    del self.running[rid]
         return outs
+
+    def _output(self, rid: str, prompt, params, n: int) -> RequestOutput | None:
+        done = n >= params.max_tokens
+        return RequestOutput(rid, None, self.prompt_token_ids(prompt), None, [CompletionOutput(
+            0, f"t{n}", [n], None, None, "length" if done else None)], done)
 
 
 def _run_loop(engine, commands: list) -> list:

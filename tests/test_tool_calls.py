@@ -4,18 +4,17 @@ in responses and stream chunks; forced choices ("required", a named function) as
 the answer is held to; the requests pagoda refuses."""
 import json
 import random
-import types
 
 import pytest
 from fastapi.testclient import TestClient
 
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.engine.stats import EngineStats
 from pagoda.entrypoints.openai.api_server import build_app
 from pagoda.entrypoints.openai.tool_parsers import HermesToolParser, StreamingToolCalls
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import RequestOutputKind
 from pagoda.tokenizer import Tokenizer
+from tests.test_engine_core import StubEngine
 
 CALLS_TEXT = ('I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
               '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "24h"}}\n</tool_call>')
@@ -70,48 +69,30 @@ def test_streamed_plain_answer_is_sent_whole():
     assert got[1][0] == " and "                                      # "<" held until it could not be a tag
 
 
-class ScriptedEngine:
-    """Answers every request with ``answer``, a few characters a step; records the prompts."""
+class ScriptedEngine(StubEngine):
+    """Answers every request with ``answer``, a few characters a step; records the prompts and
+    sampling parameters it got."""
 
     def __init__(self, tokenizer, answer: str, piece: int = 7):
-        self.tokenizer, self.answer, self.piece = tokenizer, answer, piece
-        self.config = types.SimpleNamespace(model=types.SimpleNamespace(model="scripted", path="scripted"),
-                                            scheduler=types.SimpleNamespace(max_model_len=4096))
-        self.stats = EngineStats()
+        super().__init__(tokenizer=tokenizer, max_model_len=4096)
+        self.answer, self.piece = answer, piece
         self.prompts: list[dict] = []
         self.params: list = []
-        self.running: dict[str, list] = {}
-
-    def prompt_token_ids(self, prompt) -> list[int]:
-        return prompt["prompt_token_ids"]
 
     def add_request(self, request_id, prompt, params):
         self.prompts.append(prompt)
         self.params.append(params)
-        self.running[request_id] = [prompt, params, 0]
+        super().add_request(request_id, prompt, params)
 
-    def abort_request(self, request_ids):
-        for r in request_ids:
-            self.running.pop(r, None)
-
-    def has_unfinished_requests(self):
-        return bool(self.running)
-
-    def step(self):
-        outs = []
-        for rid, state in list(self.running.items()):
-            prompt, params, sent = state
-            state[2] = end = sent + self.piece
-            done = end >= len(self.answer)
-            delta = params.output_kind == RequestOutputKind.DELTA
-            if not done and not delta:
-                continue
-            text = self.answer[sent:end] if delta else self.answer
-            outs.append(RequestOutput(rid, prompt["prompt"], prompt["prompt_token_ids"], None,
-                                      [CompletionOutput(0, text, [1], None, None, "stop" if done else None)], done))
-            if done:
-                del self.running[rid]
-        return outs
+    def _output(self, rid: str, prompt, params, n: int) -> RequestOutput | None:
+        sent, end = (n - 1) * self.piece, n * self.piece
+        done = end >= len(self.answer)
+        delta = params.output_kind == RequestOutputKind.DELTA
+        if not done and not delta:
+            return None
+        text = self.answer[sent:end] if delta else self.answer
+        return RequestOutput(rid, prompt["prompt"], prompt["prompt_token_ids"], None,
+                             [CompletionOutput(0, text, [1], None, None, "stop" if done else None)], done)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The OpenAI API's request bodies (with vLLM's extra sampling fields), validated by pydantic.
 Responses are plain dicts in OpenAI's shapes, built by the serving classes."""
+import dataclasses
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -76,10 +77,10 @@ class SamplingRequest(BaseModel):
             fields["json"] = schema
         elif kind != "text":
             raise ValueError(f"Unknown response_format type {kind!r}; known: text, json_object, json_schema.")
-        unknown = set(fields) - {"json", "regex", "choice", "grammar", "json_object"}
+        known = [f.name for f in dataclasses.fields(StructuredOutputsParams)]
+        unknown = set(fields) - set(known)
         if unknown:
-            raise ValueError(f"Unknown structured_outputs field(s) {sorted(unknown)}; known: json, regex, choice, "
-                             "grammar, json_object.")
+            raise ValueError(f"Unknown structured_outputs field(s) {sorted(unknown)}; known: {', '.join(known)}.")
         return StructuredOutputsParams(**fields) if fields else None
 
 

@@ -130,7 +130,6 @@ def _forced_calls(choice, answer: str) -> list[dict]:
     return [make_tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
 
 
-
 def _plain(message: dict) -> dict:
     """Text parts ([{"type": "text", "text": ...}]) joined into one string, and tool calls'
     arguments as objects (OpenAI sends JSON strings), as the templates expect."""
