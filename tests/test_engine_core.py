@@ -12,7 +12,7 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.engine_core import EngineDeadError, pack_output, run_engine_loop, unpack_output
 from pagoda.engine.stats import EngineStats
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 
 class StubEngine:
@@ -68,6 +68,11 @@ class StubEngine:
         done = n >= params.max_tokens
         return RequestOutput(rid, None, self.prompt_token_ids(prompt), None, [CompletionOutput(
             0, f"t{n}", [n], None, None, "length" if done else None)], done)
+
+
+def _delta(**kwargs) -> SamplingParams:
+    """The stub's outputs are deltas, as a server asks for them."""
+    return SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
 
 
 def _run_loop(engine, commands: list) -> list:
@@ -159,7 +164,7 @@ def test_engine_process_serves_and_stops():
     llm = AsyncLLM.in_engine_process([partial(StubEngine)])
 
     async def run():
-        tokens = [t for o in [o async for o in llm.generate([1], SamplingParams(max_tokens=4), "r")]
+        tokens = [t for o in [o async for o in llm.generate([1], _delta(max_tokens=4), "r")]
                   for t in o.outputs[0].token_ids]
         with pytest.raises(ValueError, match="empty"):
             await anext(llm.generate([], SamplingParams(max_tokens=4), "bad"))
@@ -188,7 +193,7 @@ def test_data_parallel_engine_cores_share_the_requests():
     llm = AsyncLLM.in_engine_process([partial(StubEngine, step_s=0.01), partial(StubEngine, step_s=0.01)])
 
     async def one(i: int):
-        return [t for o in [o async for o in llm.generate([i + 1], SamplingParams(max_tokens=3 + i), f"r{i}")]
+        return [t for o in [o async for o in llm.generate([i + 1], _delta(max_tokens=3 + i), f"r{i}")]
                 for t in o.outputs[0].token_ids]
 
     async def run():

@@ -383,6 +383,24 @@ def test_a_slow_reader_gets_the_steps_it_missed_merged(engine, llm):
     assert outs[-1].outputs[0].finish_reason == "length"
 
 
+def test_a_slow_reader_of_cumulative_outputs_gets_the_latest(engine, llm):
+    """Cumulative outputs are not merged: a lagging reader's next output is the latest one, so
+    its last is the whole run (it had all its chunks concatenated when this was wrong)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)      # CUMULATIVE
+
+    async def run():
+        outs = []
+        async for out in engine.generate(PROMPTS[1], params, "slow-cumulative"):
+            outs.append(out)
+            await asyncio.sleep(0.3)
+        return outs
+
+    outs = asyncio.run(run())
+    ref = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
+    assert len(outs) < 24 and outs[-1].finished
+    assert outs[-1].outputs[0].token_ids == ref.token_ids and outs[-1].outputs[0].text == ref.text
+
+
 def test_request_output_add_folds_deltas():
     def delta(tokens, text, finish=None, lps=None, index=0):
         return CompletionOutput(index, text, tokens, -1.0 * len(tokens), lps, finish)

@@ -16,26 +16,27 @@ from pagoda.engine.engine_core import EngineCoreProc, EngineDeadError, EngineThr
 from pagoda.engine.llm_engine import LLMEngine, load_tokenizer
 from pagoda.engine.stats import EngineStats, sum_stats
 from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError"]
 
 
 class _Stream:
     """Where one request's outputs land, on the caller's event loop. Outputs the reader has not
-    taken yet are merged into one (``RequestOutput.add``): a reader that falls behind the engine
-    (hundreds of streams on a small model) catches up in one chunk instead of queueing a
-    chunk per step."""
+    taken yet become one: delta outputs are merged (``RequestOutput.add``), so a reader that
+    falls behind the engine (hundreds of streams on a small model) catches up in one chunk
+    instead of queueing a chunk per step; a cumulative output replaces the one before it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, core: int):
+    def __init__(self, loop: asyncio.AbstractEventLoop, core: int, deltas: bool):
         self.loop = loop
         self.core = core                    # the engine core that runs the request
+        self.deltas = deltas                # RequestOutputKind.DELTA
         self.pending: RequestOutput | BaseException | None = None
         self.ready = asyncio.Event()
 
     def push(self, item) -> None:
         """On the loop's thread."""
-        if isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
+        if self.deltas and isinstance(self.pending, RequestOutput) and isinstance(item, RequestOutput):
             self.pending.add(item)
         elif not isinstance(self.pending, BaseException):
             self.pending = item
@@ -146,7 +147,7 @@ class AsyncLLM:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         self._check_alive()
         core = min(range(len(self._cores)), key=self._load.__getitem__)
-        stream = _Stream(asyncio.get_running_loop(), core)
+        stream = _Stream(asyncio.get_running_loop(), core, sampling_params.output_kind == RequestOutputKind.DELTA)
         self._streams[request_id] = stream
         self._load[core] += sampling_params.n         # (changed on the event loop's thread only)
         finished = False
