@@ -39,6 +39,7 @@ DECODE_CONTEXTS = [512, 4000]
 PREFILL_BATCH, PREFILL_LEN = 8, 1024
 BLOCK_SIZE = 16
 DEVICE = "cuda"
+KV_DTYPE = None   # --kv-fp8: the cases' caches in FP8 (E4M3, scale 1)
 
 
 def bench(fn) -> float:
@@ -66,6 +67,8 @@ class Case:
         else:
             self.kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim,
                                         device=dev, dtype=dtype, generator=gen)
+        if KV_DTYPE is not None:
+            self.kv_cache = reference.quantize_kv_cache(self.kv_cache, KV_DTYPE)
         # Shuffled physical blocks, as in a cache after some churn.
         self.tables = torch.randperm(num_blocks, device=dev, generator=gen).view(
             batch, blocks_per_seq).to(torch.int32)
@@ -83,7 +86,8 @@ class Case:
 
     def reference(self, fp32=False):
         cast = (lambda t: t.float()) if fp32 else (lambda t: t)
-        return reference.paged_attention(cast(self.query), cast(self.kv_cache), self.tables,
+        cache = self.kv_cache if self.kv_cache.element_size() == 1 else cast(self.kv_cache)  # (FP8: its own layout)
+        return reference.paged_attention(cast(self.query), cache, self.tables,
                                          self.seq_lens, self.qsl, self.scale, self.ctx, self.q_len)
 
     def make_dense(self):
@@ -274,6 +278,9 @@ def ragged_case(model, batch, lo, hi, dtype, gen, rng) -> tuple["Case", list[int
 TILE_GRID = [(n, w, s, None) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4, 5)]
 TILE_CANDIDATES = [(64, 4, 3, 128), (32, 4, 5, 96), (32, 4, 6, 96), (16, 4, 6, 96), (16, 4, 8, 96),
                    (32, 4, 3, 96), (32, 4, 5, 128)]
+# An FP8 cache's tiles hold half the bytes: longer tiles, or more of them in flight
+FP8_TILE_CANDIDATES = [(64, 4, 3, 128), (64, 4, 3, None), (64, 4, 5, 128), (128, 4, 3, 128), (128, 4, 3, None),
+                       (128, 8, 3, None)]
 # (model, batch, contexts from, to): uniform where from == to
 W1_UNIFORM = [("qwen3-0.6b", 32, 1536, 1536), ("qwen3-0.6b", 64, 1536, 1536), ("llama3-8b", 64, 1536, 1536),
               ("qwen3-0.6b", 256, 1024, 1024)]
@@ -441,10 +448,14 @@ def main():
                         help="only time flash-decoding splits on W1's ragged medium batches")
     parser.add_argument("--layout", action="store_true",
                         help="only time decode with the KV heads outside the tokens in each block")
+    parser.add_argument("--kv-fp8", action="store_true",
+                        help="FP8 (E4M3) caches; with --decode-tiles, the FP8 tile candidates")
     parser.add_argument("--mixed", action="store_true",
                         help="only time a mixed step in one launch against decodes and prefills apart")
     args = parser.parse_args()
     assert DEVICE != "cuda" or torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    global KV_DTYPE
+    KV_DTYPE = torch.float8_e4m3fn if args.kv_fp8 else None
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     start = time.time()
@@ -457,7 +468,9 @@ def main():
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
     only = {"tune_split": tune_split, "ragged": tune_ragged, "layout": tune_layout, "mixed": time_mixed,
-            "decode_tiles": tune_decode_tiles, "split_ragged": tune_split_ragged}
+            "decode_tiles": lambda d, g, lg: tune_decode_tiles(d, g, lg, FP8_TILE_CANDIDATES if args.kv_fp8
+                                                               else TILE_CANDIDATES),
+            "split_ragged": tune_split_ragged}
     chosen = [fn for flag, fn in only.items() if getattr(args, flag)]
     if chosen:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")

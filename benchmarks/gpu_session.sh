@@ -60,6 +60,8 @@
 #   bash benchmarks/gpu_session.sh serve19   # W3: the engine in its own process against its thread, interleaved
 #   BASE=dir bash benchmarks/gpu_session.sh serve19ab  # W3: BASE's server against this tree's, interleaved
 #   bash benchmarks/gpu_session.sh serve19dp # two GPUs: data-parallel tests, W3 Llama-3-8B at dp 1 and 2
+#   bash benchmarks/gpu_session.sh fp8kv     # the FP8 KV cache: kernel tests, decode tiles, W1 + W2 both models
+#                                            # against the bf16 cache, interleaved (TILE=... a decode tile for FP8)
 #   BASE=dir bash benchmarks/gpu_session.sh serve16ab  # W3 Qwen3-0.6B: BASE's server against this tree's
 #   bash benchmarks/gpu_session.sh fp8      # W5: FP8 weights (W8A16 kernel, W8A8): tests, crossover; W2 and W1
 #   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
@@ -632,6 +634,31 @@ case "${1:-}" in
     for v in none norm,silu; do
       python3 benchmarks/op_skip_probe.py $v --model-config $MA/llama3-8b.json --no-tqdm --out "$OUT/skipl_$v" 2>&1 \
         | grep -E "^pagoda " | sed "s/^/W1 llama skip=$v: /"
+    done
+    ;;
+  fp8kv)
+    # The FP8 KV cache (kv_cache_dtype="fp8"): its kernel tests at full shapes, the decode tiles on
+    # W1's ragged batches, then W1 and W2 of both models with the bf16 cache and the FP8 one
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py tests/kernels/test_triton_backend.py \
+      -k "fp8 or backend_matches" 2>&1 | tail -3
+    [ -n "${NO_TILES:-}" ] || python3 benchmarks/attention_kernels.py --decode-tiles --kv-fp8 2>&1 \
+      | grep -E "b=|Decode|case|Error" | sed "s/^/fp8 tiles: /"
+    [ -z "${BF16_TILES:-}" ] || python3 benchmarks/attention_kernels.py --decode-tiles 2>&1 \
+      | grep -E "b=|Decode|case|Error" | sed "s/^/bf16 tiles: /"
+    [ -n "${NO_W1:-}" ] || warm_w1 .
+    [ -n "${NO_W1:-}" ] || for m in ${MODELS:-qwen3-0.6b llama3-8b}; do
+      for round in $(seq ${ROUNDS:-1}); do
+        for kv in auto fp8; do
+          python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --kv-cache-dtype $kv \
+            --out "$OUT/w1_$kv" ${KNOBS:-} 2>&1 | grep -E "^pagoda |^roofline of this|Error" | sed "s/^/W1 $m kv=$kv $round: /"
+        done
+      done
+    done
+    [ -n "${NO_W2:-}" ] || for m in ${MODELS:-qwen3-0.6b llama3-8b}; do
+      for kv in auto fp8; do
+        python3 benchmarks/latency.py --model-config $MA/$m.json --batch 1 64 --kv-cache-dtype $kv \
+          --out "$OUT/w2_$kv" ${KNOBS:-} 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W2 $m kv=$kv: /"
+      done
     done
     ;;
   serve19)

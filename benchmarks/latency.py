@@ -51,11 +51,11 @@ def hf_latency(model, prompts, out_len):
     return {"ttft_ms": t1 * 1e3, "ms_per_step": (tn - t1) / (out_len - 1) * 1e3}
 
 
-def floor_ms(cfg, batch, context, ceilings) -> float:
+def floor_ms(cfg, batch, context, ceilings, kv_elem_bytes=2) -> float:
     """Bytes one decode step must read (weights once, ``weight_bytes``; each sequence's KV) / copy
     bandwidth. The copy bandwidth counts read + write, so reading alone is credited at that rate."""
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_bytes = 2 * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * context * batch
+    kv_bytes = 2 * kv_elem_bytes * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * context * batch
     return (weight_bytes(cfg) + kv_bytes) / ceilings["copy_bytes_per_s"] * 1e3
 
 
@@ -70,6 +70,7 @@ def main():
                    help="W5: dummy 4-bit weights in this checkpoint format")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs the model is split over (the floor then counts each GPU's share)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, the host's hot spots at the first batch size (cProfile)")
@@ -81,11 +82,13 @@ def main():
     cfg = model_config(args.model_config, args.quantization)
     name = os.path.splitext(os.path.basename(args.model_config))[0] + (f"-{args.quantization}" if args.quantization else "")
     name += f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    name += f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
     ceilings = measure_ceilings()
     t0 = time.perf_counter()
     llm = LLM(dummy_model_dir(args.model_config, args.quantization), load_format="dummy", dtype="bfloat16",
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
-              async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size)
+              async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+              kv_cache_dtype=args.kv_cache_dtype)
     tag = "async" if llm.llm_engine.async_scheduling else "sync"
     llm.generate({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=1), use_tqdm=False)
     startup = time.perf_counter() - t0
@@ -93,7 +96,8 @@ def main():
     for b in args.batch:
         r = pagoda_latency(llm, prompts_for(b, args.prompt_len, cfg["vocab_size"]), args.output_len)
         r.update(engine="pagoda", batch=b,
-                 floor_ms=floor_ms(cfg, b, args.prompt_len + args.output_len // 2, ceilings) / args.tensor_parallel_size)
+                 floor_ms=floor_ms(cfg, b, args.prompt_len + args.output_len // 2, ceilings,
+                                   1 if args.kv_cache_dtype.startswith("fp8") else 2) / args.tensor_parallel_size)
         rows.append(r)
     if args.profile:
         host_profile(llm, [{"prompt_token_ids": p} for p in prompts_for(args.batch[0], args.prompt_len,

@@ -1,6 +1,7 @@
 """W5's quality half: perplexity of SmolLM2-135M-Instruct on real text, unquantized against its
 GPTQ and AWQ checkpoints (4-bit in groups of 128 (GPTQ; AWQ needs whole groups of its 576
-inputs: 64), and of 32; 8-bit), all run by pagoda on the CPU.
+inputs: 64), and of 32; 8-bit), and against FP8 KV caches (E4M3, E5M2; scales 1.0), all run by
+pagoda on the CPU.
 
 The checkpoints are written by the tests' round-to-nearest quantizer (``tests/quant_utils.py``,
 packed as AutoGPTQ and AutoAWQ pack) from the embedded GGUF's weights (themselves Q4_1,
@@ -53,6 +54,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--kv-only", action="store_true", help="only the FP8 KV caches, not the checkpoints")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
     import transformers
@@ -63,6 +65,12 @@ def main():
     windows = [ids[i:i + args.window] for i in range(0, len(ids) - 1, args.window)]
     rows = [("GGUF Q4_1 as shipped, float32", perplexity(base, windows))]
     del base
+    for kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2"):
+        llm = LLM(gguf, dtype="float32", kv_cache_memory_bytes=1 << 28, max_model_len=2048, kv_cache_dtype=kv_cache_dtype)
+        rows.append((f"the same, KV cache {kv_cache_dtype}", perplexity(llm, windows)))
+        del llm
+    if args.kv_only:
+        return report(args, ids, rows)
     work = tempfile.mkdtemp(prefix="pagoda-quality-")
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     folder = os.path.join(work, "hf")
@@ -87,6 +95,10 @@ def main():
         rows.append((label, perplexity(llm, windows)))
         del llm
         print(f"  {label}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    report(args, ids, rows)
+
+
+def report(args, ids, rows):
     ref = rows[0][1]
     print(f"SmolLM2-135M-Instruct, perplexity on Python's LICENSE.txt ({len(ids)} tokens, windows of {args.window})")
     print(f"{'weights':44s} {'perplexity':>10s} {'vs shipped':>10s}")

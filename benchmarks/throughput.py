@@ -52,7 +52,7 @@ def run_pagoda(args, prompts, output_lens):
     kwargs = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,   # None: the engine's defaults
                   max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
                   async_scheduling=args.async_scheduling, enable_prefix_caching=args.prefix_caching,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     if args.kv_cache_gib:
@@ -224,7 +224,7 @@ def schedule_floor(args, prompts, output_lens, cfg: dict, ceilings: dict, max_nu
         sampled = {r.request_id: 7 for r in rows if r.num_computed_tokens == r.num_tokens}
         steps.append((len(sampled), sum(r.num_computed_tokens for r in rows), out.total_num_scheduled_tokens))
         sched.update_from_output(out, ModelRunnerOutput(sampled))
-    floor = step_floor(cfg, ceilings, steps, kv_bytes_per_token(cfg))
+    floor = step_floor(cfg, ceilings, steps, kv_bytes_per_token(cfg, args.kv_cache_dtype))
     return {"steps": len(steps), "step_floor_s": floor, "output_tok_s_at_floor": sum(output_lens) / floor}
 
 
@@ -270,18 +270,18 @@ def compute_floor(cfg: dict, prompts, output_lens, ceilings) -> float:
     return (2 * layers * (n_in + n_out) + 2 * head * n_out + attn) / ceilings["bf16_flops_per_s"]
 
 
-def kv_read_floor(cfg: dict, prompts, output_lens, ceilings) -> float:
+def kv_read_floor(cfg: dict, prompts, output_lens, ceilings, kv_cache_dtype: str) -> float:
     """Seconds the decode steps need just to read every request's KV context once per output
-    token (bf16), at the measured copy rate: for a small model with long contexts this, not
-    the matmuls, is the floor."""
+    token, at the measured copy rate: for a small model with long contexts this, not the
+    matmuls, is the floor."""
     tokens = sum(o * len(p) + o * (o - 1) / 2 for p, o in zip(prompts, output_lens))
-    return tokens * kv_bytes_per_token(cfg) / ceilings["copy_bytes_per_s"]
+    return tokens * kv_bytes_per_token(cfg, kv_cache_dtype) / ceilings["copy_bytes_per_s"]
 
 
-def kv_bytes_per_token(cfg: dict) -> int:
-    """bf16 K and V of one token over all layers."""
+def kv_bytes_per_token(cfg: dict, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token over all layers: bf16, or one byte an element in an FP8 cache."""
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * 2
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * (1 if kv_cache_dtype.startswith("fp8") else 2)
 
 
 def main():
@@ -303,6 +303,7 @@ def main():
                    help="default: the engine's (16,384 on an H200, as vLLM's offline default there)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf", action="store_true", help="also run HF transformers' generate_batch (GPU)")
@@ -338,7 +339,7 @@ def main():
         cfg = model_config(args.model_config, args.quantization)
         result["ceilings"] = measure_ceilings()
         result["compute_floor_s"] = compute_floor(cfg, prompts, output_lens, result["ceilings"])
-        result["kv_read_floor_s"] = kv_read_floor(cfg, prompts, output_lens, result["ceilings"])
+        result["kv_read_floor_s"] = kv_read_floor(cfg, prompts, output_lens, result["ceilings"], args.kv_cache_dtype)
         # the roofline of the engine's own schedule at the ceilings just measured
         result["schedule_floor"] = schedule_floor(args, prompts, output_lens, cfg, result["ceilings"],
                                                   result["max_num_batched_tokens"], result["max_num_seqs"])
@@ -351,10 +352,11 @@ def main():
                 result["hf_error"] = repr(e)
     result["workload"] = {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                           "output_len": args.output_len, "temperature": args.temperature, "top_p": args.top_p,
-                          "dtype": args.dtype, "model": args.model_config or args.model or "SmolLM2-135M"}
+                          "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "model": args.model_config or args.model or "SmolLM2-135M"}
     os.makedirs(args.out, exist_ok=True)
     name = os.path.splitext(os.path.basename(args.model_config or args.model or "smollm2"))[0]
     name += f"-{args.quantization}" if args.quantization else ""
+    name += f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
     # (the floors above are one GPU's; the printed roofline divides by the tensor-parallel size)
     name += f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     result["tensor_parallel_size"] = args.tensor_parallel_size

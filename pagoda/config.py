@@ -92,7 +92,21 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None     # explicit KV budget (the CPU default is 4 GiB)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # The KV cache's storage: "auto" keeps the model's compute dtype; "fp8" (= "fp8_e4m3") and
+    # "fp8_e5m2" store one byte per element, each layer's K and V divided by its k_scale /
+    # v_scale (the checkpoint's, else 1.0, as in vLLM): twice the tokens in the same memory, and
+    # half the bytes for the decode attention to read.
+    cache_dtype: str = "auto"
     num_blocks: int = 0                          # decided by the runner after profiling
+
+
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_torch_dtype(cache_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the KV cache for CacheConfig.cache_dtype (checked by EngineArgs)."""
+    return KV_CACHE_DTYPES[cache_dtype] or compute_dtype
 
 
 @dataclass

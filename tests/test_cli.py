@@ -15,9 +15,10 @@ def test_generate_prompts_and_file(tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text("The capital of France is\n\n1, 2, 3, 4,\n", encoding="utf-8")
     r = run(["generate", "Hello, my name is", "--file", str(f), "--max-tokens", "8", "--temperature", "0",
-             "--max-model-len", "256", "--log-stats"])
+             "--max-model-len", "256", "--log-stats", "--kv-cache-dtype", "fp8"])
     assert r.returncode == 0, r.stderr
     assert "Engine ready" in r.stderr                 # --log-stats turns the engine's log on
+    assert "(KV cache dtype fp8)" in r.stderr
     assert r.stdout.count("### Prompt:") == 3
     assert "'The capital of France is'" in r.stdout and "finish_reason=length" in r.stdout
 

@@ -200,6 +200,8 @@ def test_bad_engine_arguments(smollm_path):
         LLM(smollm_path, tensor_parallel_size=4, max_model_len=256)
     with pytest.raises(ValueError, match="Unknown dtype"):
         LLM(smollm_path, dtype="int8")
+    with pytest.raises(ValueError, match="Unknown kv_cache_dtype 'int4'; choose one of auto, fp8"):
+        LLM(smollm_path, kv_cache_dtype="int4")
     with pytest.raises(TypeError, match="unexpected keyword"):
         LLM(smollm_path, not_an_option=1)
     with pytest.raises(ValueError, match="max_model_len=100000 is larger"):

@@ -4,7 +4,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pagoda.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagoda.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagoda.model.hub import default_model_path, resolve_model_path
 from pagoda.model.loader import read_arch_config, read_generation_config, read_quant_config
 from pagoda.quant.base import check_quantization_name, resolve_quantization
@@ -42,6 +42,7 @@ class EngineArgs:
     enable_chunked_prefill: bool | None = None
     async_scheduling: bool | None = None       # None: on for CUDA, off on the CPU
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     swap_space: float = 4
@@ -84,6 +85,9 @@ class EngineArgs:
             raise ValueError(f"block_size must be one of 1, 8, 16, 32, 64, 128, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"Unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}.")
         default_batched, default_seqs = _batch_defaults(device)
         max_num_seqs = self.max_num_seqs or default_seqs
         max_batched = self.max_num_batched_tokens or default_batched
@@ -101,7 +105,7 @@ class EngineArgs:
         cache = CacheConfig(
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
+            gpu_memory_utilization=self.gpu_memory_utilization, cache_dtype=self.kv_cache_dtype,
             enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching)
         sched = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked,

@@ -51,8 +51,8 @@ class LLMEngine:
         # cycles: dropped, it is still freed, by reference counting.)
         gc.collect()
         gc.freeze()
-        logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens.", time.time() - t0,
-                    num_blocks - 1, config.cache.block_size)
+        logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens (KV cache dtype %s).", time.time() - t0,
+                    num_blocks - 1, config.cache.block_size, config.cache.cache_dtype)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs):

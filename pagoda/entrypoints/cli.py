@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
                    help="where ranks 1..N-1 of -tp x -pp run: processes of this node (mp, the default) or the "
                         "actors of a Ray cluster (ray: several nodes)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="the KV cache's storage: the model's dtype (auto), or one byte an element (fp8: E4M3)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--log-stats", action="store_true",
                    help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
@@ -53,6 +55,7 @@ def engine_args_from(args):
                       pipeline_parallel_size=args.pipeline_parallel_size,
                       data_parallel_size=args.data_parallel_size,
                       distributed_executor_backend=args.distributed_executor_backend,
+                      kv_cache_dtype=args.kv_cache_dtype,
                       enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats)
 
 

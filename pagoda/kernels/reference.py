@@ -8,6 +8,12 @@ A batch is "varlen": the scheduled query tokens of all requests are concatenated
 request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]`` of ``query``, and those rows
 are the *last* positions of its ``seq_lens[i]`` context tokens (the ones before them are already
 in the cache). Decode is the case of one query token; prefill and chunked prefill are longer.
+
+An FP8 cache (``torch.float8_e4m3fn`` / ``float8_e5m2``) holds each layer's K / V divided by its
+``k_scale`` / ``v_scale`` and clamped to the format's range (``quantize_kv``); readers multiply
+back (``dequantize_kv``). Other caches hold the values as they are and ignore the scales. A
+one-byte cache also stores each block's values as ``(num_kv_heads, head_dim, block_size)``:
+``value_blocks`` gives them in the keys' layout whatever the cache (triton_attention says why).
 """
 from typing import NamedTuple
 
@@ -15,17 +21,62 @@ import torch
 import torch.nn.functional as F
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as stored in a cache of ``dtype``: FP8 holds ``x / scale``, clamped to the format's
+    largest finite value (a plain cast would turn what lies beyond it into NaN), rounded to
+    nearest even."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    top = torch.finfo(dtype).max
+    return (x.float() * (1.0 / scale)).clamp(-top, top).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache contents back in ``dtype`` (exact for an FP8 cache and scale 1)."""
+    if not is_fp8(x.dtype):
+        return x.to(dtype)
+    return x.to(dtype) if scale == 1.0 else (x.float() * scale).to(dtype)
+
+
+def value_blocks(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache's values as ``(num_blocks, block_size, num_kv_heads, head_dim)``: ``kv_cache[1]``,
+    or for a one-byte cache a view of its ``(num_kv_heads, head_dim, block_size)`` blocks."""
+    values = kv_cache[1]
+    if values.element_size() != 1:
+        return values
+    num_blocks, block_size, num_kv_heads, head_dim = values.shape
+    return values.view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
+
+
+def quantize_kv_cache(kv_cache: torch.Tensor, dtype: torch.dtype, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:
+    """A cache of ``dtype`` holding what ``kv_cache`` (keys' layout for both) holds (tests,
+    benchmarks)."""
+    out = torch.empty(kv_cache.shape, dtype=dtype, device=kv_cache.device)
+    out[0] = quantize_kv(kv_cache[0], k_scale, dtype)
+    value_blocks(out).copy_(quantize_kv(kv_cache[1], v_scale, dtype))
+    return out
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Scatter new K/V ``(num_tokens, num_kv_heads, head_dim)`` into their slots."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = key.to(kv_cache.dtype)
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = value.to(kv_cache.dtype)
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = quantize_kv(key, k_scale, kv_cache.dtype)
+    block_size = kv_cache.shape[2]
+    value_blocks(kv_cache)[slot_mapping // block_size, slot_mapping % block_size] = quantize_kv(
+        value, v_scale, kv_cache.dtype)
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole blocks ``src[i] -> dst[i]`` (K and V) in every layer's cache."""
     for cache in kv_caches:
+        if cache.element_size() == 1:   # (the CPU has no index_copy_ for float8: copy bytes)
+            cache = cache.view(torch.uint8)
         cache.index_copy_(1, dst, cache.index_select(1, src))
 
 
@@ -41,13 +92,15 @@ def gather_context(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, batch: int, max_len: int):
     """``gather_context`` from the flattened ``(batch * num_blocks,)`` int64 block ids."""
     # index_select copies whole blocks; advanced indexing ran 4x slower on the CPU.
-    k, v = (kv_cache[i].index_select(0, block_ids).view(batch, -1, *kv_cache.shape[3:]) for i in (0, 1))
+    k, v = (blocks.index_select(0, block_ids).reshape(batch, -1, *kv_cache.shape[3:])
+            for blocks in (kv_cache[0], value_blocks(kv_cache)))
     return k[:, :max_len], v[:, :max_len]
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    max_seq_len: int | None = None, max_query_len: int | None = None) -> torch.Tensor:
+                    max_seq_len: int | None = None, max_query_len: int | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of a varlen query batch ``(num_tokens, num_heads, head_dim)`` against
     each request's paged context. GQA: query head ``h`` reads KV head ``h // (num_heads //
     num_kv_heads)``. Returns ``(num_tokens, num_heads, head_dim)`` in the query's dtype.
@@ -77,7 +130,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     in_context = k_pos[None, :] < seq_lens[:, None]                          # (B, S)
     allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & in_context[:, None, :]
     out = F.scaled_dot_product_attention(
-        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+        q.float().transpose(1, 2), dequantize_kv(k, k_scale, torch.float32).transpose(1, 2),
+        dequantize_kv(v, v_scale, torch.float32).transpose(1, 2),
         attn_mask=allowed[:, None], scale=scale, enable_gqa=True)              # (B, H, Q, D)
     return out.transpose(1, 2)[q_valid].to(query.dtype)
 

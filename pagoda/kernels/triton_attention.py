@@ -58,8 +58,17 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   ``skip_decodes`` skips the decodes, so the two launches of a mixed step need no
   ``num_decodes``.
 - Numerics: K/V tiles in the cache dtype, ``tl.dot`` into fp32, online softmax in fp32 with
-  ``exp2`` (scale * log2(e) folded into the scores), P cast to the value dtype for the second
+  ``exp2`` (scale * log2(e) folded into the scores), P cast to the query dtype for the second
   dot (as flash-attention does). fp32 inputs use exact ("ieee") dots, not tf32.
+- An FP8 cache (``reference.quantize_kv``): the KV write divides by the layer's scale and
+  clamps; the attention loads one-byte tiles and widens them (exactly) for the dots, with
+  ``k_scale`` folded into the score scale and ``v_scale`` into the output. Tensor cores take
+  8-bit operands from shared memory only along the dot's reduction axis: K is loaded as K^T
+  (head_dim along its rows), and the cache's blocks hold the values as (kv head, dim, token)
+  (``reference.value_blocks``), so that P.V reads them along the context. (Stored token-major,
+  a value tile was read one byte at a time.) With half-precision queries the dots run in fp16
+  (``FP8_Q_DIVISOR``). On the H200 a decode reads at 2.4 TB/s of FP8, 1.2x the bf16 cache's
+  speed: the widening and bf16's per-token work bound it, not its reads (BENCHMARKS.md).
 
 Tiles to tune on the GPU are ``TILES`` and ``SPLIT_*`` below (module globals read at each call);
 ``benchmarks/attention_kernels.py`` measures the defaults and a few alternatives.
@@ -70,8 +79,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.reference import Rope
-from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, num_sms, pdl_launch, pdl_wait
+from pagoda.kernels.reference import Rope, is_fp8
+from pagoda.kernels.triton_utils import fix_interpreter_bugs, num_sms, pdl_launch, pdl_wait
 
 # Tile shapes (Hopper defaults), keyed by BLOCK_M: the number of (query token, query head) rows
 # per program. BLOCK_M is chosen per call to hold the longest request's queries of one GQA group
@@ -86,6 +95,10 @@ TILES = {  # BLOCK_M: dict(TILE_N, num_warps, num_stages[, maxnreg])
     64: dict(TILE_N=64, num_warps=4, num_stages=3),
     128: dict(TILE_N=64, num_warps=8, num_stages=3),
 }
+# FP8 cache, half-precision queries: the dots run in fp16, into which E4M3 / E5M2 widen in one
+# instruction per pair (to bf16 they took three: the decode kernel was bound by them, not by
+# its reads). The queries are divided by this on the way in (fp16 ends at 65,504).
+FP8_Q_DIVISOR = tl.constexpr(256.0)
 # On the GPU, fp32 inputs (a test dtype, not a serving one) use exact FMA dots, which spill at
 # large tiles. (Not applied in the CPU interpreter, so that its tests cover the large tiles.)
 MAX_BLOCK_M_CUDA = {torch.float32: 16}
@@ -102,7 +115,7 @@ SPLIT_MAX_SEGMENTS = 64
 SPLIT_MIN_TOKENS = 128
 
 
-fix_interpreter_loop_bounds()
+fix_interpreter_bugs()
 
 
 def _rope_args(rope: Rope | None, of: str, head_dim: int, dummy: torch.Tensor) -> dict:
@@ -157,12 +170,13 @@ def _load_heads(ptr, row_off, row_valid, pos, cos_sin_ptr, stride_cs, norm_ptr, 
 
 @triton.jit
 def _write_kv_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                           pos_ptr, cos_sin_ptr, norm_ptr, stride_cs, eps,
+                           pos_ptr, cos_sin_ptr, norm_ptr, stride_cs, eps, k_inv_scale, v_inv_scale,
                            stride_kt, stride_kh, stride_vt, stride_vh,
                            stride_cslot, stride_chead,
                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                           HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+                           BLOCK_SIZE: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+                           FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     # (the slot mapping is a step input, written before the previous kernel started)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -179,17 +193,25 @@ def _write_kv_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ma
     k = _load_heads(key_ptr, token * stride_kt + offs_h * stride_kh, heads, pos + 0 * offs_h, cos_sin_ptr,
                     stride_cs, norm_ptr, eps, HEAD_DIM, HEAD_DIM_P, HAS_ROPE, HAS_NORM)
     v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d, mask=mask)
+    if FP8_MAX > 0:  # (reference.quantize_kv)
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
     dst = slot * stride_cslot + offs_h[:, None] * stride_chead + offs_d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    if v_cache_ptr.dtype.element_ty.primitive_bitwidth == 8:   # a block's values as (head, dim, token)
+        offset = slot % BLOCK_SIZE
+        dst = (slot - offset) * stride_cslot + offs_h[:, None] * stride_chead * BLOCK_SIZE + offs_d * BLOCK_SIZE + offset
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor, rope: Rope | None = None) -> None:
+                          slot_mapping: torch.Tensor, rope: Rope | None = None,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Scatter new K/V ``(num_tokens, num_kv_heads, head_dim)`` into ``kv_cache`` at
     ``slot_mapping`` (int32 or int64), the keys rotated (and k-normed) by ``rope`` if given
-    (``key`` itself is left unchanged). A slot of -1 is skipped (padding tokens). K/V may be
-    strided views (e.g. slices of a fused qkv output) as long as ``head_dim`` is contiguous."""
+    (``key`` itself is left unchanged), quantized with ``k_scale`` / ``v_scale`` into an FP8
+    cache. A slot of -1 is skipped (padding tokens). K/V may be strided views (e.g. slices of a
+    fused qkv output) as long as ``head_dim`` is contiguous."""
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape and slot_mapping.shape[0] == num_tokens
     assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.is_contiguous()
@@ -202,9 +224,10 @@ def write_kv_cache_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
         key, value, k_cache, v_cache, slot_mapping,
         stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
         stride_cslot=k_cache.stride(1), stride_chead=k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
         HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM_P=triton.next_power_of_2(head_dim),
-        pos_ptr=key if rope is None else rope.positions,
+        pos_ptr=key if rope is None else rope.positions, k_inv_scale=1.0 / k_scale, v_inv_scale=1.0 / v_scale,
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if is_fp8(kv_cache.dtype) else 0.0,
         **_rope_args(rope, "k", head_dim, key), **pdl_launch(key.device),
         num_warps=4)
 
@@ -274,18 +297,33 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, 
     kv_off = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
     # (pointers as base + row offset + column: an int64 offset tensor of the tile would cost
     # registers)
-    k_ptrs = k_cache_ptr + kv_off[:, None] + offs_d[None, :]
-    v_ptrs = v_cache_ptr + kv_off[:, None] + offs_d[None, :]
-    if MASKED:
-        # Masked loads return 0, never stale cache contents (which may be NaN).
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    ONE_BYTE: tl.constexpr = v_cache_ptr.dtype.element_ty.primitive_bitwidth == 8
+    if ONE_BYTE:
+        # K read as K^T and V from (head, dim, token) blocks: both tiles along the dots'
+        # reduction axis, which 8-bit operands need (triton_attention's docstring)
+        kt_ptrs = k_cache_ptr + kv_off[None, :] + offs_d[:, None]
+        v_off = block * stride_kb + kv_head * stride_kh * BLOCK_SIZE + offs_n % BLOCK_SIZE
+        v_ptrs = v_cache_ptr + v_off[:, None] + offs_d[None, :] * BLOCK_SIZE
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=d_valid[:, None] & n_valid[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
     else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+        k_ptrs = k_cache_ptr + kv_off[:, None] + offs_d[None, :]
+        v_ptrs = v_cache_ptr + kv_off[:, None] + offs_d[None, :]
+        if MASKED:
+            # Masked loads return 0, never stale cache contents (which may be NaN).
+            kv_mask = n_valid[:, None] & d_valid[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        kt = tl.trans(k)
 
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         s = tl.where(allowed, s, float("-inf"))
@@ -295,7 +333,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, 
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -309,7 +347,7 @@ def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         part_acc_ptr, part_m_ptr, part_l_ptr,       # flash-decoding scratch (NUM_SEGMENTS > 1)
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        qk_scale, num_seqs,
+        qk_scale, v_scale, num_seqs,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_bt,
         cos_sin_ptr, norm_ptr, stride_cs, eps,   # rotary of the queries (Rope)
@@ -318,7 +356,7 @@ def _paged_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
         DECODE: tl.constexpr, SKIP_DECODES: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-        USE_PDL: tl.constexpr):
+        FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr):
     # (pdl_wait comes after the tiles of the old context: see the K/V loops)
     if DECODE:
         # At most one query token per request: no search (its dependent loads are most of a
@@ -374,6 +412,8 @@ def _paged_attention_kernel(
     # of the positions: that would be one more dependent load before the first K/V tile.
     q = _load_heads(q_ptr, token * stride_qt + head * stride_qh, row_valid, q_pos, cos_sin_ptr,
                     stride_cs, norm_ptr, eps, HEAD_DIM, HEAD_DIM_P, HAS_ROPE, HAS_NORM)
+    if FP8_DOTS_F16:  # the dots in fp16, q / 256 so that it cannot overflow (qk_scale * 256)
+        q = (q.to(tl.float32) * (1.0 / FP8_Q_DIVISOR)).to(tl.float16)
 
     # Context range of this tile: up to its last query's position (causal), split into segments.
     kv_end = tl.minimum(seq_len, context_len + tl.minimum((local_tile + 1) * BLOCK_Q, q_len))
@@ -411,6 +451,7 @@ def _paged_attention_kernel(
                                          l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
                                          BLOCK_SIZE, TILE_N, DOT_PRECISION, True)
 
+    acc *= v_scale
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -476,7 +517,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                            max_seq_len: int | None = None, max_query_len: int | None = None,
                            out: torch.Tensor | None = None,
                            num_segments: int | None = None, rope: Rope | None = None,
-                           skip_decodes: bool = False) -> torch.Tensor:
+                           skip_decodes: bool = False, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of a varlen batch against its paged context; same contract as
     ``reference.paged_attention``. ``query``: ``(num_tokens, num_heads, head_dim)`` (strided
     views fine, head_dim contiguous); ``kv_cache``: ``(2, num_blocks, block_size, num_kv_heads,
@@ -491,7 +532,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     ``rope``: rotary embedding (and q norm) applied to the queries as they are read (``query``
     itself is left unchanged), each at its place in its context: ``seq_len - q_len + i`` for
     the request's i-th query, which is what the runner's positions are (``rope.positions`` is
-    not read here).
+    not read here). ``k_scale`` / ``v_scale``: an FP8 cache's (``reference.quantize_kv``).
 
     One batch of decodes and longer requests in any order can be attended by two launches, each
     leaving the other's requests alone (a CUDA graph of mixed steps, where which requests are
@@ -533,6 +574,9 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         part_m = part_l = part_acc = out  # unused
 
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    dots_f16 = is_fp8(kv_cache.dtype) and query.dtype != torch.float32
+    if dots_f16:
+        k_scale *= FP8_Q_DIVISOR.value
     if decode:   # one tile per request, KV head and segment, flattened in batch order
         grid = (num_seqs * num_kv_heads * num_segments,)
     else:        # query tile slots: an upper bound, from shapes only
@@ -540,7 +584,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_acc, part_m, part_l,
         block_tables, seq_lens, query_start_loc,
-        scale * math.log2(math.e), num_seqs,
+        scale * k_scale * math.log2(math.e), v_scale, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         **_rope_args(rope, "q", head_dim, query),
@@ -548,7 +592,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         NUM_SEGMENTS=num_segments,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        LOOP_STAGES=tiles["num_stages"], DECODE=decode, SKIP_DECODES=skip_decodes, **tiles,
+        LOOP_STAGES=tiles["num_stages"], DECODE=decode, SKIP_DECODES=skip_decodes, FP8_DOTS_F16=dots_f16, **tiles,
         **pdl_launch(query.device))
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](

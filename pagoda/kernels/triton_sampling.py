@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, num_sms, pdl_launch, pdl_wait
+from pagoda.kernels.triton_utils import fix_interpreter_bugs, num_sms, pdl_launch, pdl_wait
 
 BLOCK_V = 4096
 LIST_CAP = 2 * BLOCK_V      # a row's list of candidates (at least BLOCK_V: it first holds the column maxima)
@@ -81,7 +81,7 @@ KEY_SHIFT = {torch.float32: 0, torch.float16: 13, torch.bfloat16: 16}
 # BENCHMARKS.md; 4 an SM ran W1 the same).
 GUMBEL_PROGRAMS_PER_SM = 8
 GUMBEL_MAX_SPLITS = 64
-fix_interpreter_loop_bounds()
+fix_interpreter_bugs()
 
 
 @triton.jit

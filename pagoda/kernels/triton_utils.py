@@ -1,32 +1,51 @@
 """Helpers shared by the Triton kernel modules."""
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 
-def fix_interpreter_loop_bounds() -> None:
-    """CPU interpreter only (TRITON_INTERPRET=1): triton 3.6 turns a run-time scalar into a
-    python int with ``int(array_of_one_element)``, which numpy >= 2.4 rejects, so a loop like
-    ``range(tile_lo, tile_hi)`` over loaded values fails. Use ``.item()`` instead, for the
-    duration of each interpreted launch (the interpreter restores its patches afterwards)."""
+def fix_interpreter_bugs() -> None:
+    """CPU interpreter only (TRITON_INTERPRET=1): mend two bugs of triton 3.6's interpreter, for
+    the duration of the process.
+
+    - It turns a run-time scalar into a python int with ``int(array_of_one_element)``, which
+      numpy >= 2.4 rejects, so a loop like ``range(tile_lo, tile_hi)`` over loaded values fails.
+      Use ``.item()`` instead, for each interpreted launch (the interpreter restores its patches
+      afterwards).
+    - Its float -> FP8 conversion drops the carry when rounding up reaches the next power of
+      two (E4M3: 7.84 -> 4.0, not 8.0). Conversions to or from FP8 go through torch, which rounds
+      to nearest even as the GPU does."""
     if not triton.knobs.runtime.interpret:
         return
     try:
         from triton.runtime import interpreter
-        original = interpreter._patch_lang_tensor
+        original_patch, original_convert = interpreter._patch_lang_tensor, interpreter._convert_float
     except (ImportError, AttributeError):
         return
-    if getattr(original, "_pagoda_fixed", False):
+    if getattr(original_patch, "_pagoda_fixed", False):
         return
 
     def patched(tensor, scope):
-        original(tensor, scope)
+        original_patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    torch_types = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2, tl.float16: torch.float16,
+                   tl.bfloat16: torch.bfloat16, tl.float32: torch.float32}
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+    def convert(data, src_type, dst_type, rounding_mode):
+        src, dst = torch_types.get(src_type), torch_types.get(dst_type)
+        if src is None or dst is None or not {src, dst} & {torch.float8_e4m3fn, torch.float8_e5m2}:
+            return original_convert(data, src_type, dst_type, rounding_mode)
+        x = torch.from_numpy(np.array(data)).view(src)
+        return x.to(dst).view(bits[dst.itemsize]).numpy()
 
     patched._pagoda_fixed = True
     interpreter._patch_lang_tensor = patched
+    interpreter._convert_float = convert
 
 
 @functools.cache

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.triton_utils import fix_interpreter_loop_bounds, num_sms
+from pagoda.kernels.triton_utils import fix_interpreter_bugs, num_sms
 
 # Rows of x the kernel takes (0 turns it off); more: dequantize + cuBLAS.
 MAX_M = 256
@@ -46,7 +46,7 @@ TILES = {
 PROGRAMS_PER_SM = 4      # split K until this many programs an SM
 MAX_SPLIT_K = 16
 
-fix_interpreter_loop_bounds()
+fix_interpreter_bugs()
 
 
 @triton.jit

@@ -69,13 +69,34 @@ def iter_safetensors(folder: str, skip: tuple[str, ...] = ()) -> Iterator[tuple[
             raise ValueError(f"Cannot read weights file {file} (truncated or corrupt?): {e}") from None
 
 
+# An FP8 KV cache's scales as checkpoints name them (vLLM's own, the older kv_scale for both,
+# NVIDIA ModelOpt's, compressed-tensors' output scales of k_proj / v_proj): which of the layer's
+# Attention scales each sets.
+KV_SCALE_NAMES = {"self_attn.k_scale": ("k_scale",), "self_attn.v_scale": ("v_scale",),
+                  "self_attn.kv_scale": ("k_scale", "v_scale"),
+                  "self_attn.k_proj.k_scale": ("k_scale",), "self_attn.v_proj.v_scale": ("v_scale",),
+                  "self_attn.k_proj.output_scale": ("k_scale",), "self_attn.v_proj.output_scale": ("v_scale",)}
+
+
+def _load_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor) -> bool:
+    """Set the attention's k_scale / v_scale if ``name`` is one (True), else False."""
+    for suffix, attrs in KV_SCALE_NAMES.items():
+        if name.endswith("." + suffix):
+            attn = modules[name.removesuffix(suffix) + "self_attn.attn"]
+            for attr in attrs:
+                setattr(attn, attr, float(tensor.float().reshape(-1)[0]))
+            return True
+    return False
+
+
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
     mapping = getattr(model, "packed_modules_mapping", {})
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name:
+        if "rotary_emb.inv_freq" in name or _load_kv_scale(modules, name, tensor):
             continue
         if name == "lm_head.weight" and tied:
             continue

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, kv_cache_torch_dtype
 from pagoda.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagoda.distributed.parallel_state import (broadcast, get_pp_group, get_tp_rank, get_tp_size,
                                                graphs_captured, recv_object, send_object)
@@ -111,7 +111,8 @@ class ModelRunner:
         self.model = get_model(mc, self.device)
         self.arch = mc.arch
         self.block_size = config.cache.block_size
-        self.kv_dtype = mc.compute_dtype
+        self.dtype = mc.compute_dtype
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, mc.compute_dtype)
         self.backend = get_attention_backend(self.device)
         self.max_num_reqs = sc.max_num_seqs
         self.max_model_len = sc.max_model_len
@@ -148,7 +149,7 @@ class ModelRunner:
         """Bytes of one block over this rank's layers (its pipeline stage's only)."""
         layers = self.model.model.local_layers
         num_kv_heads = layers[0].self_attn.num_kv_heads
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         return 2 * len(layers) * self.block_size * num_kv_heads * self.arch.head_dim * elem
 
     def determine_num_blocks(self) -> int:
@@ -215,7 +216,7 @@ class ModelRunner:
         for layer in layers:
             # Uninitialised, so untouched pages of a large CPU cache are never committed; blocks
             # are zeroed as they are handed out (see _zero_new_blocks).
-            cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+            cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
             cache[:, 0] = 0.0      # the null block, read by padding
             layer.self_attn.attn.kv_cache = cache
             self.kv_caches.append(cache)
@@ -242,7 +243,7 @@ class ModelRunner:
         from pagoda.kernels import triton_attention
         from pagoda.kernels.triton_sampling import sample_triton
         one = torch.ones(1, device=self.device)
-        logits = torch.zeros(1, self.arch.vocab_size, dtype=self.kv_dtype, device=self.device)
+        logits = torch.zeros(1, self.arch.vocab_size, dtype=self.dtype, device=self.device)
         sample_triton(logits, one, one.long())
         sample_triton(logits, one, one.long(), one.long(), one * 0.9, one * 0)     # with filters
         attn = self.model.model.local_layers[0].self_attn.attn
@@ -264,7 +265,7 @@ class ModelRunner:
         activations (None on the first stage)."""
         if self.pp.is_first_rank:
             return None
-        return empty_intermediate(num_tokens, self.arch.hidden_size, self.kv_dtype, self.device)
+        return empty_intermediate(num_tokens, self.arch.hidden_size, self.dtype, self.device)
 
     # ------------------------------------------------------------------ request state
     def _add_request(self, r: NewRequestData) -> None:
@@ -460,7 +461,8 @@ class ModelRunner:
             self.block_used[ids] = True
             t = torch.from_numpy(ids).to(self.device)
             for cache in self.kv_caches:
-                cache.index_fill_(1, t, 0.0)
+                # (the CPU has no index_fill_ for float8: zero bytes)
+                (cache.view(torch.uint8) if cache.element_size() == 1 else cache).index_fill_(1, t, 0)
 
     def _prepare_inputs(self, rows, q_lens, computed) -> dict:
         """The flat batch as numpy arrays: O(requests) Python, the rest vectorized."""
@@ -514,7 +516,7 @@ class ModelRunner:
         received = None
         if not pp.is_first_rank:
             received = IntermediateTensors(pp.recv_tensor_dict(
-                hidden_shapes(num_tokens, self.arch.hidden_size), self.kv_dtype, self.device))
+                hidden_shapes(num_tokens, self.arch.hidden_size), self.dtype, self.device))
         out = self.model(t["input_ids"], t["positions"], received)
         if pp.is_last_rank:
             return out

@@ -103,6 +103,34 @@ def test_paged_attention_fp32_gpu(case, request):
     check_attention(q_lens, seq_lens, *HEADS[2], 128, 16, torch.float32, seed_for(request))
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+# K/V scales that make the FP8 values span their range (N(0, 1) / 0.02: up to about 250)
+KV_SCALES = (0.02, 0.03)
+
+
+@pytest.mark.parametrize("dtype", [DTYPES[0], torch.float16], ids=str)
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_fp8_cache(case, fp8, dtype, request):
+    """An FP8 cache: the kernel reads the same bytes as the reference, which dequantizes them
+    (times k_scale / v_scale) and attends in float32; the kernel widens them to fp16 for half
+    queries (FP8_DOTS_F16), to float32 for float32 ones."""
+    q_lens, seq_lens = CASES[case]
+    gen = seed_for(request)
+    query, kv_cache, tables, seq_lens_t, qsl = make_batch(q_lens, seq_lens, *HEADS[1], 128, 16, torch.float32, gen)
+    k_scale, v_scale = KV_SCALES
+    cache = reference.quantize_kv_cache(kv_cache, fp8, k_scale, v_scale)
+    scale = 128 ** -0.5
+    ref = reference.paged_attention(query, cache, tables, seq_lens_t, qsl, scale, k_scale=k_scale, v_scale=v_scale)
+    # (the fp8 values are those of K / V to 2-3 bits: against the unquantized attention, far off)
+    exact = reference.paged_attention(query, kv_cache, tables, seq_lens_t, qsl, scale)
+    assert 1e-3 < rel_err(ref, exact) < 0.2
+    out = ta.paged_attention_triton(query.to(dtype), cache, tables, seq_lens_t, qsl, scale, max(seq_lens), max(q_lens),
+                                    k_scale=k_scale, v_scale=v_scale)
+    err = rel_err(out, ref)
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
 # --------------------------------------------------------------------------------------------
 # attention: flash-decoding split, bounds, strides, padding, stale cache
 
@@ -241,6 +269,28 @@ def test_write_kv_cache(num_kv_heads, head_dim, block_size, slot_dtype, dtype, r
     reference.write_kv_cache(key[valid], value[valid], expected, slots[valid])
     ta.write_kv_cache_triton(key, value, kv_cache, slots)
     assert torch.equal(kv_cache, expected)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("kv_dtype", DTYPES[:1] + [torch.bfloat16] * (not ON_GPU), ids=str)
+def test_write_kv_cache_fp8(kv_dtype, fp8, request):
+    """New K/V divided by their scales, clamped to the format's range and rounded to nearest
+    even, as the reference does it: the same bytes. Values beyond the range saturate (a plain
+    cast would give NaN)."""
+    gen = seed_for(request)
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 6, 16, 4, 128, 40
+    key, value = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(kv_dtype) for _ in range(2))
+    key[0, 0, :4] = torch.tensor([1e4, -1e4, 1e6, -1e6]).to(kv_dtype)   # beyond E4M3's 448 * k_scale
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=fp8)
+    key, value, slots, kv_cache = key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE), kv_cache.to(DEVICE)
+    expected = kv_cache.clone()
+    reference.write_kv_cache(key, value, expected, slots, *KV_SCALES)
+    ta.write_kv_cache_triton(key, value, kv_cache, slots, None, *KV_SCALES)
+    assert torch.equal(kv_cache.view(torch.uint8), expected.view(torch.uint8))
+    written = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots].float() * KV_SCALES[0]
+    assert written.isfinite().all()
+    assert written[0, 0, 0] == torch.finfo(fp8).max * KV_SCALES[0] == -written[0, 0, 1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

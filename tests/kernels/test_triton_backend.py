@@ -10,12 +10,13 @@ pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")
 
 
-def test_triton_backend_matches_torch_backend(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_triton_backend_matches_torch_backend(tmp_path, kv_cache_dtype):
     from tests.test_architectures import save_tiny
     folder, _ = save_tiny(tmp_path, "qwen3")
     # Small budget: prompts are chunked, so prefills run against a cached prefix too.
     llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22,
-              max_num_batched_tokens=24, max_model_len=128)
+              max_num_batched_tokens=24, max_model_len=128, kv_cache_dtype=kv_cache_dtype)
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in (3, 20, 37)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -23,6 +24,7 @@ def test_triton_backend_matches_torch_backend(tmp_path):
     # (36 % 16 = 4 tokens): the backend's copy_blocks.
     forked = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
     runner = llm.llm_engine.executor.runner
+    assert runner.kv_caches[0].dtype == (torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.float32)
     tokens = {}
     for backend in (TorchAttentionBackend, TritonAttentionBackend):
         runner.backend = backend

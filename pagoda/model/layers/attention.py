@@ -4,8 +4,10 @@ The model runner describes the batch once per step in an ``AttentionMetadata`` a
 with ``set_forward_context``; every attention layer then applies the rotary embedding to its
 new q and k, writes the new K/V into its own paged cache at ``slot_mapping`` and attends
 through the block tables. Backends are the one plug-in point: ``forward(q, k, v, kv_cache,
-metadata, scale, rope) -> out``, plus ``copy_blocks`` for the copy-on-write of forked sequences.
+metadata, scale, rope, k_scale, v_scale) -> out``, plus ``copy_blocks`` for the copy-on-write of
+forked sequences. ``k_scale`` / ``v_scale`` are an FP8 cache's (``reference.quantize_kv``).
 """
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -76,16 +78,16 @@ class TorchAttentionBackend:
     PREFILL_GROUPS = 8
 
     @staticmethod
-    def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float, rope: Rope | None = None
-                ) -> torch.Tensor:
+    def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float, rope: Rope | None = None,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         n = md.num_actual_tokens
         if rope is not None:
             q, k = reference.rotary_embedding(rope.positions, q, k, rope.cos_sin_cache, q.shape[-1],
                                               rope.q_norm_weight, rope.k_norm_weight, rope.eps)
-        reference.write_kv_cache(k[:n], v[:n], kv_cache, md.slot_mapping[:n])
+        reference.write_kv_cache(k[:n], v[:n], kv_cache, md.slot_mapping[:n], k_scale, v_scale)
         out = torch.empty_like(q)
         nd = md.num_decodes
-        groups = TorchAttentionBackend._decode_groups(md, kv_cache)
+        groups = TorchAttentionBackend._decode_groups(md, kv_cache, q.dtype)
         if groups:
             # In context-length order each group is a slice: one gather of the queries and one
             # scatter of the outputs per layer, whatever the number of groups.
@@ -93,23 +95,26 @@ class TorchAttentionBackend:
             q_sorted = q[:nd] if order is None else q.index_select(0, order)
             out_sorted = torch.empty_like(q_sorted)
             for g in groups:
-                out_sorted[g.rows] = TorchAttentionBackend._decode(q_sorted[g.rows], kv_cache, g, scale)
+                out_sorted[g.rows] = TorchAttentionBackend._decode(q_sorted[g.rows], kv_cache, g, scale,
+                                                                   k_scale, v_scale)
             if order is None:
                 out[:nd] = out_sorted
             else:
                 out.index_copy_(0, order, out_sorted)
         for g in TorchAttentionBackend._prefill_groups(md):
             out[g.tokens] = reference.paged_attention(q[g.tokens], kv_cache, g.block_tables, g.seq_lens,
-                                                      g.query_start_loc, scale, g.max_seq_len, g.max_query_len)
+                                                      g.query_start_loc, scale, g.max_seq_len, g.max_query_len,
+                                                      k_scale, v_scale)
         return out
 
     @staticmethod
-    def _decode(q, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
+    def _decode(q, kv_cache, group: DecodeGroup, scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
         """``reference.paged_attention`` for one query token per request. With one query, the
         query heads that share a KV head are that head's query rows (GQA without expanding K/V)
         and every row has the same mask."""
         b, num_heads, head_dim = q.shape
         k, v = reference.gather_blocks(kv_cache, group.block_ids, b, group.max_len)
+        k, v = reference.dequantize_kv(k, k_scale, q.dtype), reference.dequantize_kv(v, v_scale, q.dtype)
         num_kv_heads = k.shape[2]
         out = F.scaled_dot_product_attention(
             q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k.transpose(1, 2),
@@ -117,7 +122,7 @@ class TorchAttentionBackend:
         return out.reshape(b, num_heads, head_dim)   # (SDPA on CUDA may return it strided)
 
     @staticmethod
-    def _decode_groups(md: AttentionMetadata, kv_cache: torch.Tensor) -> list[DecodeGroup]:
+    def _decode_groups(md: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype) -> list[DecodeGroup]:
         """The decodes sorted by context length and cut into groups; planned once per step (the
         tensors live on the CPU: no syncs)."""
         if md.decode_groups is None:
@@ -130,17 +135,18 @@ class TorchAttentionBackend:
                 md.decode_order = torch.argsort(seq_lens)
                 seq_lens, tables = seq_lens[md.decode_order], tables[md.decode_order]
             bounds = [i * nd // num_groups for i in range(num_groups + 1)] if nd else []
-            md.decode_groups = [TorchAttentionBackend._plan(slice(lo, hi), seq_lens[lo:hi], tables[lo:hi], kv_cache)
+            md.decode_groups = [TorchAttentionBackend._plan(slice(lo, hi), seq_lens[lo:hi], tables[lo:hi], kv_cache,
+                                                            dtype)
                                 for lo, hi in zip(bounds, bounds[1:])]
         return md.decode_groups
 
     @staticmethod
-    def _plan(rows: slice, seq_lens, block_tables, kv_cache: torch.Tensor) -> DecodeGroup:
+    def _plan(rows: slice, seq_lens, block_tables, kv_cache: torch.Tensor, dtype: torch.dtype) -> DecodeGroup:
         max_len = int(seq_lens.max())
         num_blocks = -(-max_len // kv_cache.shape[2])
         block_ids = block_tables[:, :num_blocks].reshape(-1).long()
         past = torch.arange(max_len, device=seq_lens.device)[None, :] >= seq_lens[:, None]
-        mask = torch.zeros(past.shape, dtype=kv_cache.dtype, device=seq_lens.device)
+        mask = torch.zeros(past.shape, dtype=dtype, device=seq_lens.device)
         return DecodeGroup(rows, block_ids, max_len, mask.masked_fill_(past, float("-inf"))[:, None, None, :])
 
     @staticmethod
@@ -171,28 +177,30 @@ class TritonAttentionBackend:
     embedding has no kernel of its own: the KV write rotates the keys, the attention the queries."""
 
     @staticmethod
-    def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float, rope: Rope | None = None
-                ) -> torch.Tensor:
+    def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float, rope: Rope | None = None,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         from pagoda.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
         n, nd = md.num_actual_tokens, md.num_decodes
-        write_kv_cache_triton(k, v, kv_cache, md.slot_mapping, rope)
+        write_kv_cache_triton(k, v, kv_cache, md.slot_mapping, rope, k_scale, v_scale)
+        attend = functools.partial(paged_attention_triton, kv_cache=kv_cache, scale=scale, rope=rope,
+                                   k_scale=k_scale, v_scale=v_scale)
         out = torch.empty_like(q)
         if nd is None:   # a mixed-step graph: the decodes (wherever they are), then the rest
-            paged_attention_triton(q[:n], kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
-                                   md.max_decode_seq_len, 1, out=out[:n], rope=rope)
-            paged_attention_triton(q[:n], kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
-                                   md.max_seq_len, md.max_query_len, out=out[:n], rope=rope, skip_decodes=True)
+            attend(q[:n], block_tables=md.block_tables, seq_lens=md.seq_lens, query_start_loc=md.query_start_loc,
+                   max_seq_len=md.max_decode_seq_len, max_query_len=1, out=out[:n])
+            attend(q[:n], block_tables=md.block_tables, seq_lens=md.seq_lens, query_start_loc=md.query_start_loc,
+                   max_seq_len=md.max_seq_len, max_query_len=md.max_query_len, out=out[:n], skip_decodes=True)
             return out
         # A mixed step's decodes apart, in decode tiles (one launch would run them in the
         # prefills' 128-row tiles); then the rest of the batch, from request `first` on.
         first = nd if nd < md.seq_lens.shape[0] else 0
         if first:
-            paged_attention_triton(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd],
-                                   md.query_start_loc[:nd + 1], scale, md.max_decode_seq_len, 1, out=out[:nd],
-                                   rope=rope)
-        paged_attention_triton(q[:n], kv_cache, md.block_tables[first:], md.seq_lens[first:],
-                               md.query_start_loc[first:], scale, md.max_seq_len, md.max_query_len, out=out[:n],
-                               rope=rope)
+            attend(q[:nd], block_tables=md.block_tables[:nd], seq_lens=md.seq_lens[:nd],
+                   query_start_loc=md.query_start_loc[:nd + 1], max_seq_len=md.max_decode_seq_len, max_query_len=1,
+                   out=out[:nd])
+        attend(q[:n], block_tables=md.block_tables[first:], seq_lens=md.seq_lens[first:],
+               query_start_loc=md.query_start_loc[first:], max_seq_len=md.max_seq_len,
+               max_query_len=md.max_query_len, out=out[:n])
         return out
 
     @staticmethod
@@ -230,6 +238,9 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.kv_cache = torch.tensor([])   # bound by the model runner
+        # An FP8 cache's scales (vLLM's k_scale / v_scale): the checkpoint's, if it has them
+        # (loader.load_weights), else 1.0; other caches ignore them.
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
                 ) -> torch.Tensor:
@@ -241,5 +252,6 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale, rope)
+        out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale, rope,
+                                  self.k_scale, self.v_scale)
         return out.view(-1, self.num_heads * self.head_dim)
