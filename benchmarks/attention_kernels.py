@@ -448,6 +448,8 @@ def main():
                         help="only time flash-decoding splits on W1's ragged medium batches")
     parser.add_argument("--layout", action="store_true",
                         help="only time decode with the KV heads outside the tokens in each block")
+    parser.add_argument("--tiles", default=None, metavar="N,W,S,R;...",
+                        help="with --decode-tiles: these candidates (TILE_N, warps, stages, maxnreg or 0)")
     parser.add_argument("--kv-fp8", action="store_true",
                         help="FP8 (E4M3) caches; with --decode-tiles, the FP8 tile candidates")
     parser.add_argument("--mixed", action="store_true",
@@ -456,6 +458,9 @@ def main():
     assert DEVICE != "cuda" or torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     global KV_DTYPE
     KV_DTYPE = torch.float8_e4m3fn if args.kv_fp8 else None
+    candidates = FP8_TILE_CANDIDATES if args.kv_fp8 else TILE_CANDIDATES
+    if args.tiles:
+        candidates = [tuple(int(x) or None for x in t.split(",")) for t in args.tiles.split(";")]
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     start = time.time()
@@ -468,8 +473,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
     only = {"tune_split": tune_split, "ragged": tune_ragged, "layout": tune_layout, "mixed": time_mixed,
-            "decode_tiles": lambda d, g, lg: tune_decode_tiles(d, g, lg, FP8_TILE_CANDIDATES if args.kv_fp8
-                                                               else TILE_CANDIDATES),
+            "decode_tiles": lambda d, g, lg: tune_decode_tiles(d, g, lg, candidates),
             "split_ragged": tune_split_ragged}
     chosen = [fn for flag, fn in only.items() if getattr(args, flag)]
     if chosen:

@@ -62,6 +62,8 @@
 #   bash benchmarks/gpu_session.sh serve19dp # two GPUs: data-parallel tests, W3 Llama-3-8B at dp 1 and 2
 #   bash benchmarks/gpu_session.sh fp8kv     # the FP8 KV cache: kernel tests, decode tiles, W1 + W2 both models
 #                                            # against the bf16 cache, interleaved (TILE=... a decode tile for FP8)
+#   bash benchmarks/gpu_session.sh warps19   # decode tiles of 2 and 1 warps, bf16 and FP8 caches
+#   bash benchmarks/gpu_session.sh many19    # W1 with the one-warp decode tiles of large batches against without
 #   BASE=dir bash benchmarks/gpu_session.sh serve16ab  # W3 Qwen3-0.6B: BASE's server against this tree's
 #   bash benchmarks/gpu_session.sh fp8      # W5: FP8 weights (W8A16 kernel, W8A8): tests, crossover; W2 and W1
 #   bash benchmarks/gpu_session.sh gap13     # W1 both models profiled: time outside the steps, steps by batch
@@ -658,6 +660,29 @@ case "${1:-}" in
       for kv in auto fp8; do
         python3 benchmarks/latency.py --model-config $MA/$m.json --batch 1 64 --kv-cache-dtype $kv \
           --out "$OUT/w2_$kv" ${KNOBS:-} 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W2 $m kv=$kv: /"
+      done
+    done
+    ;;
+  warps19)
+    # Decode tiles of fewer warps (2 and 1: fewer cross-warp reductions a tile, more programs an SM),
+    # bf16 and FP8 caches, on W1's ragged batches
+    T="64,4,3,128;64,2,3,128;64,2,4,128;32,2,3,128;32,2,4,128;128,2,3,128;64,1,3,0;32,1,3,0"
+    for kv in "" --kv-fp8; do
+      python3 benchmarks/attention_kernels.py --decode-tiles $kv --tiles "$T" 2>&1 \
+        | grep -E "b=|Decode|case|Error" | sed "s/^/tiles $kv: /"
+    done
+    ;;
+  many19)
+    # W1 with the one-warp tiles of many-program decode launches (MANY_DECODES) against without
+    # them (MANY_DECODES_PER_SM=10**9), interleaved: Qwen3-0.6B with the bf16 and the FP8 cache,
+    # Llama-3-8B with the bf16 cache
+    warm_w1 .
+    for run in "qwen3-0.6b auto" "qwen3-0.6b fp8" "llama3-8b auto"; do
+      set -- $run
+      for many in default 1000000000; do
+        knob=""; [ $many = default ] || knob="--knob triton_attention.MANY_DECODES_PER_SM=$many"
+        python3 benchmarks/throughput.py --model-config $MA/$1.json --no-tqdm --kv-cache-dtype $2 $knob \
+          --out "$OUT/w1_$many" 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 $1 kv=$2 many=$many: /"
       done
     done
     ;;

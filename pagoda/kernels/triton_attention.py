@@ -95,6 +95,12 @@ TILES = {  # BLOCK_M: dict(TILE_N, num_warps, num_stages[, maxnreg])
     64: dict(TILE_N=64, num_warps=4, num_stages=3),
     128: dict(TILE_N=64, num_warps=8, num_stages=3),
 }
+# Decode launches of many programs (W1's largest batches) in one-warp programs of 32-token tiles:
+# no cross-warp reductions in a tile, and up to 16 programs an SM. On the H200 (BENCHMARKS.md,
+# nineteenth session) batch 256 read 2-3% faster from a bf16 cache and 13-16% from an FP8 one,
+# batch 128 (8 programs an SM) 11-10% slower.
+MANY_DECODES = dict(TILE_N=32, num_warps=1, num_stages=3)
+MANY_DECODES_PER_SM = 12
 # FP8 cache, half-precision queries: the dots run in fp16, into which E4M3 / E5M2 widen in one
 # instruction per pair (to bf16 they took three: the decode kernel was bound by them, not by
 # its reads). The queries are divided by this on the way in (fp16 ends at 65,504).
@@ -491,13 +497,15 @@ def _merge_segments_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def _pick_tiles(max_query_len: int, group: int, dtype: torch.dtype,
-                device: torch.device) -> tuple[int, dict]:
+def _pick_tiles(max_query_len: int, group: int, dtype: torch.dtype, device: torch.device,
+                num_programs: int) -> tuple[int, dict]:
     """BLOCK_M and its launch parameters, from python ints: enough rows for the longest
     request's queries of one GQA group, at least 16 (tl.dot) and at least one whole group."""
     rows = triton.next_power_of_2(max_query_len * group)
     cap = MAX_BLOCK_M_CUDA.get(dtype, max(TILES)) if device.type == "cuda" else max(TILES)
     block_m = max(min(rows, cap), min(TILES), triton.next_power_of_2(group))
+    if block_m == min(TILES) and max_query_len == 1 and num_programs >= MANY_DECODES_PER_SM * num_sms(device):
+        return block_m, dict(MANY_DECODES)
     return block_m, dict(TILES[min(block_m, max(TILES))])
 
 
@@ -555,7 +563,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    block_m, tiles = _pick_tiles(max_query_len, group, query.dtype, query.device)
+    block_m, tiles = _pick_tiles(max_query_len, group, query.dtype, query.device, num_seqs * num_kv_heads)
     block_q = block_m // group
     decode = max_query_len == 1
     if num_segments is None:

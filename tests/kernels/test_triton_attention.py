@@ -135,6 +135,23 @@ def test_paged_attention_fp8_cache(case, fp8, dtype, request):
 # attention: flash-decoding split, bounds, strides, padding, stale cache
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["model-dtype cache", "fp8 cache"])
+@pytest.mark.parametrize("case", ["decode_ctx1", "decode_long"])
+def test_many_decodes_tiles(case, kv_dtype, monkeypatch, request):
+    """The one-warp tiles of launches with many decode programs (MANY_DECODES), here for any."""
+    monkeypatch.setattr(ta, "MANY_DECODES_PER_SM", 0)
+    q_lens, seq_lens = CASES[case]
+    gen = seed_for(request)
+    query, kv_cache, tables, seq_lens_t, qsl = make_batch(q_lens, seq_lens, *HEADS[1], 128, 16, DTYPES[0], gen)
+    if kv_dtype is not None:
+        kv_cache = reference.quantize_kv_cache(kv_cache.float(), kv_dtype)
+    ref = reference.paged_attention(query.float(), kv_cache if kv_dtype else kv_cache.float(), tables, seq_lens_t,
+                                    qsl, 128 ** -0.5)
+    out = ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, 128 ** -0.5, max(seq_lens), 1)
+    assert ta._pick_tiles(1, 3, query.dtype, query.device, 1)[1] == ta.MANY_DECODES
+    assert rel_err(out, ref) < TOLERANCE[DTYPES[0]]
+
+
 @pytest.mark.parametrize("num_segments", [1, 2, 16])
 def test_split_kv_decode(num_segments, request):
     # 16 segments over 17 tokens (one tile) leaves most segments empty: they must weigh nothing.
