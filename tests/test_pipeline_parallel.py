@@ -50,6 +50,12 @@ def test_pp_equals_pp1(tiny4, reference, pp):
     assert_same(reference, outputs_at(tiny4, 1, pipeline_parallel_size=pp, async_scheduling=True))
 
 
+def test_pp2_fp8_kv_cache(tiny4):
+    """An FP8 KV cache split by layers over two stages: one process's outputs."""
+    assert_same(outputs_at(tiny4, 1, kv_cache_dtype="fp8"), outputs_at(tiny4, 1, pipeline_parallel_size=2,
+                                                                        kv_cache_dtype="fp8"))
+
+
 def test_uneven_split_tied_embeddings(tmp_path):
     """Three layers over two stages: the first stage runs two (as vLLM splits), the last one and
     the LM head, which loads the tied embedding's tensor. Each stage caches only its own layers,

@@ -223,6 +223,11 @@ def test_quantized_checkpoints_split(tiny, tmp_path, method, own_engine):
     assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
 
 
+def test_fp8_kv_cache_split(tiny, own_engine):
+    """An FP8 KV cache over two ranks (each its KV heads' blocks): one rank's outputs."""
+    assert_same(outputs_at(tiny, 1, kv_cache_dtype="fp8"), outputs_at(tiny, 2, kv_cache_dtype="fp8"))
+
+
 def test_act_order_refused_and_start_up_failure_leaves_no_workers(tiny, tmp_path, own_engine):
     folder = quantize_folder(tiny, str(tmp_path / "act"), "gptq", group=32, desc_act=True, v2=True)
     with pytest.raises(ValueError, match="act-order .* do not split over tensor_parallel_size=2"):
