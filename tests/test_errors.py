@@ -3,6 +3,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.model.hub import ModelNotFoundError
@@ -189,7 +190,7 @@ def test_hub_name_resolves_from_local_cache(tmp_path, monkeypatch, smollm_path):
     still_works(llm)
 
 
-def test_bad_engine_arguments(smollm_path):
+def test_bad_engine_arguments(smollm_path, monkeypatch):
     with pytest.raises(ValueError, match="Unknown quantization"):
         LLM(smollm_path, quantization="int3", kv_cache_memory_bytes=1 << 24, max_model_len=256)
     with pytest.raises(NotImplementedError, match="quantization='bitsandbytes' is not implemented yet"):
@@ -202,6 +203,13 @@ def test_bad_engine_arguments(smollm_path):
         LLM(smollm_path, dtype="int8")
     with pytest.raises(ValueError, match="Unknown kv_cache_dtype 'int4'; choose one of auto, fp8"):
         LLM(smollm_path, kv_cache_dtype="int4")
+    # E4M3 on a GPU without FP8 units (an A100's 8.0), E5M2 there
+    from pagoda.engine.arg_utils import check_kv_cache_dtype
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(ValueError, match=r"'fp8' \(E4M3\) needs a GPU of compute capability 8.9 .* this one is 8.0"):
+        check_kv_cache_dtype("fp8", "cuda")
+    check_kv_cache_dtype("fp8_e5m2", "cuda")
+    check_kv_cache_dtype("fp8", "cpu")
     with pytest.raises(TypeError, match="unexpected keyword"):
         LLM(smollm_path, not_an_option=1)
     with pytest.raises(ValueError, match="max_model_len=100000 is larger"):

@@ -85,9 +85,7 @@ class EngineArgs:
             raise ValueError(f"block_size must be one of 1, 8, 16, 32, 64, 128, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"Unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of "
-                             f"{', '.join(KV_CACHE_DTYPES)}.")
+        check_kv_cache_dtype(self.kv_cache_dtype, device)
         default_batched, default_seqs = _batch_defaults(device)
         max_num_seqs = self.max_num_seqs or default_seqs
         max_batched = self.max_num_batched_tokens or default_batched
@@ -114,6 +112,17 @@ class EngineArgs:
                                                   else self.async_scheduling))
         return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager,
                              log_stats=not self.disable_log_stats)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"Unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}.")
+    if device == "cuda" and kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        # (Triton converts to and from E4M3 only on GPUs with FP8 units)
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} (E4M3) needs a GPU of compute capability 8.9 or "
+                             f"above (Ada, Hopper); this one is {major}.{minor}. Use 'fp8_e5m2' or 'auto'.")
 
 
 def cpu_has_native_bf16() -> bool:
