@@ -7,12 +7,12 @@ streamed token, on any machine:
       --request-rates inf
 
 (started by serve.py; ``python benchmarks/fake_engine.py PORT STEP_MS`` serves it alone)."""
+import os
 import sys
-import time
-import types
 
-from pagoda.engine.stats import EngineStats
-from pagoda.outputs import CompletionOutput, RequestOutput
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pagoda.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from tests.stub_engine import StubEngine  # noqa: E402
 
 
 class WordTokenizer:
@@ -20,48 +20,25 @@ class WordTokenizer:
         return " ".join(f"w{i}" for i in ids)
 
 
-class FakeEngine:
-    """What AsyncLLM and the routes ask of an LLMEngine, with delta outputs of one token a step."""
+class FakeEngine(StubEngine):
+    """The tests' stand-in engine (delta outputs of one token a step) with steps of ``step_ms``,
+    text prompts read as words, and text as WordTokenizer decodes it."""
 
     def __init__(self, step_ms: float, max_model_len: int = 1 << 20):
-        self.step_s = step_ms / 1e3
-        self.tokenizer = WordTokenizer()
-        self.config = types.SimpleNamespace(model=types.SimpleNamespace(model="fake"),
-                                            scheduler=types.SimpleNamespace(max_model_len=max_model_len))
-        self.stats = EngineStats()
-        self.running: dict[str, list] = {}       # request id -> [prompt ids, params, tokens so far]
+        super().__init__(step_s=step_ms / 1e3, tokenizer=WordTokenizer(), max_model_len=max_model_len)
 
     def prompt_token_ids(self, prompt) -> list[int]:
         return prompt["prompt_token_ids"] if isinstance(prompt, dict) else [1] * len(prompt.split())
 
-    def add_request(self, request_id: str, prompt, params) -> None:
-        self.running[request_id] = [self.prompt_token_ids(prompt), params, 0]
-
-    def abort_request(self, request_ids) -> None:
-        for r in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.running.pop(r, None)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.running)
-
-    def step(self) -> list[RequestOutput]:
-        time.sleep(self.step_s)
-        outputs = []
-        for request_id, state in list(self.running.items()):
-            prompt_ids, params, n = state
-            state[2] = n = n + 1
-            done = n >= params.max_tokens
-            c = CompletionOutput(0, f" w{n}", [n], None, None, "length" if done else None)
-            outputs.append(RequestOutput(request_id, None, prompt_ids, None, [c], done))
-            if done:
-                del self.running[request_id]
-        return outputs
+    def _output(self, rid: str, prompt, params, n: int) -> RequestOutput:
+        done = n >= params.max_tokens
+        return RequestOutput(rid, None, self.prompt_token_ids(prompt), None, [CompletionOutput(
+            0, f" w{n}", [n], None, None, "length" if done else None)], done)
 
 
 def main(port: int, step_ms: float, served_model_name: str = "bench") -> None:
     """The engine in a process of its own, as ``pagoda serve`` runs it (PAGODA_ENGINE_PROCESS=0:
     on a thread of the server's process)."""
-    import os
     from functools import partial
 
     import uvicorn

@@ -14,7 +14,7 @@ from pagoda.entrypoints.openai.tool_parsers import HermesToolParser, StreamingTo
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import RequestOutputKind
 from pagoda.tokenizer import Tokenizer
-from tests.test_engine_core import StubEngine
+from tests.stub_engine import StubEngine
 
 CALLS_TEXT = ('I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
               '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "24h"}}\n</tool_call>')
