@@ -492,3 +492,11 @@ def test_forced_tool_calls_from_the_real_model(client):
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]][:1] == ["get_weather"]
+    # Streamed, the same calls: names first, then their arguments as the model writes them
+    from tests.test_tool_calls import _names_args, _summed
+    text = client.post("/v1/chat/completions", json={**base, "tool_choice": "required", "stream": True}).text
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    deltas = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert len(deltas) > len(choice["message"]["tool_calls"])
+    assert _names_args(_summed(deltas)) == _names_args(choice["message"]["tool_calls"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

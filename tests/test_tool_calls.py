@@ -4,13 +4,14 @@ in responses and stream chunks; forced choices ("required", a named function) as
 the answer is held to; the requests pagoda refuses."""
 import json
 import random
+from unittest.mock import ANY
 
 import pytest
 from fastapi.testclient import TestClient
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.api_server import build_app
-from pagoda.entrypoints.openai.tool_parsers import HermesToolParser, StreamingToolCalls
+from pagoda.entrypoints.openai.tool_parsers import ForcedCallStream, HermesToolParser, StreamingToolCalls
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import RequestOutputKind
 from pagoda.tokenizer import Tokenizer
@@ -29,6 +30,18 @@ TEMPLATE = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
 
 def _names_args(calls: list[dict]) -> list[tuple[str, dict]]:
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def _summed(deltas: list[dict]) -> list[dict]:
+    """Streamed tool-call deltas summed by index, as a client sums them: the first of a call has
+    its id, type and name, each of them a piece of its arguments."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if d["index"] not in calls:
+            assert d["id"] and d["type"] == "function" and d["function"]["name"]
+            calls[d["index"]] = {"function": {"name": d["function"]["name"], "arguments": ""}}
+        calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
 
 
 def test_hermes_extract():
@@ -67,6 +80,26 @@ def test_streamed_plain_answer_is_sent_whole():
     got = [stream.feed(p) for p in ("a < b", " and <", "tool", " x")] + [stream.feed("", final=True)]
     assert "".join(t for t, _ in got) == "a < b and <tool x" and not any(c for _, c in got)
     assert got[1][0] == " and "                                      # "<" held until it could not be a tag
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_forced_call_stream(seed):
+    """A "required" answer (a JSON list of calls, keys in either order, strings with escapes and
+    brackets, nested parameters) in random pieces: each call's name once it is whole, then its
+    parameters' text as it comes; summed, the answer's calls."""
+    answer = ('[{"name": "get_weather", "parameters": {"city": "Pa\\"ris}"}},\n {"parameters": {"tz": "CET", '
+              '"n": [1, {"a": "]"}]}, "name": "get_time"}]')
+    rng, stream, deltas, i = random.Random(seed), ForcedCallStream(None), [], 0
+    while i < len(answer):
+        j = i + rng.randint(1, 6)
+        deltas += stream.feed(answer[i:j])
+        i = j
+    assert [d["index"] for d in deltas if "id" in d] == [0, 1]
+    assert _names_args(_summed(deltas)) == [(c["name"], c["parameters"]) for c in json.loads(answer)]
+    named = ForcedCallStream("get_weather")
+    assert named.feed('{"ci') == [{"index": 0, "id": ANY, "type": "function",
+                                  "function": {"name": "get_weather", "arguments": '{"ci'}}]
+    assert named.feed("") == [] and named.feed('ty": 1}') == [{"index": 0, "function": {"arguments": 'ty": 1}'}}]
 
 
 class ScriptedEngine(StubEngine):
@@ -204,13 +237,24 @@ def test_forced_tool_choices_hold_the_answer_to_the_calls_schema(tokenizer):
         body = client.post("/v1/chat/completions", json=_chat(tool_choice=named)).json()
         assert engine.params[0].structured_outputs.json == TOOLS[0]["function"]["parameters"]
         assert _names_args(body["choices"][0]["message"]["tool_calls"]) == [("get_weather", {"city": "Oslo"})]
+        # Streamed: the call's name first, then its arguments as they come (ScriptedEngine: 7
+        # characters a step)
         text = client.post("/v1/chat/completions", json=_chat(tool_choice=named, stream=True)).text
         chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
         calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
-        assert _names_args(calls) == [("get_weather", {"city": "Oslo"})] and calls[0]["index"] == 0
+        assert len(calls) == 3 and calls[0]["function"]["arguments"] == '{"city"'
+        assert _names_args(_summed(calls)) == [("get_weather", {"city": "Oslo"})]
         for choice, message in [({"type": "function", "function": {"name": "nope"}}, "not among the request's tools"),
                                 ("sometimes", "Unknown tool_choice")]:
             r = client.post("/v1/chat/completions", json=_chat(tool_choice=choice))
             assert r.status_code == 400 and message in r.json()["error"]["message"]
         r = client.post("/v1/chat/completions", json=_chat(tool_choice="required", response_format={"type": "json_object"}))
+        assert r.status_code == 400 and "cannot be combined" in r.json()["error"]["message"]
+    engine, client = _client(tokenizer, required)
+    with client:
+        text = client.post("/v1/chat/completions", json=_chat(tool_choice="required", stream=True)).text
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+        assert len(calls) > 2 and _names_args(_summed(calls)) == [("get_weather", {"city": "Paris"})]
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
         assert r.status_code == 400 and "cannot be combined" in r.json()["error"]["message"]

@@ -5,7 +5,8 @@ import json
 
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.serving import OpenAIServing, finite_logprob
-from pagoda.entrypoints.openai.tool_parsers import StreamingToolCalls, get_tool_parser, make_tool_call
+from pagoda.entrypoints.openai.tool_parsers import (ForcedCallStream, StreamingToolCalls, get_tool_parser,
+                                                     make_tool_call)
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import StructuredOutputsParams
 
@@ -51,15 +52,17 @@ class OpenAIServingChat(OpenAIServing):
                                     for t, lps in zip(c.token_ids, c.logprobs)]}
         text, calls, finish = c.text, [], c.finish_reason
         choice = _tool_choice(request)
-        if choice not in ("auto", "none"):
-            # A forced call: the whole answer is its JSON, sent once it is complete.
-            state["answer"] = state.get("answer", "") + text
-            text, called = None, finish is not None
-            if called:
-                calls = _forced_calls(choice, state["answer"])
-                calls = [{"index": i, **call} for i, call in enumerate(calls)] if request.stream else calls
-                if choice == "required" and calls and finish == "stop":
-                    finish = "tool_calls"
+        if choice not in ("auto", "none") and request.stream:
+            # A forced call: the answer is its JSON, streamed as the calls' names and arguments.
+            forced = state.setdefault("forced", ForcedCallStream(None if choice == "required"
+                                                                 else choice["function"]["name"]))
+            text, calls = None, forced.feed(c.text)
+            if choice == "required" and forced.sent and finish == "stop":
+                finish = "tool_calls"
+        elif choice not in ("auto", "none"):
+            text, calls = None, _forced_calls(choice, text)
+            if choice == "required" and calls and finish == "stop":
+                finish = "tool_calls"
         elif choice == "auto" and self.tool_parser is not None:
             if request.stream:
                 tools = state.setdefault("tools", StreamingToolCalls(self.tool_parser))

@@ -83,6 +83,75 @@ class StreamingToolCalls:
         return content, calls
 
 
+class ForcedCallStream:
+    """A forced answer's tool calls as it streams, as OpenAI streams calls: a call's first delta
+    with its id, type and name, the next ones with its arguments' text as it comes. ``name``: the
+    named function's (the whole answer is its arguments), or None for tool_choice "required"
+    (the answer is a JSON list of {"name", "parameters"}; serving_chat holds it to that)."""
+
+    def __init__(self, name: str | None):
+        self.name = name
+        self.text = ""
+        self.sent: list[int] = []    # arguments characters sent, per call begun
+
+    def feed(self, delta: str) -> list[dict]:
+        self.text += delta
+        calls = [(self.name, self.text)] if self.name is not None else _listed_calls(self.text)
+        deltas = []
+        for i, (name, arguments) in enumerate(calls):
+            if name is None:         # (not known yet: this call waits, and those after it)
+                break
+            if i == len(self.sent):
+                deltas.append({"index": i, **make_tool_call(name, arguments)})
+                self.sent.append(len(arguments))
+            elif len(arguments) > self.sent[i]:
+                deltas.append({"index": i, "function": {"arguments": arguments[self.sent[i]:]}})
+                self.sent[i] = len(arguments)
+        return deltas
+
+
+def _listed_calls(text: str) -> list[tuple[str | None, str]]:
+    """(name, the text of its parameters so far) of each call begun in a partial JSON list of
+    {"name": ..., "parameters": {...}} objects; the name None until its string is complete."""
+    calls: list[list] = []           # [name, parameters' first index, index past their end]
+    depth, in_string, escaped, string_start = 0, False, False, 0
+    key, expect_key = None, True     # the key being read or valued in a call's object (depth 2)
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 2 and calls:
+                    value = json.loads(text[string_start:i + 1])
+                    if expect_key:
+                        key = value
+                    elif key == "name":
+                        calls[-1][0] = value
+            continue
+        if ch == '"':
+            in_string, string_start = True, i
+        elif ch in "[{":
+            depth += 1
+            if depth == 2 and ch == "{":
+                calls.append([None, None, None])
+                key, expect_key = None, True
+            elif depth == 3 and key == "parameters" and not expect_key and calls[-1][1] is None:
+                calls[-1][1] = i
+        elif ch in "]}":
+            if depth == 3 and key == "parameters" and calls and calls[-1][2] is None:
+                calls[-1][2] = i + 1
+            depth -= 1
+        elif depth == 2:
+            if ch == ":":
+                expect_key = False
+            elif ch == ",":
+                key, expect_key = None, True
+    return [(name, "" if start is None else text[start:end]) for name, start, end in calls]
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
