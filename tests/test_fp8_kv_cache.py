@@ -76,3 +76,7 @@ def test_checkpoint_kv_scales(tmp_path):
     assert scales == [(0.5, 0.25), (0.125, 0.125)]
     # Small scales saturate the larger K / V values (448 x scale): other logits.
     assert max(abs(a - b) for a, b in zip(plain, scaled)) > 1e-3
+    weights["model.layers.1.self_attn.kv_scale"] = torch.tensor(0.0)
+    save_file(weights, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'model.layers.1.self_attn.kv_scale' is a KV cache scale of 0.0: it must be"):
+        run()

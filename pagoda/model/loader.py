@@ -83,8 +83,12 @@ def _load_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tenso
     for suffix, attrs in KV_SCALE_NAMES.items():
         if name.endswith("." + suffix):
             attn = modules[name.removesuffix(suffix) + "self_attn.attn"]
+            scale = float(tensor.float().reshape(-1)[0])
+            if not 0 < scale < float("inf"):
+                raise ValueError(f"Checkpoint tensor {name!r} is a KV cache scale of {scale}: it must be positive "
+                                 "and finite.")
             for attr in attrs:
-                setattr(attn, attr, float(tensor.float().reshape(-1)[0]))
+                setattr(attn, attr, scale)
             return True
     return False
 

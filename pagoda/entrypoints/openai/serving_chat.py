@@ -51,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
                                                                   key=lambda lp: lp.rank))
                                     for t, lps in zip(c.token_ids, c.logprobs)]}
         text, calls, finish = c.text, [], c.finish_reason
-        choice = _tool_choice(request)
+        choice = state.get("tool_choice") or state.setdefault("tool_choice", _tool_choice(request))
         if choice not in ("auto", "none") and request.stream:
             # A forced call: the answer is its JSON, streamed as the calls' names and arguments.
             forced = state.setdefault("forced", ForcedCallStream(None if choice == "required"
