@@ -497,6 +497,5 @@ def test_forced_tool_calls_from_the_real_model(client):
     text = client.post("/v1/chat/completions", json={**base, "tool_choice": "required", "stream": True}).text
     chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
     deltas = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
-    assert len(deltas) > len(choice["message"]["tool_calls"])
     assert _names_args(_summed(deltas)) == _names_args(choice["message"]["tool_calls"])
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -106,8 +106,8 @@ class ScriptedEngine(StubEngine):
     """Answers every request with ``answer``, a few characters a step; records the prompts and
     sampling parameters it got."""
 
-    def __init__(self, tokenizer, answer: str, piece: int = 7):
-        super().__init__(tokenizer=tokenizer, max_model_len=4096)
+    def __init__(self, tokenizer, answer: str, piece: int = 7, step_s: float = 0.0):
+        super().__init__(tokenizer=tokenizer, max_model_len=4096, step_s=step_s)
         self.answer, self.piece = answer, piece
         self.prompts: list[dict] = []
         self.params: list = []
@@ -133,8 +133,8 @@ def tokenizer(smollm_path):
     return Tokenizer.from_gguf(smollm_path)
 
 
-def _client(tokenizer, answer: str, **tool_flags):
-    engine = ScriptedEngine(tokenizer, answer)
+def _client(tokenizer, answer: str, step_s: float = 0.0, **tool_flags):
+    engine = ScriptedEngine(tokenizer, answer, step_s=step_s)
     return engine, TestClient(build_app(AsyncLLM(engine), ["m"], **tool_flags))
 
 
@@ -231,7 +231,8 @@ def test_forced_tool_choices_hold_the_answer_to_the_calls_schema(tokenizer):
         choice = body["choices"][0]
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
         assert _names_args(choice["message"]["tool_calls"]) == [("get_weather", {"city": "Paris"})]
-    engine, client = _client(tokenizer, '{"city": "Oslo"}')
+    # (steps of 20 ms: the reader keeps up, so each step's delta is a chunk of its own)
+    engine, client = _client(tokenizer, '{"city": "Oslo"}', step_s=0.02)
     named = {"type": "function", "function": {"name": "get_weather"}}
     with client:
         body = client.post("/v1/chat/completions", json=_chat(tool_choice=named)).json()
@@ -250,7 +251,7 @@ def test_forced_tool_choices_hold_the_answer_to_the_calls_schema(tokenizer):
             assert r.status_code == 400 and message in r.json()["error"]["message"]
         r = client.post("/v1/chat/completions", json=_chat(tool_choice="required", response_format={"type": "json_object"}))
         assert r.status_code == 400 and "cannot be combined" in r.json()["error"]["message"]
-    engine, client = _client(tokenizer, required)
+    engine, client = _client(tokenizer, required, step_s=0.02)
     with client:
         text = client.post("/v1/chat/completions", json=_chat(tool_choice="required", stream=True)).text
         chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
