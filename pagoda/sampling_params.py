@@ -56,6 +56,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None     # sample only among these (vLLM's)
+    truncate_prompt_tokens: int | None = None      # keep the prompt's last k tokens (-1: max_model_len)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine: every token id that ends the request (EOS + stop_token_ids).
@@ -110,6 +112,13 @@ class SamplingParams:
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}.")
         if self.seed is not None:
             check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
+        if self.allowed_token_ids is not None:
+            check(bool(self.allowed_token_ids) and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                  f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids}.")
+        if self.truncate_prompt_tokens is not None:
+            check(isinstance(self.truncate_prompt_tokens, int) and (self.truncate_prompt_tokens == -1
+                                                                    or self.truncate_prompt_tokens >= 1),
+                  f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}.")
 
     @property
     def greedy(self) -> bool:

@@ -1,6 +1,8 @@
 """The offline API with the real SmolLM2: outputs, sampling options, streaming and the seed's
 first code sample."""
 
+import pytest
+
 from pagoda import LLM, SamplingParams
 from pagoda.sampling_params import RequestOutputKind
 from tests.conftest import assert_no_leaks
@@ -151,6 +153,44 @@ def test_seed_first_code_sample(smollm_path):
     for out in outputs:
         c = out.outputs[0]
         assert 1 <= len(c.token_ids) <= 512 and c.text and c.finish_reason in ("stop", "length")
+    assert_no_leaks(llm)
+
+
+def test_allowed_token_ids(llm):
+    """Sampled and greedy tokens come from allowed_token_ids only (vLLM's); the greedy one is the
+    most likely of them; ids outside the vocabulary are refused, and the engine goes on."""
+    tok = llm.get_tokenizer()
+    allowed = sorted({t for w in (" yes", " no", " maybe", " Paris") for t in tok.encode(w)})
+    free = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1, logprobs=20), use_tqdm=False)[0]
+    for params in (SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=allowed, logprobs=0),
+                   SamplingParams(temperature=1.0, max_tokens=12, seed=3, allowed_token_ids=allowed)):
+        c = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+        assert len(c.token_ids) == params.max_tokens and set(c.token_ids) <= set(allowed)
+    # the first greedy token: the allowed id the unconstrained model ranks highest
+    first = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=allowed),
+                         use_tqdm=False)[0].outputs[0].token_ids[0]
+    ranked = [t for t, _ in sorted(free.outputs[0].logprobs[0].items(), key=lambda kv: -kv[1].logprob)]
+    assert first == next(t for t in ranked if t in allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids must be in"):
+        llm.generate(PROMPTS[0], SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
+    assert_no_leaks(llm)
+
+
+def test_truncate_prompt_tokens(llm):
+    """The prompt's last k tokens only (vLLM's left truncation; -1: max_model_len)."""
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Once upon a time, in a land far away, there lived a king who loved music.")
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cut = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                                truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-5:]
+    assert cut.outputs[0].token_ids == llm.generate({"prompt_token_ids": ids[-5:]}, greedy,
+                                                    use_tqdm=False)[0].outputs[0].token_ids
+    max_len = llm.llm_engine.config.scheduler.max_model_len
+    long = ids * (max_len // len(ids) + 1)
+    out = llm.generate({"prompt_token_ids": long}, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-max_len:]
     assert_no_leaks(llm)
 
 

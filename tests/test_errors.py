@@ -24,6 +24,10 @@ def still_works(llm):
     (dict(min_p=2.0), "min_p"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(presence_penalty=3.0), "presence_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(logprobs=-3), "logprobs"), (dict(stop=[""]), "stop"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be -1 or at least 1"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
 ])
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):

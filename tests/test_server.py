@@ -93,6 +93,23 @@ def test_completions_greedy_equal_llm_generate_with_usage(client, llm):
                              "total_tokens": prompt_tokens + completion_tokens}
 
 
+def test_allowed_token_ids_and_truncated_prompts(client, llm):
+    """vLLM's extra request fields: the tokens sampled among allowed_token_ids, the prompt cut to
+    its last truncate_prompt_tokens (usage counts what the engine read)."""
+    tok = llm.get_tokenizer()
+    allowed = sorted({t for w in (" yes", " no") for t in tok.encode(w)})
+    body = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 1.0, "seed": 1,
+                                                "allowed_token_ids": allowed}).json()
+    assert set(tok.encode(body["choices"][0]["text"])) <= set(allowed)
+    body = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0,
+                                                "truncate_prompt_tokens": 3}).json()
+    ref = llm.generate({"prompt_token_ids": tok.encode(PROMPTS[1])[-3:]}, SamplingParams(temperature=0, max_tokens=6),
+                       use_tqdm=False)[0].outputs[0]
+    assert body["choices"][0]["text"] == ref.text and body["usage"]["prompt_tokens"] == 3
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "allowed_token_ids": []})
+    assert r.status_code == 400 and "allowed_token_ids" in r.json()["error"]["message"]
+
+
 def test_token_id_prompt_and_echo(client, llm):
     ids = llm.get_tokenizer().encode(PROMPTS[0])
     ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]

@@ -90,6 +90,8 @@ class LLMEngine:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         text, token_ids = self._tokenize(prompt)
         max_len = self.config.scheduler.max_model_len
+        if params.truncate_prompt_tokens is not None:   # (vLLM's: the prompt's end is kept)
+            token_ids = token_ids[-(max_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens):]
         if not token_ids:
             raise ValueError("The prompt is empty: it must contain at least one token.")
         if len(token_ids) > max_len:
@@ -99,6 +101,8 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"Prompt token ids must be in [0, {vocab}); got min {min(token_ids)}, "
                              f"max {max(token_ids)}.")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise ValueError(f"allowed_token_ids must be in [0, {vocab}); got {max(params.allowed_token_ids)}.")
         params = self._finalize_params(params)
         grammar = self._grammar(params.structured_outputs) if params.structured_outputs is not None else None
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(token_ids)

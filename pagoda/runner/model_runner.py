@@ -277,7 +277,7 @@ class ModelRunner:
         p = r.sampling_params
         self.temperature[row] = 0.0 if p.greedy else p.temperature
         self.top_p[row], self.top_k[row], self.min_p[row] = p.top_p, p.top_k, p.min_p
-        self.special[row] = p.needs_penalties or bool(p.logit_bias) or p.min_tokens > 0
+        self.special[row] = p.needs_penalties or bool(p.logit_bias) or p.min_tokens > 0 or bool(p.allowed_token_ids)
         self.num_logprobs[row] = NO_LOGPROBS if p.logprobs is None else p.logprobs
         self.seeded[row] = p.seed is not None
         self.pending_idx[row] = self.pending_step[row] = -1
@@ -526,7 +526,8 @@ class ModelRunner:
     def _sampling_arrays(self, states: list[CachedRequestState], rows: np.ndarray) -> dict[str, np.ndarray]:
         """The sampling rows' parameters for the device: only those some row uses, plus Philox
         seeds when the batch can take the one-kernel GPU sampler (no logprobs or per-request
-        extras: penalties, logit bias, min_tokens), which then takes all three filters."""
+        extras: penalties, logit bias, allowed token ids, min_tokens), which then takes all three
+        filters."""
         temp = self.temperature[rows]
         a = {"temperature": temp}
         top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
@@ -544,10 +545,10 @@ class ModelRunner:
         return a
 
     def _special_rows(self, states: list[CachedRequestState], rows: np.ndarray) -> list[int]:
-        """The rows needing the rare per-request extras this step (penalties, logit bias, stop
-        tokens held back by min_tokens): a loop over the flagged rows only."""
+        """The rows needing the rare per-request extras this step (penalties, logit bias, allowed
+        token ids, stop tokens held back by min_tokens): a loop over the flagged rows only."""
         return [i for i in np.nonzero(self.special[rows])[0].tolist()
-                if states[i].params.needs_penalties or states[i].params.logit_bias
+                if states[i].params.needs_penalties or states[i].params.logit_bias or states[i].params.allowed_token_ids
                 or states[i].num_tokens - states[i].num_prompt_tokens < states[i].params.min_tokens]
 
     def _sampling_metadata(self, states: list[CachedRequestState], rows: np.ndarray,
@@ -599,6 +600,12 @@ class ModelRunner:
         if bias_rows:
             md.logit_bias = (self._to_device(np.array(bias_rows)), self._to_device(np.array(bias_ids)),
                              self._to_device(np.array(bias_vals, dtype=np.float32)))
+        allowed = [i for i in special if states[i].params.allowed_token_ids]
+        if allowed:
+            keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=dev)
+            for k, i in enumerate(allowed):
+                keep[k, self._to_device(np.array(states[i].params.allowed_token_ids))] = True
+            md.allowed = (self._to_device(np.array(allowed)), keep)
         if pen:
             b = len(states)
             counts = torch.zeros(b, vocab, device=dev)

@@ -25,6 +25,7 @@ class SamplingMetadata:
     prompt_mask: torch.Tensor | None = None      # (B, V) bool
     # (row indices, token ids) whose logits are forced to -inf (min_tokens holding back stops)
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None    # rows, their (rows, vocab) bool masks
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
     # Every row keeps at most this many tokens (all rows set top_k); 0 when some row sets none.
     max_top_k: int = 0
@@ -110,7 +111,7 @@ def draw(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.T
 
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-    plain = md.logit_bias is None and md.banned is None and md.output_counts is None
+    plain = md.logit_bias is None and md.banned is None and md.allowed is None and md.output_counts is None
     if md.all_greedy and plain and md.max_num_logprobs is None:
         return SamplerOutput(logits.argmax(-1), None, None, None, None)   # no float copy needed
     if md.seeds is not None:
@@ -125,6 +126,9 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = apply_penalties(logits, md)
     if md.banned is not None:
         logits = logits.index_put(md.banned, torch.full((), float("-inf"), device=logits.device))
+    if md.allowed is not None:
+        rows, keep = md.allowed
+        logits = logits.index_put((rows,), logits[rows].masked_fill(~keep, float("-inf")))
     if md.all_greedy:
         tokens = logits.argmax(-1)
     else:
