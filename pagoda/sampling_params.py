@@ -57,11 +57,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None     # sample only among these (vLLM's)
+    bad_words: list[str] | None = None             # words never generated (vLLM's)
     truncate_prompt_tokens: int | None = None      # keep the prompt's last k tokens (-1: max_model_len)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine: every token id that ends the request (EOS + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled in by the engine: each bad word's token ids, with and without a space before it.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if self.stop is None:
@@ -115,6 +118,9 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             check(bool(self.allowed_token_ids) and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
                   f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids}.")
+        if self.bad_words is not None:
+            check(all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                  f"bad_words must be non-empty strings, got {self.bad_words}.")
         if self.truncate_prompt_tokens is not None:
             check(isinstance(self.truncate_prompt_tokens, int) and (self.truncate_prompt_tokens == -1
                                                                     or self.truncate_prompt_tokens >= 1),

@@ -176,6 +176,26 @@ def test_allowed_token_ids(llm):
     assert_no_leaks(llm)
 
 
+def test_bad_words(llm):
+    """vLLM's bad_words: a one-token word is never sampled; a longer one's last token is banned
+    where the output ends with the rest of it (here " return" may come, " return n" may not)."""
+    tok = llm.get_tokenizer()
+    greedy = dict(temperature=0, max_tokens=24)
+    free = llm.generate(["The capital of France is", "def fibonacci(n):"], SamplingParams(**greedy), use_tqdm=False)
+    assert "Paris" in free[0].outputs[0].text and "return n" in free[1].outputs[0].text
+    banned = llm.generate(["The capital of France is", "def fibonacci(n):"],
+                          SamplingParams(**greedy, bad_words=["Paris", "return n"]), use_tqdm=False)
+    paris, ret = banned[0].outputs[0], banned[1].outputs[0]
+    assert "Paris" not in paris.text and not set(tok.encode("Paris") + tok.encode(" Paris")) & set(paris.token_ids)
+    ids, (r, n) = ret.token_ids, tok.encode(" return n")
+    assert r in ids and not any(a == r and b == n for a, b in zip(ids, ids[1:]))
+    # seeded sampling holds to them too, and n > 1 samples each
+    sampled = llm.generate("The capital of France is", SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=16,
+                                                                      bad_words=["Paris"]), use_tqdm=False)[0]
+    assert all("Paris" not in c.text for c in sampled.outputs)
+    assert_no_leaks(llm)
+
+
 def test_truncate_prompt_tokens(llm):
     """The prompt's last k tokens only (vLLM's left truncation; -1: max_model_len)."""
     tok = llm.get_tokenizer()

@@ -27,6 +27,7 @@ def still_works(llm):
     (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),
     (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be -1 or at least 1"),
+    (dict(bad_words=["ok", " "]), "bad_words must be non-empty strings"),
     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
 ])
 def test_invalid_sampling_params(kwargs, match):

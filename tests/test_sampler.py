@@ -1,4 +1,5 @@
 """The batched sampler against plain per-row reference implementations."""
+import pytest
 import torch
 
 from pagoda.runner.sampler import SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p, draw, sample
@@ -215,3 +216,8 @@ def test_engine_sends_filtered_batches_to_the_kernel(tmp_path, monkeypatch):
     before = len(calls)
     run([prompt], [SamplingParams(top_p=0.9, logprobs=2, max_tokens=2)])
     assert len(calls) == before
+    # allowed_token_ids and bad words (as token ids: no tokenizer here) keep theirs on it too
+    assert set(run([prompt], [SamplingParams(temperature=1.0, allowed_token_ids=[40, 41], max_tokens=3)])[0]) <= {40, 41}
+    assert len(calls) == before
+    with pytest.raises(ValueError, match="bad_words need the tokenizer"):
+        run([prompt], [SamplingParams(bad_words=["x"])])

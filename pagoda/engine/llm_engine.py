@@ -165,7 +165,23 @@ class LLMEngine:
         params.all_stop_token_ids = set(params.stop_token_ids)
         if self.eos_token_id is not None and not params.ignore_eos:
             params.all_stop_token_ids.add(self.eos_token_id)
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         return params
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids at the start of a text and after a space, as vLLM bans them (the
+        second only where the space makes other tokens of the same count)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the tokenizer (the engine was started with skip_tokenizer_init).")
+        ids = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            ids.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                ids.append(spaced)
+        return ids
 
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):

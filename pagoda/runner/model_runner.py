@@ -277,7 +277,8 @@ class ModelRunner:
         p = r.sampling_params
         self.temperature[row] = 0.0 if p.greedy else p.temperature
         self.top_p[row], self.top_k[row], self.min_p[row] = p.top_p, p.top_k, p.min_p
-        self.special[row] = p.needs_penalties or bool(p.logit_bias) or p.min_tokens > 0 or bool(p.allowed_token_ids)
+        self.special[row] = (p.needs_penalties or bool(p.logit_bias) or p.min_tokens > 0 or bool(p.allowed_token_ids)
+                             or bool(p.bad_words_token_ids))
         self.num_logprobs[row] = NO_LOGPROBS if p.logprobs is None else p.logprobs
         self.seeded[row] = p.seed is not None
         self.pending_idx[row] = self.pending_step[row] = -1
@@ -526,8 +527,8 @@ class ModelRunner:
     def _sampling_arrays(self, states: list[CachedRequestState], rows: np.ndarray) -> dict[str, np.ndarray]:
         """The sampling rows' parameters for the device: only those some row uses, plus Philox
         seeds when the batch can take the one-kernel GPU sampler (no logprobs or per-request
-        extras: penalties, logit bias, allowed token ids, min_tokens), which then takes all three
-        filters."""
+        extras: penalties, logit bias, allowed token ids, bad words, min_tokens), which then takes
+        all three filters."""
         temp = self.temperature[rows]
         a = {"temperature": temp}
         top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
@@ -546,9 +547,11 @@ class ModelRunner:
 
     def _special_rows(self, states: list[CachedRequestState], rows: np.ndarray) -> list[int]:
         """The rows needing the rare per-request extras this step (penalties, logit bias, allowed
-        token ids, stop tokens held back by min_tokens): a loop over the flagged rows only."""
+        token ids, bad words, stop tokens held back by min_tokens): a loop over the flagged rows
+        only."""
         return [i for i in np.nonzero(self.special[rows])[0].tolist()
                 if states[i].params.needs_penalties or states[i].params.logit_bias or states[i].params.allowed_token_ids
+                or states[i].params.bad_words_token_ids
                 or states[i].num_tokens - states[i].num_prompt_tokens < states[i].params.min_tokens]
 
     def _sampling_metadata(self, states: list[CachedRequestState], rows: np.ndarray,
@@ -600,6 +603,7 @@ class ModelRunner:
         if bias_rows:
             md.logit_bias = (self._to_device(np.array(bias_rows)), self._to_device(np.array(bias_ids)),
                              self._to_device(np.array(bias_vals, dtype=np.float32)))
+        self._add_bad_words(md, states, rows, [i for i in special if states[i].params.bad_words_token_ids])
         allowed = [i for i in special if states[i].params.allowed_token_ids]
         if allowed:
             keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=dev)
@@ -614,9 +618,7 @@ class ModelRunner:
             pp[2] = 1.0
             for i in pen:
                 s = states[i]
-                toks = self._to_device(self.token_ids[rows[i], :s.num_tokens].astype(np.int64))
-                if self.pending_idx[s.row] >= 0:      # its last token is still on the device only
-                    toks[-1] = self.last_sampled[int(self.pending_idx[s.row])]
+                toks = self._row_tokens(s)
                 prompt_mask[i, toks[:s.num_prompt_tokens]] = True
                 out_toks = toks[s.num_prompt_tokens:]
                 counts[i].index_add_(0, out_toks, torch.ones(len(out_toks), device=dev))
@@ -624,6 +626,34 @@ class ModelRunner:
             md.output_counts, md.prompt_mask = counts, prompt_mask
             md.presence_penalty, md.frequency_penalty, md.repetition_penalty = (
                 self._to_device(x) for x in pp)
+
+    def _row_tokens(self, s: CachedRequestState) -> torch.Tensor:
+        """A request's tokens so far on the device (its last may be known there only)."""
+        toks = self._to_device(self.token_ids[s.row, :s.num_tokens].astype(np.int64))
+        if self.pending_idx[s.row] >= 0:
+            toks[-1] = self.last_sampled[int(self.pending_idx[s.row])]
+        return toks
+
+    def _add_bad_words(self, md, states, rows, bad) -> None:
+        """A bad word's last token is banned where the output so far ends with the rest of it (a
+        one-token word: always), as vLLM does; the match is made on the device (no sync)."""
+        ban_rows, ban_ids, active = [], [], []
+        for i in bad:
+            s = states[i]
+            outputs = None
+            for word in s.params.bad_words_token_ids:
+                if len(word) > 1:
+                    if s.num_tokens - s.num_prompt_tokens < len(word) - 1:
+                        continue
+                    outputs = self._row_tokens(s) if outputs is None else outputs
+                    tail = outputs[s.num_tokens - len(word) + 1:]
+                    active.append((tail == self._to_device(np.array(word[:-1]))).all())
+                else:
+                    active.append(torch.ones((), dtype=torch.bool, device=self.device))
+                ban_rows.append(i)
+                ban_ids.append(word[-1])
+        if ban_rows:
+            md.bad_words = (self._to_device(np.array(ban_rows)), self._to_device(np.array(ban_ids)), torch.stack(active))
 
     def _prompt_logprobs(self, hidden, req_ids, states, rows, computed, q_lens, cu, out) -> None:
         """Logprobs of prompt tokens computed this step (a chunk yields those of its next

@@ -26,6 +26,7 @@ class SamplingMetadata:
     # (row indices, token ids) whose logits are forced to -inf (min_tokens holding back stops)
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None    # rows, their (rows, vocab) bool masks
+    bad_words: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # rows, ids, banned (bool) now
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values
     # Every row keeps at most this many tokens (all rows set top_k); 0 when some row sets none.
     max_top_k: int = 0
@@ -111,7 +112,8 @@ def draw(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.T
 
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-    plain = md.logit_bias is None and md.banned is None and md.allowed is None and md.output_counts is None
+    plain = (md.logit_bias is None and md.banned is None and md.allowed is None and md.bad_words is None
+             and md.output_counts is None)
     if md.all_greedy and plain and md.max_num_logprobs is None:
         return SamplerOutput(logits.argmax(-1), None, None, None, None)   # no float copy needed
     if md.seeds is not None:
@@ -126,6 +128,9 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = apply_penalties(logits, md)
     if md.banned is not None:
         logits = logits.index_put(md.banned, torch.full((), float("-inf"), device=logits.device))
+    if md.bad_words is not None:
+        rows, ids, banned = md.bad_words   # (accumulated: a token two words ban, one now, is banned)
+        logits = logits.index_put((rows, ids), torch.where(banned, float("-inf"), 0.0), accumulate=True)
     if md.allowed is not None:
         rows, keep = md.allowed
         logits = logits.index_put((rows,), logits[rows].masked_fill(~keep, float("-inf")))
