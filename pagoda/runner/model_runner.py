@@ -603,7 +603,7 @@ class ModelRunner:
         if bias_rows:
             md.logit_bias = (self._to_device(np.array(bias_rows)), self._to_device(np.array(bias_ids)),
                              self._to_device(np.array(bias_vals, dtype=np.float32)))
-        self._add_bad_words(md, states, rows, [i for i in special if states[i].params.bad_words_token_ids])
+        self._add_bad_words(md, states, [i for i in special if states[i].params.bad_words_token_ids])
         allowed = [i for i in special if states[i].params.allowed_token_ids]
         if allowed:
             keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=dev)
@@ -634,7 +634,7 @@ class ModelRunner:
             toks[-1] = self.last_sampled[int(self.pending_idx[s.row])]
         return toks
 
-    def _add_bad_words(self, md, states, rows, bad) -> None:
+    def _add_bad_words(self, md, states, bad: list[int]) -> None:
         """A bad word's last token is banned where the output so far ends with the rest of it (a
         one-token word: always), as vLLM does; the match is made on the device (no sync)."""
         ban_rows, ban_ids, active = [], [], []

@@ -51,7 +51,9 @@ class OpenAIServingChat(OpenAIServing):
                                                                   key=lambda lp: lp.rank))
                                     for t, lps in zip(c.token_ids, c.logprobs)]}
         text, calls, finish = c.text, [], c.finish_reason
-        choice = state.get("tool_choice") or state.setdefault("tool_choice", _tool_choice(request))
+        if "tool_choice" not in state:      # (once a choice, not once a streamed chunk)
+            state["tool_choice"] = _tool_choice(request)
+        choice = state["tool_choice"]
         if choice not in ("auto", "none") and request.stream:
             # A forced call: the answer is its JSON, streamed as the calls' names and arguments.
             forced = state.setdefault("forced", ForcedCallStream(None if choice == "required"
