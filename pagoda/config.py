@@ -117,6 +117,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Schedule step N+1 while the device runs step N (see LLMEngine.step).
     async_scheduling: bool = False
+    # "fcfs": first come, first served; "priority": lowest priority value first, then arrival
+    # (vLLM's scheduling_policy); preemption then takes the lowest-priority running request.
+    policy: str = "fcfs"
 
 
 @dataclass

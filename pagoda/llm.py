@@ -27,12 +27,15 @@ class LLM:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, **_ignored) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None, **_ignored) -> list[RequestOutput]:
         """Generate for one prompt or a list of them (strings, token-id lists, or dicts with
-        ``prompt`` / ``prompt_token_ids``). Returns outputs in input order."""
+        ``prompt`` / ``prompt_token_ids``). Returns outputs in input order. ``priority``: one a
+        prompt, with scheduling_policy="priority" (lower first)."""
         prompts = self._as_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts.")
+        return self._run(prompts, params, use_tqdm, priority)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -82,14 +85,15 @@ class LLM:
                              "pass one, or one per prompt.")
         return sampling_params
 
-    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
+             priority: list[int] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 p = p.clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY
-                ids.append(engine.add_request(None, prompt, p))
+                ids.append(engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
             finished = self._run_engine(len(ids), use_tqdm)
         except BaseException:
             # Bad input or a failure mid-run: release everything this call holds so the

@@ -196,6 +196,21 @@ def test_bad_words(llm):
     assert_no_leaks(llm)
 
 
+def test_priority_scheduling(smollm_path, llm):
+    """scheduling_policy="priority" (vLLM's): one sequence at a time, requests run lowest
+    priority value first whatever their order; without the policy a priority is refused."""
+    prio = LLM(smollm_path, dtype="float32", kv_cache_memory_bytes=1 << 26, max_model_len=256, max_num_seqs=1,
+               scheduling_policy="priority")
+    outs = prio.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False, priority=[3, 1, 0, 2])
+    started = sorted(range(len(PROMPTS)), key=lambda i: outs[i].metrics.first_token_time)
+    assert started == [2, 1, 3, 0]
+    with pytest.raises(ValueError, match="priority has 1 values for 4 prompts"):
+        prio.generate(PROMPTS, use_tqdm=False, priority=[0])
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        llm.generate(PROMPTS[0], use_tqdm=False, priority=[1])
+    assert_no_leaks(llm)
+
+
 def test_truncate_prompt_tokens(llm):
     """The prompt's last k tokens only (vLLM's left truncation; -1: max_model_len)."""
     tok = llm.get_tokenizer()

@@ -39,9 +39,9 @@ def test_engine_loop_commands_and_failures():
     engine = StubEngine(fail_at=4)
     params = SamplingParams(max_tokens=2)
     events = _run_loop(engine, [
-        ("add", "a", [1, 2], params), ("add", "bad", [], params), ("call", 7, "prompt_token_ids", ([[4, 5]],)),
+        ("add", "a", [1, 2], params, 0), ("add", "bad", [], params, 0), ("call", 7, "prompt_token_ids", ([[4, 5]],)),
         None,                                       # a: two steps, then done
-        ("add", "b", [3], SamplingParams(max_tokens=9)), ("add", "c", [3], SamplingParams(max_tokens=9)),
+        ("add", "b", [3], SamplingParams(max_tokens=9), 0), ("add", "c", [3], SamplingParams(max_tokens=9), 0),
         ("abort", ["c", "never-added"]), None])     # b: one step, then the fourth fails
     kinds = [e[0] for e in events]
     assert ("fail", "bad") in [(e[0], e[1]) for e in events]

@@ -7,8 +7,8 @@ from pagoda.core.sched_output import ModelRunnerOutput
 from pagoda.sampling_params import SamplingParams
 
 
-def make(budget=64, max_seqs=8, num_blocks=64, block_size=4, max_len=256, caching=True):
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len)
+def make(budget=64, max_seqs=8, num_blocks=64, block_size=4, max_len=256, caching=True, policy="fcfs"):
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len, policy=policy)
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_caching=caching))
 
 
@@ -75,6 +75,38 @@ def test_preempts_newest_when_blocks_run_out_and_recomputes():
     assert seen_preempt and s.stats.num_preemptions >= 1
     assert a.num_preemptions == 0, "the oldest request is never the victim while a newer one runs"
     assert a.output_token_ids == [7] * 8 and b.output_token_ids == [7] * 8
+    assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks
+
+
+def test_priority_policy_admits_lowest_first_and_preempts_the_last():
+    """scheduling_policy="priority": the queue in (priority, arrival) order, lowest first; when
+    blocks run out, the running request last in that order is preempted, also one the step had
+    already scheduled (its tokens and budget are taken back), and it waits in its place."""
+    s = make(max_seqs=1, policy="priority")
+    for i, prio in enumerate([2, 0, 1, 0]):
+        r = req(i, 3, max_tokens=1)
+        r.priority = prio
+        s.add_request(r)
+    order = []
+    while s.has_unfinished_requests():
+        out, _ = run_step(s)
+        order += [rid for rid in out.num_scheduled_tokens if rid not in order]
+    assert order == ["r1", "r3", "r2", "r0"]
+    # 4 usable blocks of 4: an urgent request admitted after a lax one (newest: first come first
+    # served would preempt it) is not the victim; the lax one is, though the step had scheduled
+    # it already (its decode fit its blocks; the urgent one's needed a new block)
+    s = make(num_blocks=5, block_size=4, policy="priority")
+    lax, urgent = req(0, 6, max_tokens=8), req(1, 8, max_tokens=8)
+    lax.priority, urgent.priority = 5, 0
+    s.add_request(lax)
+    run_step(s)
+    s.add_request(urgent)
+    while s.has_unfinished_requests():
+        out, _ = run_step(s)
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        assert {c.req_id for c in out.cached_reqs} <= set(out.num_scheduled_tokens)
+    assert urgent.num_preemptions == 0 and lax.num_preemptions >= 1
+    assert urgent.output_token_ids == [7] * 8 and lax.output_token_ids == [7] * 8
     assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks
 
 

@@ -108,6 +108,8 @@ def test_allowed_token_ids_and_truncated_prompts(client, llm):
     assert body["choices"][0]["text"] == ref.text and body["usage"]["prompt_tokens"] == 3
     r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "allowed_token_ids": []})
     assert r.status_code == 400 and "allowed_token_ids" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "priority": 1})   # (an fcfs engine)
+    assert r.status_code == 400 and "priority scheduling is not enabled" in r.json()["error"]["message"]
 
 
 def test_token_id_prompt_and_echo(client, llm):

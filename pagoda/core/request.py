@@ -27,8 +27,9 @@ class RequestStatus(enum.IntEnum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_id: int | None, max_tokens: int, arrival_time: float | None = None,
-                 cache_salt: str | None = None, fork_parent: "Request | None" = None):
+                 cache_salt: str | None = None, fork_parent: "Request | None" = None, priority: int = 0):
         self.request_id = request_id
+        self.priority = priority
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

@@ -2,7 +2,9 @@
 requests first (a decode token each, or their next prefill chunk), then admits waiting ones.
 Prefill and decode tokens share the step; a prompt longer than the budget is chunked. When the
 KV cache runs out, the newest running request is preempted: its blocks are freed and it goes
-back to the front of the queue, to be recomputed from its tokens later.
+back to the front of the queue, to be recomputed from its tokens later. With the "priority"
+policy (vLLM's) the queue is kept in (priority, arrival) order, lowest first, and the running
+request preempted is the one that comes last in that order.
 
 At admission a request starts from the longest cached prefix of its tokens (prefix caching),
 or, for the samples of one prompt (n > 1), from the KV of the sample that computed the prompt.
@@ -45,7 +47,17 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        """Into the waiting queue: at its back (or front: a preempted request) first come first
+        served; in (priority, arrival) order by priority."""
+        if self.config.policy != "priority":
+            self.waiting.appendleft(req) if front else self.waiting.append(req)
+            return
+        key = (req.priority, req.arrival_time)
+        i = next((i for i, w in enumerate(self.waiting) if (w.priority, w.arrival_time) > key), len(self.waiting))
+        self.waiting.insert(i, req)
 
     def finish_requests(self, req_ids, status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string): free all they hold."""
@@ -79,7 +91,15 @@ class Scheduler:
         self.stats.num_preemptions += 1
         # The runner must forget it: on resumption it is sent again as a new request.
         self.finished_req_ids.add(req.request_id)
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the newest, or by priority the last in its order."""
+        if self.config.policy != "priority":
+            return self.running.pop()
+        victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        self.running.remove(victim)
+        return victim
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -99,14 +119,19 @@ class Scheduler:
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
             new_block_ids = self.kv.allocate_slots(req, n)
             while new_block_ids is None:
-                victim = self.running.pop()
+                victim = self._victim()
+                if victim.request_id in num_scheduled:     # (priority: one scheduled already this step)
+                    budget += num_scheduled.pop(victim.request_id)
+                    scheduled = [(r, m) for r, m in scheduled if r is not victim]
+                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
+                    i -= 1
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
                 new_block_ids = self.kv.allocate_slots(req, n)
-            if new_block_ids is None:
-                break
+            if new_block_ids is None:     # req itself was preempted: the next one takes its place
+                continue
             cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
             num_scheduled[req.request_id] = n
             scheduled.append((req, n))

@@ -41,6 +41,7 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     async_scheduling: bool | None = None       # None: on for CUDA, off on the CPU
+    scheduling_policy: str = "fcfs"            # or "priority"
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None
@@ -86,6 +87,8 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         check_kv_cache_dtype(self.kv_cache_dtype, device)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"Unknown scheduling_policy {self.scheduling_policy!r}; choose 'fcfs' or 'priority'.")
         default_batched, default_seqs = _batch_defaults(device)
         max_num_seqs = self.max_num_seqs or default_seqs
         max_batched = self.max_num_batched_tokens or default_batched
@@ -109,7 +112,8 @@ class EngineArgs:
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked,
                                 # On the CPU the forward runs as it is called: nothing to overlap.
                                 async_scheduling=(device == "cuda" if self.async_scheduling is None
-                                                  else self.async_scheduling))
+                                                  else self.async_scheduling),
+                                policy=self.scheduling_policy)
         return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager,
                              log_stats=not self.disable_log_stats)
 

@@ -145,10 +145,11 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ the caller's side
     async def generate(self, prompt, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Add the request, then yield its outputs as the engine makes them (a bad request
         raises its ValueError at the first). Leaving the loop early (the client went away, the
-        task was cancelled) aborts the request, which frees its KV blocks."""
+        task was cancelled) aborts the request, which frees its KV blocks. ``priority``: see
+        LLMEngine.add_request."""
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         self._check_alive()
@@ -158,7 +159,7 @@ class AsyncLLM:
         self._load[core] += sampling_params.n         # (changed on the event loop's thread only)
         finished = False
         try:
-            self._cores[core].send(("add", request_id, prompt, sampling_params))
+            self._cores[core].send(("add", request_id, prompt, sampling_params, priority))
             while not finished:
                 out = await stream.get()
                 if isinstance(out, BaseException):

@@ -63,7 +63,7 @@ class DPEngine(ChildProcs):
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, priority: int = 0) -> str:
         """Queue the request on the least-loaded replica; a bad one raises its ValueError here
         and leaves that replica as it was."""
         params = params or SamplingParams()
@@ -71,7 +71,7 @@ class DPEngine(ChildProcs):
         if request_id in self._owner:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         replica = min(range(len(self._load)), key=self._load.__getitem__)
-        self._call(replica, "add_request", request_id, prompt, params, arrival_time)
+        self._call(replica, "add_request", request_id, prompt, params, arrival_time, priority)
         self._owner[request_id] = replica, params.n
         self._load[replica] += params.n
         return request_id

@@ -5,7 +5,7 @@ of its own process (``EngineThread``) or, as vLLM's engine core and by default f
 ``pagoda serve``, in a spawned process of its own (``EngineCoreProc``): the server's event loop
 and the engine loop then hold a GIL each, and neither waits for the other's Python.
 
-Commands, plain tuples:  ("add", request_id, prompt, params) | ("abort", [request_ids]) |
+Commands, plain tuples:  ("add", request_id, prompt, params, priority) | ("abort", [request_ids]) |
                          ("call", call_id, name, args) | ("shutdown", ())
 Events, a list a step:   ("out", request_id, RequestOutput, first) | ("fail", request_id, error) |
                          ("aborted", request_id) | ("reply", call_id, ok, value) |
@@ -60,9 +60,9 @@ def run_engine_loop(engine, next_command, emit) -> None:
 def _command(engine, cmd: tuple, live: dict[str, bool]) -> list:
     kind = cmd[0]
     if kind == "add":
-        _, request_id, prompt, params = cmd
+        _, request_id, prompt, params, priority = cmd
         try:
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt, params, priority=priority)
         except Exception as e:            # noqa: BLE001 - a bad request: its caller's error
             return [("fail", request_id, picklable(e))]
         live[request_id] = False

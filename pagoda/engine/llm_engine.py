@@ -81,10 +81,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
-                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> str:
         """Validate and queue a request; raises ValueError on bad input, leaving the engine
-        untouched."""
+        untouched. ``priority``: with scheduling_policy="priority", lower values are served first."""
         params = params or SamplingParams()
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError(f"Got priority {priority}, but priority scheduling is not enabled: start the engine "
+                             "with scheduling_policy='priority'.")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor.parents:
             raise ValueError(f"Request id {request_id!r} is already in use.")
@@ -120,7 +124,7 @@ class LLMEngine:
             # Samples after the first fork its KV once it has computed the prompt.
             children.append(Request(f"{i}_{request_id}" if params.n > 1 else request_id, token_ids,
                                     child_params, self.eos_token_id, max(1, max_tokens), arrival,
-                                    cache_salt, fork_parent=children[0] if children else None))
+                                    cache_salt, fork_parent=children[0] if children else None, priority=priority))
         self.output_processor.add(parent, children)
         for req in children:
             if grammar is not None:

@@ -30,6 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "actors of a Ray cluster (ray: several nodes)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="the KV cache's storage: the model's dtype (auto), or one byte an element (fp8: E4M3)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="first come first served, or by each request's priority (lower first)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--log-stats", action="store_true",
                    help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
@@ -55,7 +57,7 @@ def engine_args_from(args):
                       pipeline_parallel_size=args.pipeline_parallel_size,
                       data_parallel_size=args.data_parallel_size,
                       distributed_executor_backend=args.distributed_executor_backend,
-                      kv_cache_dtype=args.kv_cache_dtype,
+                      kv_cache_dtype=args.kv_cache_dtype, scheduling_policy=args.scheduling_policy,
                       enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats)
 
 

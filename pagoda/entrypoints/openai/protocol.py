@@ -33,6 +33,7 @@ class SamplingRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    priority: int = 0                  # with --scheduling-policy priority: lower first (vLLM's)
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False

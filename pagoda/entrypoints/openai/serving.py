@@ -49,7 +49,8 @@ class OpenAIServing:
             params = self.sampling_params(request)
             prompts = await self._fitted(self.engine_prompts(request), params)
             request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-            gens = [self.engine.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+            gens = [self.engine.generate(p, params, f"{request_id}-{i}", request.priority)
+                    for i, p in enumerate(prompts)]
             firsts = await _start(gens)
         except ValueError as e:
             return error_response(str(e), 400)
