@@ -13,6 +13,7 @@ With async scheduling the engine schedules step N+1 before step N's sampled toke
 host. A request that samples in step N carries one output placeholder until then: it is
 scheduled as if that token were known (the runner feeds it from the device), and never past
 max_tokens / max_model_len."""
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -55,9 +56,8 @@ class Scheduler:
         if self.config.policy != "priority":
             self.waiting.appendleft(req) if front else self.waiting.append(req)
             return
-        key = (req.priority, req.arrival_time)
-        i = next((i for i, w in enumerate(self.waiting) if (w.priority, w.arrival_time) > key), len(self.waiting))
-        self.waiting.insert(i, req)
+        key = lambda r: (r.priority, r.arrival_time)   # noqa: E731
+        self.waiting.insert(bisect.bisect_right(self.waiting, key(req), key=key), req)
 
     def finish_requests(self, req_ids, status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string): free all they hold."""

@@ -627,9 +627,10 @@ class ModelRunner:
             md.presence_penalty, md.frequency_penalty, md.repetition_penalty = (
                 self._to_device(x) for x in pp)
 
-    def _row_tokens(self, s: CachedRequestState) -> torch.Tensor:
-        """A request's tokens so far on the device (its last may be known there only)."""
-        toks = self._to_device(self.token_ids[s.row, :s.num_tokens].astype(np.int64))
+    def _row_tokens(self, s: CachedRequestState, first: int = 0) -> torch.Tensor:
+        """A request's tokens so far, from ``first`` on, on the device (its last may be known
+        there only)."""
+        toks = self._to_device(self.token_ids[s.row, first:s.num_tokens].astype(np.int64))
         if self.pending_idx[s.row] >= 0:
             toks[-1] = self.last_sampled[int(self.pending_idx[s.row])]
         return toks
@@ -640,14 +641,14 @@ class ModelRunner:
         ban_rows, ban_ids, active = [], [], []
         for i in bad:
             s = states[i]
-            outputs = None
-            for word in s.params.bad_words_token_ids:
+            num_out = s.num_tokens - s.num_prompt_tokens
+            words = [w for w in s.params.bad_words_token_ids if len(w) - 1 <= num_out]
+            # (only the output's last tokens, as many as the longest word's prefix)
+            longest = max((len(w) for w in words), default=1)
+            tail = self._row_tokens(s, s.num_tokens - longest + 1) if longest > 1 else None
+            for word in words:
                 if len(word) > 1:
-                    if s.num_tokens - s.num_prompt_tokens < len(word) - 1:
-                        continue
-                    outputs = self._row_tokens(s) if outputs is None else outputs
-                    tail = outputs[s.num_tokens - len(word) + 1:]
-                    active.append((tail == self._to_device(np.array(word[:-1]))).all())
+                    active.append((tail[len(tail) - len(word) + 1:] == self._to_device(np.array(word[:-1]))).all())
                 else:
                     active.append(torch.ones((), dtype=torch.bool, device=self.device))
                 ban_rows.append(i)
