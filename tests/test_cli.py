@@ -40,6 +40,7 @@ def test_chat_streams_replies():
 @pytest.mark.parametrize("bad, message", [(["generate", "x", "--temperature", "-1"], "temperature"),
                                           (["generate", "x", "--model", "/nope"], "not found"),
                                           (["generate", "x", "--quantization", "awq"], "no quantization config"),
+                                          (["generate", "x", "--kv-cache-dtype", "int8"], "Unknown kv_cache_dtype"),
                                           (["generate", "x", "-dp", "2", "--distributed-executor-backend", "ray"],
                                            "not over Ray")])
 def test_bad_arguments_fail_cleanly(bad, message):

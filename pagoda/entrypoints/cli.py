@@ -28,8 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
                    help="where ranks 1..N-1 of -tp x -pp run: processes of this node (mp, the default) or the "
                         "actors of a Ray cluster (ray: several nodes)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="the KV cache's storage: the model's dtype (auto), or one byte an element (fp8: E4M3)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="the KV cache's storage: the model's dtype (auto), or one byte an element (fp8 or "
+                        "fp8_e4m3: E4M3; fp8_e5m2)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="first come first served, or by each request's priority (lower first)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
