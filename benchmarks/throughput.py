@@ -52,7 +52,8 @@ def run_pagoda(args, prompts, output_lens):
     kwargs = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,   # None: the engine's defaults
                   max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
                   async_scheduling=args.async_scheduling, enable_prefix_caching=args.prefix_caching,
-                  tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
+                  tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                  kv_cache_dtype=args.kv_cache_dtype)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     if args.kv_cache_gib:
@@ -305,6 +306,7 @@ def main():
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf", action="store_true", help="also run HF transformers' generate_batch (GPU)")
     p.add_argument("--hf-requests", type=int, default=64)
@@ -359,7 +361,9 @@ def main():
     name += f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
     # (the floors above are one GPU's; the printed roofline divides by the tensor-parallel size)
     name += f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    name += f"-pp{args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else ""
     result["tensor_parallel_size"] = args.tensor_parallel_size
+    result["pipeline_parallel_size"] = args.pipeline_parallel_size
     tag = ("async" if result["async_scheduling"] else "sync") + ("" if args.prefix_caching else "_nocache")
     with open(os.path.join(args.out, f"throughput_{name}_{tag}.json"), "w") as f:
         json.dump(result, f, indent=2)

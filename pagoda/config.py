@@ -117,6 +117,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Schedule step N+1 while the device runs step N (see LLMEngine.step).
     async_scheduling: bool = False
+    # Steps in flight at once (vLLM's batch queue): the pipeline's stages, each on its own batch.
+    # Above 1, a request whose sampled token is still in flight waits for it.
+    max_concurrent_batches: int = 1
     # "fcfs": first come, first served; "priority": lowest priority value first, then arrival
     # (vLLM's scheduling_policy); preemption then takes the lowest-priority running request.
     policy: str = "fcfs"

@@ -50,6 +50,37 @@ def test_pp_equals_pp1(tiny4, reference, pp):
     assert_same(reference, outputs_at(tiny4, 1, pipeline_parallel_size=pp, async_scheduling=True))
 
 
+def test_pp2_keeps_a_batch_in_flight_per_stage(tiny4):
+    """The engine queues a second step before the first one's tokens are back, over requests
+    that have no token in flight (each step takes half of the running ones), so that both
+    stages have a batch: greedy tokens and seeded samples still equal one process's."""
+    prompts = [{"prompt_token_ids": [3 + i, 40 + 7 * i, 100 + i, 9]} for i in range(6)]
+    ref = LLM(tiny4, **SMALL)
+    expected = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY, use_tqdm=False)], run(ref, SEEDED)
+    del ref
+    llm = LLM(tiny4, pipeline_parallel_size=2, **SMALL)
+    try:
+        engine = llm.llm_engine
+        steps, execute = [], engine.executor.execute_model
+
+        def recording(sched):
+            in_flight = [set(s.num_scheduled_tokens) for s, _ in engine._batch_queue]
+            steps.append((set(sched.num_scheduled_tokens), in_flight))
+            return execute(sched)
+
+        engine.executor.execute_model = recording
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)], run(llm, SEEDED)
+        assert got[0] == expected[0]
+        assert [[c.token_ids for c in o] for o in got[1]] == [[c.token_ids for c in o] for o in expected[1]]
+        beside = [(ids, others) for ids, others in steps if ids and others]
+        assert len(beside) >= 10, steps               # most steps ran beside another
+        assert all(len(ids) == 3 and not ids & others[0] for ids, others in beside[1:])
+    finally:
+        vars(llm.llm_engine.executor).pop("execute_model", None)   # (a cycle gc.freeze keeps alive)
+        del llm
+        gc.collect()
+
+
 def test_pp2_fp8_kv_cache(tiny4):
     """An FP8 KV cache split by layers over two stages: one process's outputs."""
     assert_same(outputs_at(tiny4, 1, kv_cache_dtype="fp8"), outputs_at(tiny4, 1, pipeline_parallel_size=2,

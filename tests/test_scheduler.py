@@ -7,8 +7,9 @@ from pagoda.core.sched_output import ModelRunnerOutput
 from pagoda.sampling_params import SamplingParams
 
 
-def make(budget=64, max_seqs=8, num_blocks=64, block_size=4, max_len=256, caching=True, policy="fcfs"):
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len, policy=policy)
+def make(budget=64, max_seqs=8, num_blocks=64, block_size=4, max_len=256, caching=True, policy="fcfs", batches=1):
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len, policy=policy,
+                          max_concurrent_batches=batches)
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_caching=caching))
 
 
@@ -298,4 +299,51 @@ def test_async_preemption_with_a_token_in_flight():
     run_async(s)
     assert s.stats.num_preemptions >= 1 and a.num_preemptions == 0
     assert a.output_token_ids == [7] * 8 and b.output_token_ids == [7] * 8
+    assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks
+
+
+def run_batch_queue(s: Scheduler, depth: int) -> list[list[str]]:
+    """The pipeline-parallel engine's order: keep up to ``depth`` steps in flight, finish the
+    oldest when the queue is full or nothing else could be scheduled. Returns each step's
+    requests; asserts that no request is scheduled while a token it sampled is in flight (the
+    next chunk of a prompt may be: the stages run the steps in order)."""
+    runner, queue, steps = FakeRunner(), [], []
+    while s.has_unfinished_requests():
+        if len(queue) < depth:
+            out = s.schedule()
+            ids = set(out.num_scheduled_tokens)
+            assert not any(ids & set(res.sampled_token_ids) for _, res in queue), "scheduled with a token in flight"
+            if not out.is_empty:
+                queue.append((out, runner.execute(out, {})))
+                steps.append(list(out.num_scheduled_tokens))
+                if len(queue) < depth:
+                    continue
+        s.update_from_output(*queue.pop(0))
+    return steps
+
+
+def test_batch_queue_splits_the_running_requests_between_steps_in_flight():
+    s = make(batches=2)
+    reqs = [req(i, 3, max_tokens=4) for i in range(4)]
+    for r in reqs:
+        s.add_request(r)
+    steps = run_batch_queue(s, depth=2)
+    assert steps[0] == ["r0", "r1", "r2", "r3"]                   # the prompts, all in one step
+    # Then each step takes half of the running requests, while the other half is in flight.
+    assert steps[1:] == [["r0", "r1"], ["r2", "r3"]] * 3
+    assert all(r.output_token_ids == [7] * 4 and r.num_output_placeholders == 0 for r in reqs)
+    assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks
+
+
+def test_batch_queue_admits_new_requests_beside_those_in_flight_and_preempts():
+    """Chunked prompts and requests admitted while others are in flight; a cache too small for
+    all of them, so requests with a token in flight are preempted: every request still gets
+    all its tokens, and every block comes back."""
+    s = make(budget=8, num_blocks=9, block_size=4, batches=2)
+    reqs = [req(i, 5 + i, max_tokens=6) for i in range(5)]
+    for r in reqs:
+        s.add_request(r)
+    run_batch_queue(s, depth=2)
+    assert s.stats.num_preemptions >= 1
+    assert all(r.output_token_ids == [7] * 6 for r in reqs)
     assert s.kv.num_free_blocks == s.kv.pool.num_usable_blocks

@@ -12,7 +12,9 @@ or, for the samples of one prompt (n > 1), from the KV of the sample that comput
 With async scheduling the engine schedules step N+1 before step N's sampled tokens reach the
 host. A request that samples in step N carries one output placeholder until then: it is
 scheduled as if that token were known (the runner feeds it from the device), and never past
-max_tokens / max_model_len."""
+max_tokens / max_model_len. With several steps in flight (pipeline parallelism: one a stage),
+such a request waits for its token instead, and each step takes its share of the running
+requests, so that the others fill the next step."""
 import bisect
 import time
 from collections import deque
@@ -110,10 +112,15 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted = False
 
+        # With several steps in flight, each takes its share of the running requests: all of
+        # them in one step would leave the next with none (they would all be in flight), and the
+        # stages would take turns instead of working side by side.
+        share = -(-len(self.running) // self.config.max_concurrent_batches)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < share:
             req = self.running[i]
-            if req.num_output_placeholders and self._last_token_in_flight(req):
+            if req.num_output_placeholders and (self.config.max_concurrent_batches > 1
+                                                or self._last_token_in_flight(req)):
                 i += 1
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)

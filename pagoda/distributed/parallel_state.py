@@ -20,6 +20,10 @@ _TP_SIZE = 1
 _TP_RANK = 0
 # This process's tensor-parallel group when the world holds several stages (None: the world).
 _TP_GROUP = None
+# With several stages, a second group of the whole world for the sampled tokens, which the last
+# stage hands back while the stages' activations go forward: the two flows then never wait on
+# each other's order (a step's tokens go back after the next step's activations went on).
+_OUTPUT_GROUP = None
 # Holders of CUDA graphs that captured this group's collectives (weak references): NCCL cannot
 # tear a communicator down while a graph of its kernels lives (seen on two H200s: the abort
 # waited for good), so destroy_distributed releases them first.
@@ -52,9 +56,14 @@ class GroupCoordinator:
         """The global rank that samples: the last stage's tensor-parallel rank 0."""
         return (self.world_size - 1) * self.tp_size
 
-    def send_tensor_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def send_tensor_dict(self, tensors: dict[str, torch.Tensor]) -> list:
+        """Sent without waiting (the stage goes on with the next batch): the (work, tensor)
+        pairs, to be kept until the sends are done."""
+        sends = []
         for t in tensors.values():
-            dist.send(t.contiguous(), dst=self.global_rank + self.tp_size)
+            t = t.contiguous()
+            sends.append((dist.isend(t, dst=self.global_rank + self.tp_size), t))
+        return sends
 
     def recv_tensor_dict(self, shapes: dict[str, tuple], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
         out = {}
@@ -109,8 +118,9 @@ def init_distributed(world_size: int, rank: int, port: int, device: str, timeout
     node, rank 0's node's address over Ray): gloo on CPU, NCCL on CUDA. ``timeout_s`` bounds every
     collective, so a rank left waiting on a peer that hangs fails instead of waiting forever.
     With several pipeline stages of several ranks, each stage's tensor-parallel group is made
-    here, once (every rank must create every group, in the same order)."""
-    global _TP_GROUP
+    here, once (every rank must create every group, in the same order), and with several stages
+    the output group (``broadcast_output``)."""
+    global _TP_GROUP, _OUTPUT_GROUP
     check_no_process_group()
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                             init_method=f"tcp://{host}:{port}", world_size=world_size, rank=rank,
@@ -121,6 +131,8 @@ def init_distributed(world_size: int, rank: int, port: int, device: str, timeout
             group = dist.new_group(list(range(start, start + tp_size)))
             if start <= rank < start + tp_size:
                 _TP_GROUP = group
+    if tp_size < world_size:
+        _OUTPUT_GROUP = dist.new_group(list(range(world_size)))
 
 
 def graphs_captured(holder) -> None:
@@ -132,8 +144,8 @@ def graphs_captured(holder) -> None:
 def destroy_distributed() -> None:
     """Leave the process group. NCCL's groups are aborted, not destroyed: destroying finalizes
     each communicator, which waits on the peers, and a peer that has died may never answer."""
-    global _TP_GROUP
-    _TP_GROUP = None
+    global _TP_GROUP, _OUTPUT_GROUP
+    _TP_GROUP = _OUTPUT_GROUP = None
     if not dist.is_initialized():
         return
     for ref in _CAPTURED:
@@ -165,6 +177,12 @@ def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     """``x`` from global rank ``src`` on every rank of the world (in place)."""
     dist.broadcast(x, src=src)
     return x
+
+
+def broadcast_output(x: torch.Tensor, src: int):
+    """``x`` from global rank ``src`` on every rank (in place), over the output group, without
+    waiting: the work, whose ``wait()`` comes before ``x`` is read."""
+    return dist.broadcast(x, src=src, group=_OUTPUT_GROUP, async_op=True)
 
 
 def send_object(obj, dst: int) -> None:

@@ -4,6 +4,7 @@ RayExecutor); ranks 1..N-1 run in processes of their own (``worker_main``, or a 
 do what rank 0 sends them."""
 import os
 import traceback
+from collections import deque
 
 import torch
 
@@ -24,6 +25,7 @@ class Worker:
         (or what Ray gave it) in a Ray actor, which sees its own GPU alone."""
         self.rank = rank
         self.last = None       # the step before, whose outputs this rank reads one step late
+        self.in_flight: deque = deque()     # (pipeline parallelism) the steps whose outputs it has not read
         pc = config.parallel
         world, tp = pc.world_size, pc.tensor_parallel_size
         if config.device == "cuda":
@@ -54,7 +56,17 @@ class Worker:
     def execute_model(self, sched) -> None:
         """A step on a rank other than 0, whose outputs nobody reads: this step's tokens reach
         the rows one step late, as on rank 0 with async scheduling (the next step reads them on
-        the device meanwhile)."""
+        the device meanwhile). With pipeline parallelism several steps are in flight: a step's
+        tokens are taken in before a later step schedules one of its requests again (as the
+        engine on rank 0 has done before scheduling it), and at most one step a stage is left
+        pending."""
+        if self.runner.pp.world_size > 1:
+            wanted = sched.num_scheduled_tokens.keys()
+            last = max((i for i, out in enumerate(self.in_flight) if not wanted.isdisjoint(out.req_ids)), default=-1)
+            for _ in range(max(last + 1, len(self.in_flight) + 1 - self.runner.batches_in_flight)):
+                self.in_flight.popleft().get_output()
+            self.in_flight.append(self.runner.execute_model(sched))
+            return
         out = self.runner.execute_model(sched)
         if self.last is not None:
             self.last.get_output()

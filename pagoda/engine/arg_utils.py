@@ -113,7 +113,8 @@ class EngineArgs:
                                 # On the CPU the forward runs as it is called: nothing to overlap.
                                 async_scheduling=(device == "cuda" if self.async_scheduling is None
                                                   else self.async_scheduling),
-                                policy=self.scheduling_policy)
+                                policy=self.scheduling_policy,
+                                max_concurrent_batches=parallel.pipeline_parallel_size)
         return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager,
                              log_stats=not self.disable_log_stats)
 

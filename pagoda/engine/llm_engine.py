@@ -5,6 +5,7 @@ import gc
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import asdict
 
 from pagoda.config import EngineConfig
@@ -43,6 +44,9 @@ class LLMEngine:
         self.eos_token_id = self._eos_token_id()
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight = None         # (SchedulerOutput, AsyncRunnerOutput) of the step on the device
+        # Pipeline parallelism: up to one step a stage in flight, oldest first (vLLM's batch queue).
+        self.batch_queue_size = config.scheduler.max_concurrent_batches
+        self._batch_queue: deque = deque()
         self.structured: StructuredOutputs | None = None     # made at the first structured request
         self._structured_ids: set[str] = set()                  # its sequences that may still run
         # What exists now (torch, the model, its CUDA graphs: ~450,000 objects) lives as long as
@@ -211,6 +215,8 @@ class LLMEngine:
         scheduler counts them as placeholders and the runner reads them on the device. Structured
         outputs do need them (their masks follow the tokens): while such sequences run, step N is
         finished before step N+1 is scheduled."""
+        if self.batch_queue_size > 1:
+            return self._step_with_batch_queue()
         outputs = []
         try:
             if self._in_flight is not None and self._structured_running():
@@ -231,6 +237,33 @@ class LLMEngine:
         if not self.async_scheduling or not self.scheduler.has_unfinished_requests():
             outputs += self._finish_step(sched, launched)
             self._in_flight = None
+        return outputs
+
+    def _step_with_batch_queue(self) -> list[RequestOutput]:
+        """Pipeline parallelism: while fewer steps than stages are in flight, schedule and queue
+        another (of the requests whose tokens are not in flight: the scheduler skips those),
+        so that every stage has a batch to run; then finish the oldest step once the queue is
+        full or nothing else can be scheduled. A step's tokens thus come back while the first
+        stage already runs the next batch."""
+        queue = self._batch_queue
+        try:
+            if len(queue) < self.batch_queue_size:
+                sched = self.scheduler.schedule()
+                if self._structured_ids:
+                    sched.grammar_bitmasks = self.structured.bitmasks(sched.num_scheduled_tokens,
+                                                                      self.scheduler.requests)
+                if not sched.is_empty or sched.finished_req_ids:   # (the runner drops the finished)
+                    queue.append((sched, self.executor.execute_model(sched)))
+                if not sched.is_empty and len(queue) < self.batch_queue_size:
+                    return []
+            outputs = self._finish_step(*queue.popleft()) if queue else []
+            if not self.scheduler.has_unfinished_requests():    # (left in flight after aborts)
+                while queue:
+                    outputs += self._finish_step(*queue.popleft())
+        except BaseException:
+            queue.clear()
+            self.kv_cache_manager.pool.forget_cached_blocks()
+            raise
         return outputs
 
     def _structured_running(self) -> bool:

@@ -2,8 +2,10 @@
 samples. Per-request state lives in preallocated rows (token ids, block table, sampling
 parameters), so building a step's inputs is a handful of vectorized numpy gathers: the Python
 work per step is O(requests), not O(tokens)."""
+import functools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,7 +13,7 @@ import torch
 
 from pagoda.config import EngineConfig, kv_cache_torch_dtype
 from pagoda.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pagoda.distributed.parallel_state import (broadcast, get_pp_group, get_tp_rank, get_tp_size,
+from pagoda.distributed.parallel_state import (broadcast, broadcast_output, get_pp_group, get_tp_rank, get_tp_size,
                                                graphs_captured, recv_object, send_object)
 from pagoda.model.layers.attention import (AttentionMetadata, TorchAttentionBackend, get_attention_backend,
                                            set_forward_context)
@@ -65,17 +67,22 @@ class CachedRequestState:
 class AsyncRunnerOutput:
     """A step's results on their way to the host: the device-to-host copies are queued behind
     the step and get_output() waits for them alone, so the engine can queue the next step first
-    (async scheduling) and process this one while the device runs that."""
+    (async scheduling) and process this one while the device runs that. With pipeline
+    parallelism the results are still on their way from the last stage (``arrivals``: the
+    works of their broadcasts): get_output() waits for those, then copies."""
 
     def __init__(self, runner: "ModelRunner", out: ModelRunnerOutput, req_ids: list[str] = (),
                  states: list[CachedRequestState] = (), result: SamplerOutput | None = None,
-                 step_id: int = -1, rows: np.ndarray | None = None):
+                 step_id: int = -1, rows: np.ndarray | None = None, arrivals: list = ()):
         self.runner, self.out, self.req_ids, self.states = runner, out, list(req_ids), list(states)
         self.positions = [s.num_tokens - 1 for s in self.states]     # where each sampled token goes
         self.step_id, self.rows = step_id, rows
-        self.host = None
+        self.host, self.arrivals, self.copied = None, list(arrivals), None
         if result is not None:
             fields = (result.token_ids, result.logprobs, result.ranks, result.topk_ids, result.topk_logprobs)
+            if self.arrivals:
+                self.host = list(fields)      # (filled by the broadcasts: copied once they are in)
+                return
             self.host = [None if t is None else t.to("cpu", non_blocking=True) for t in fields]
             self.copied = torch.cuda.Event() if runner.device.type == "cuda" else None
             if self.copied is not None:
@@ -83,7 +90,11 @@ class AsyncRunnerOutput:
 
     def get_output(self) -> ModelRunnerOutput:
         if self.host is not None:
-            if self.copied is not None:
+            for work in self.arrivals:
+                work.wait()
+            if self.arrivals:
+                self.host = [None if t is None else t.cpu() for t in self.host]
+            elif self.copied is not None:
                 self.copied.synchronize()
             self.runner._record_sampled(self)
             self.host = None
@@ -108,6 +119,11 @@ class ModelRunner:
         self.pp = get_pp_group()
         self.rank, self.driver = self.pp.global_rank, self.pp.last_stage_driver
         self.single_rank = self.tp_size == 1 and self.pp.world_size == 1
+        # Pipeline parallelism keeps one batch in flight a stage (the engine's batch queue): a
+        # stage sends its activations and goes on with the next batch, and the sampled tokens
+        # come back later (``_sample_on_driver``). Its sends, kept until surely done.
+        self.batches_in_flight = self.pp.world_size
+        self.stage_sends: deque[list] = deque()
         self.model = get_model(mc, self.device)
         self.arch = mc.arch
         self.block_size = config.cache.block_size
@@ -360,8 +376,11 @@ class ModelRunner:
         logits = None if hidden is None else self.model.compute_logits(hidden[t["logits_idx"]])
         if sched.grammar_bitmasks and logits is not None:
             apply_grammar_bitmasks(logits, [req_ids[i] for i in sampling], sched.grammar_bitmasks)
+        arrivals = []
         if self.single_rank:
             result = sample(logits, self._sampling_metadata(s_states, s_rows, t))
+        elif self.pp.world_size > 1:
+            result, arrivals = self._sample_and_send_back(logits, s_states, s_rows, t)
         else:
             result = self._sample_on_driver(logits, s_states, s_rows, t)
         for s in s_states:
@@ -371,12 +390,11 @@ class ModelRunner:
         self.pending_step[s_rows] = self.num_sampling_steps
         self.last_sampled = result.token_ids
         return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result,
-                                 self.num_sampling_steps, s_rows)
+                                 self.num_sampling_steps, s_rows, arrivals)
 
     def _sample_on_driver(self, logits, states, rows, t) -> SamplerOutput:
-        """The driver's sampled tokens on every rank: the others need them as the next step's
-        input ids (and record them as the driver does). With pipeline parallelism the driver is
-        not rank 0, the engine's: its logprobs go there too."""
+        """Tensor parallelism: rank 0's sampled tokens on every rank, which need them as the
+        next step's input ids (and record them as rank 0 does)."""
         if self.rank == self.driver:
             result = sample(logits, self._sampling_metadata(states, rows, t))
             result.token_ids = result.token_ids.to(torch.int64)
@@ -384,14 +402,31 @@ class ModelRunner:
             result = SamplerOutput(torch.empty(len(states), dtype=torch.int64, device=self.device),
                                    None, None, None, None)
         broadcast(result.token_ids, src=self.driver)
-        if self.driver != 0 and (self.num_logprobs[rows] != NO_LOGPROBS).any():
-            fields = ("logprobs", "ranks", "topk_ids", "topk_logprobs")
-            if self.rank == self.driver:
-                send_object([getattr(result, f).cpu() for f in fields], dst=0)
-            elif self.rank == 0:
-                for f, x in zip(fields, recv_object(src=self.driver)):
-                    setattr(result, f, x)
         return result
+
+    def _sample_and_send_back(self, logits, states, rows, t) -> tuple[SamplerOutput, list]:
+        """Pipeline parallelism: the last stage's driver samples and broadcasts the tokens (and
+        logprobs, which the engine on rank 0 wants) to every rank, without waiting: the works
+        are waited on when the results are read (AsyncRunnerOutput.get_output), so the first
+        stage runs the next batch meanwhile. Every rank knows the fields' shapes: the batch's
+        sampling rows and their logprobs counts."""
+        n = len(states)
+        ks = self.num_logprobs[rows]
+        if self.rank == self.driver:
+            result = sample(logits, self._sampling_metadata(states, rows, t))
+            result.token_ids = result.token_ids.to(torch.int64)
+            if result.logprobs is not None:
+                result.logprobs, result.topk_logprobs = result.logprobs.float(), result.topk_logprobs.float()
+                result.ranks, result.topk_ids = result.ranks.long(), result.topk_ids.long()
+        else:
+            empty = functools.partial(torch.empty, device=self.device)
+            result = SamplerOutput(empty(n, dtype=torch.int64), None, None, None, None)
+            if (ks != NO_LOGPROBS).any():
+                k = self.arch.vocab_size if (ks == -1).any() else int(ks.max())
+                result.logprobs, result.ranks = empty(n, dtype=torch.float32), empty(n, dtype=torch.int64)
+                result.topk_ids, result.topk_logprobs = empty(n, k, dtype=torch.int64), empty(n, k, dtype=torch.float32)
+        fields = (result.token_ids, result.logprobs, result.ranks, result.topk_ids, result.topk_logprobs)
+        return result, [broadcast_output(x, src=self.driver) for x in fields if x is not None and x.numel()]
 
     def _record_sampled(self, step: AsyncRunnerOutput) -> None:
         """A step's sampled tokens have reached the host: write them into the rows and fill in
@@ -521,7 +556,12 @@ class ModelRunner:
         out = self.model(t["input_ids"], t["positions"], received)
         if pp.is_last_rank:
             return out
-        pp.send_tensor_dict(out)
+        # Not waited on: the next stage may still be busy with the batch before. Those of a
+        # batch as many steps back as there are batches in flight are done by now.
+        self.stage_sends.append(pp.send_tensor_dict(out))
+        while len(self.stage_sends) > self.batches_in_flight:
+            for work, _ in self.stage_sends.popleft():
+                work.wait()
         return None
 
     def _sampling_arrays(self, states: list[CachedRequestState], rows: np.ndarray) -> dict[str, np.ndarray]:
