@@ -53,6 +53,7 @@ def run_pagoda(args, prompts, output_lens):
                   max_num_batched_tokens=args.max_num_batched_tokens, seed=0,
                   async_scheduling=args.async_scheduling, enable_prefix_caching=args.prefix_caching,
                   tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                  data_parallel_size=args.data_parallel_size,
                   kv_cache_dtype=args.kv_cache_dtype)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
@@ -87,7 +88,7 @@ def run_pagoda(args, prompts, output_lens):
             "async_scheduling": engine.async_scheduling, "prefix_caching": args.prefix_caching,
             "steps": engine.stats.num_steps,
             "preemptions": engine.stats.num_preemptions,
-            "kv_blocks": engine.config.cache.num_blocks - 1,
+            "kv_blocks": engine.stats.num_kv_blocks,     # (summed over data-parallel replicas)
             "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
             "max_num_seqs": engine.config.scheduler.max_num_seqs,
             "triton_compiles_in_run": len(compiles.kernels), "triton_compile_s_in_run": compiles.seconds}
@@ -307,6 +308,7 @@ def main():
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf", action="store_true", help="also run HF transformers' generate_batch (GPU)")
     p.add_argument("--hf-requests", type=int, default=64)
@@ -362,8 +364,10 @@ def main():
     # (the floors above are one GPU's; the printed roofline divides by the tensor-parallel size)
     name += f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     name += f"-pp{args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else ""
+    name += f"-dp{args.data_parallel_size}" if args.data_parallel_size > 1 else ""
     result["tensor_parallel_size"] = args.tensor_parallel_size
     result["pipeline_parallel_size"] = args.pipeline_parallel_size
+    result["data_parallel_size"] = args.data_parallel_size
     tag = ("async" if result["async_scheduling"] else "sync") + ("" if args.prefix_caching else "_nocache")
     with open(os.path.join(args.out, f"throughput_{name}_{tag}.json"), "w") as f:
         json.dump(result, f, indent=2)

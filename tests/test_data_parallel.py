@@ -74,6 +74,37 @@ def test_requests_spread_over_replicas_and_samples_stay_together(dp2):
     assert dp2.reset_prefix_cache()
 
 
+def _slow_steps(engine, seconds):
+    """(Run in a replica) each step of its engine takes ``seconds`` longer."""
+    step = type(engine).step
+
+    def slow(self):
+        time.sleep(seconds)
+        return step(self)
+    engine.step = slow.__get__(engine)
+
+
+def test_replicas_step_on_their_own(tiny):
+    """A slow replica does not hold back the other: its steps are still under way while the
+    other's come back (no lock step), and both requests complete with their tokens."""
+    llm = LLM(tiny, data_parallel_size=2, **SMALL)
+    try:
+        front = llm.llm_engine
+        front._call(1, _slow_steps, 0.5)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        front.add_request("fast", PROMPTS[0], params)      # replica 0 (the least loaded, then 1)
+        front.add_request("slow", PROMPTS[1], params)
+        seen = []
+        while front.has_unfinished_requests():
+            seen.append({o.request_id: len(o.outputs[0].token_ids) for o in front.step()})
+        fast_done = next(i for i, outs in enumerate(seen) if outs.get("fast") == 6)
+        assert "slow" not in {rid for outs in seen[:fast_done + 1] for rid in outs}, seen
+        assert seen[-1].get("slow") == 6
+    finally:
+        del llm
+        gc.collect()
+
+
 def test_bad_request_leaves_replicas_running(dp2):
     with pytest.raises(ValueError, match="longer than the maximum model length"):
         dp2.generate([PROMPTS[0], {"prompt_token_ids": [5] * 300}], GREEDY, use_tqdm=False)

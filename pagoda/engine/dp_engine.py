@@ -3,8 +3,11 @@ model, or its tensor/pipeline-parallel split) in a spawned process, behind a fro
 user's process that answers the engine's calls (what LLM and AsyncLLM use). A request goes to
 the replica with the fewest sequences in flight, all its samples with it (they share the
 prompt's KV blocks); its seed travels with it, so outputs do not depend on the replica count.
-A step steps every busy replica at once and gathers their outputs."""
+The replicas step on their own, not in lock step: step() starts a step on every busy replica
+that is not stepping yet and returns the outputs of those that have finished one, waiting only
+until one has, so a replica in a long prefill step does not hold back the others' decodes."""
 import itertools
+from multiprocessing.connection import wait
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.child_procs import SPAWN_HINT, ChildProcs
@@ -43,6 +46,8 @@ class DPEngine(ChildProcs):
         self._ids = itertools.count()
         self._owner: dict[str, tuple[int, int]] = {}   # request id -> (its replica, its samples)
         self._load = [0] * dp                          # sequences in flight, per replica
+        self._stepping: set[int] = set()               # replicas with a step under way
+        self._outputs: list[RequestOutput] = []        # of steps finished, not yet returned by step()
         try:
             gpus = (lambda d: replica_env(d, dp, ranks)) if config.device == "cuda" else None
             self._start_children(replica_main, lambda d: (args, d, dp), dp, gpus)
@@ -54,12 +59,26 @@ class DPEngine(ChildProcs):
             raise
 
     def _call(self, replica: int, method, *args):
+        self._finish_steps([replica])
         self._send((method, args), [replica])
         return self._replies(only=[replica])[0]
 
     def _call_all(self, method, *args) -> list:
+        self._finish_steps(range(len(self._load)))
         self._send((method, args))
         return self._replies()
+
+    def _finish_steps(self, replicas) -> None:
+        """The outputs of the steps under way on ``replicas``, waited for (a replica answers
+        in order: its step first) and kept for step() to return."""
+        for d in sorted(self._stepping.intersection(replicas)):
+            self._stepping.discard(d)
+            for out in self._replies(only=[d])[0]:
+                if out.request_id not in self._owner:      # aborted while the step ran
+                    continue
+                if out.finished:
+                    self._forget(out.request_id)
+                self._outputs.append(out)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
@@ -94,7 +113,7 @@ class DPEngine(ChildProcs):
         self._load[replica] -= n
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._owner)
+        return bool(self._owner or self._outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._owner)
@@ -104,13 +123,16 @@ class DPEngine(ChildProcs):
 
     # ------------------------------------------------------------------ steps
     def step(self) -> list[RequestOutput]:
-        """One step of every replica with requests in flight, side by side."""
-        busy = [d for d, load in enumerate(self._load) if load]
-        self._send((_step_if_busy, ()), busy)
-        outputs = [out for outs in self._replies(only=busy) for out in outs]
-        for out in outputs:
-            if out.finished:
-                self._forget(out.request_id)
+        """Start a step on each replica with requests that is not stepping yet, then return the
+        outputs of every step that has finished, waiting until one has if none has yet."""
+        start = [d for d, load in enumerate(self._load) if load and d not in self._stepping]
+        self._send((_step_if_busy, ()), start)
+        self._stepping.update(start)
+        if self._stepping and not self._outputs:
+            children = self._children(sorted(self._stepping))
+            ready = wait([c for _, conn, p in children for c in (conn, p.sentinel)])
+            self._finish_steps([d for d, conn, p in children if conn in ready or p.sentinel in ready])
+        outputs, self._outputs = self._outputs, []
         return outputs
 
     def reset_prefix_cache(self) -> bool:
