@@ -13,6 +13,9 @@ _PUBLIC = {
     "StructuredOutputsParams": "pagoda.sampling_params",
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",
+    "PoolingParams": "pagoda.pooling_params",
+    "PoolingRequestOutput": "pagoda.outputs",
+    "EmbeddingRequestOutput": "pagoda.outputs",
 }
 __all__ = list(_PUBLIC)
 

@@ -65,6 +65,22 @@ class ArchConfig:
         )
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling model's hidden states (after the final norm) become one vector: the last
+    token's (decoder embedding models), their mean, or the first token's; then L2-normalized."""
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self):
+        self.pooling_type = self.pooling_type.upper()
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"Unknown pooling_type {self.pooling_type!r}; choose one of {', '.join(POOLING_TYPES)}.")
+
+
 @dataclass
 class ModelConfig:
     model: str                    # what the user passed
@@ -79,6 +95,8 @@ class ModelConfig:
     tokenizer: str | None = None
     revision: str | None = None
     generation_config: dict = field(default_factory=dict)
+    runner: str = "generate"      # or "pooling" (vLLM's runner): LLM.embed / encode instead of generate
+    pooler: PoolerConfig | None = None   # with the pooling runner
 
     @property
     def is_gguf(self) -> bool:

@@ -7,7 +7,8 @@ from tqdm.auto import tqdm
 from pagoda.beam_search import beam_search
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import BeamSearchOutput, RequestOutput
+from pagoda.outputs import BeamSearchOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
@@ -50,6 +51,28 @@ class LLM:
                    for conv in conversations]
         return self._run(prompts, self._params_list(sampling_params, len(prompts)), use_tqdm)
 
+    # ------------------------------------------------------------------ pooling
+    def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+               **_ignored) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled vector (a tensor), with the pooling runner (``runner="pooling"``):
+        the final hidden states pooled as the model's pooler config says (the last token's by
+        default), then normalized."""
+        prompts = self._as_list(prompts)
+        params = self._params_list(pooling_params or PoolingParams(), len(prompts), PoolingParams)
+        if truncate_prompt_tokens is not None:
+            params = [p.clone() for p in params]
+            for p in params:
+                p.truncate_prompt_tokens = truncate_prompt_tokens
+        return self._run(prompts, params, use_tqdm)
+
+    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+              **_ignored) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (``outputs.embedding``, a list of floats), as ``encode``."""
+        return [EmbeddingRequestOutput.from_base(o)
+                for o in self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)]
+
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False, **_ignored) -> list[BeamSearchOutput]:
         """Beam search for each prompt (strings, or dicts with ``prompt`` / ``prompt_token_ids``);
         returns the best ``params.beam_width`` sequences of each, best first."""
@@ -74,16 +97,15 @@ class LLM:
         return prompts
 
     @staticmethod
-    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        sampling_params = list(sampling_params)
-        if len(sampling_params) != n:
-            raise ValueError(f"Got {len(sampling_params)} SamplingParams for {n} prompts; "
-                             "pass one, or one per prompt.")
-        return sampling_params
+    def _params_list(params, n: int, kind: type = SamplingParams) -> list:
+        if params is None:
+            params = kind()
+        if isinstance(params, kind):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"Got {len(params)} {kind.__name__} for {n} prompts; pass one, or one per prompt.")
+        return params
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
              priority: list[int] | None = None) -> list[RequestOutput]:
@@ -92,7 +114,8 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 p = p.clone()
-                p.output_kind = RequestOutputKind.FINAL_ONLY
+                if isinstance(p, SamplingParams):
+                    p.output_kind = RequestOutputKind.FINAL_ONLY
                 ids.append(engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
             finished = self._run_engine(len(ids), use_tqdm)
         except BaseException:
@@ -112,7 +135,8 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = out
                     in_toks += len(out.prompt_token_ids)
-                    out_toks += sum(len(o.token_ids) for o in out.outputs)
+                    if isinstance(out, RequestOutput):
+                        out_toks += sum(len(o.token_ids) for o in out.outputs)
                     elapsed = max(time.time() - start, 1e-6)
                     bar.set_postfix_str(f"input: {in_toks / elapsed:.0f} tok/s, output: {out_toks / elapsed:.0f} tok/s",
                                         refresh=False)

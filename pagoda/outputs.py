@@ -1,6 +1,8 @@
 """Request outputs, with vLLM's classes and field names."""
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class Logprob:
@@ -91,3 +93,40 @@ class BeamSearchSequence:
 class BeamSearchOutput:
     """The best ``beam_width`` beams of one prompt, best first."""
     sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor                       # the pooled vector (float32, on the CPU)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's result (``LLM.encode``)."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """An embedding (``LLM.embed``): the pooled vector as a list of floats."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)

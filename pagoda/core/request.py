@@ -61,6 +61,9 @@ class Request:
         self.fork_parent = fork_parent
         # Structured outputs: the llguidance matcher of this sequence's grammar (set by the engine).
         self.matcher = None
+        # A pooling request (LLM.embed): its output is one vector once its prompt is computed,
+        # which the scheduler counts as its one output token (max_tokens 1).
+        self.pooling_params = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -2,6 +2,7 @@
 that the runner may import too), so it can cross a process boundary for multi-GPU executors."""
 from dataclasses import dataclass, field
 
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -14,6 +15,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    pooling_params: PoolingParams | None = None     # a pooling request (LLM.embed): pooled, not sampled
 
 
 @dataclass
@@ -50,3 +52,5 @@ class ModelRunnerOutput:
     cumulative: dict[str, float] = field(default_factory=dict)     # logprob of the sampled token (same rows)
     # req_id -> (first position, token ids (P, k+1), logprobs (P, k+1), ranks (P,))
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
+    # Pooling requests whose prompt is computed: req_id -> the pooled vector (float32, CPU tensor)
+    pooler_output: dict = field(default_factory=dict)

@@ -168,7 +168,7 @@ class Scheduler:
             self.first_scheduled_time.setdefault(req.request_id, time.time())
             new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
-                self.kv.get_block_ids(req), req.num_computed_tokens, req.sampling_params))
+                self.kv.get_block_ids(req), req.num_computed_tokens, req.sampling_params, req.pooling_params))
             num_scheduled[req.request_id] = n
             scheduled.append((req, n))
             budget -= n
@@ -217,8 +217,9 @@ class Scheduler:
         return self.kv.reset_prefix_cache()
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[Request]:
-        """Append sampled tokens and apply the token-level stop rules. Returns the requests that
-        got a new token (finished ones included, their status set and blocks freed)."""
+        """Append sampled tokens and apply the token-level stop rules; end the pooling requests
+        that got their vector. Returns the requests that got a new token or vector (finished ones
+        included, their status set and blocks freed)."""
         updated = []
         for req_id, token in out.sampled_token_ids.items():
             req = self.requests.get(req_id)
@@ -230,6 +231,15 @@ class Scheduler:
             if self._check_stop(req, token):
                 queue.remove(req)
                 self._free(req)
+            updated.append(req)
+        for req_id in out.pooler_output:        # pooling requests: their one output, then done
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            req.num_output_placeholders -= 1
+            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+            req.status = RequestStatus.FINISHED_STOPPED
+            self._free(req)
             updated.append(req)
         return updated
 

@@ -4,9 +4,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pagoda.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagoda.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, PoolerConfig,
+                           SchedulerConfig)
 from pagoda.model.hub import default_model_path, resolve_model_path
-from pagoda.model.loader import read_arch_config, read_generation_config, read_quant_config
+from pagoda.model.loader import read_arch_config, read_generation_config, read_pooler_config, read_quant_config
 from pagoda.quant.base import check_quantization_name, resolve_quantization
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,31 @@ class EngineArgs:
     tokenizer_mode: str = "auto"
     skip_tokenizer_init: bool = False
     disable_log_stats: bool = True
+    runner: str = "auto"                       # "generate", or "pooling" for LLM.embed / encode (vLLM's)
+    task: str | None = None                    # vLLM's older name for it: "generate" or "embed"
+    pooler_config: PoolerConfig | dict | None = None   # over the model folder's (sentence-transformers) pooling
+    override_pooler_config: PoolerConfig | dict | None = None   # (vLLM's older name)
+
+    def _runner(self) -> str:
+        tasks = {None: "generate", "auto": "generate", "generate": "generate", "embed": "pooling", "encode": "pooling"}
+        if self.task not in tasks:
+            raise ValueError(f"Unknown task {self.task!r}; choose 'generate' or 'embed'.")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"Unknown runner {self.runner!r}; choose 'generate' or 'pooling'.")
+        return tasks[self.task] if self.runner == "auto" else self.runner
+
+    def _pooler(self, path: str) -> PoolerConfig:
+        """The model folder's pooling (a sentence-transformers one), else vLLM's default for a
+        decoder: the last token's hidden state, normalized; then the user's overrides."""
+        chosen = read_pooler_config(path)
+        for given in (self.override_pooler_config, self.pooler_config):
+            if isinstance(given, PoolerConfig):
+                given = {"pooling_type": given.pooling_type, "normalize": given.normalize}
+            unknown = set(given or {}) - {"pooling_type", "normalize"}
+            if unknown:
+                raise ValueError(f"Unknown pooler_config keys {sorted(unknown)}; known: pooling_type, normalize.")
+            chosen.update({k: v for k, v in (given or {}).items() if v is not None})
+        return PoolerConfig(**chosen)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -102,7 +128,12 @@ class EngineArgs:
             model=self.model or path, path=path, arch=arch, dtype=dtype, compute_dtype=compute_dtype,
             seed=self.seed, load_format=self.load_format,
             quantization=quantization, quant_config=quant_config, tokenizer=self.tokenizer, revision=self.revision,
-            generation_config=read_generation_config(path))
+            generation_config=read_generation_config(path), runner=self._runner())
+        if model.runner == "pooling":
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("The pooling runner does not support pipeline parallelism yet; use "
+                                 "tensor_parallel_size or data_parallel_size.")
+            model.pooler = self._pooler(path)
         cache = CacheConfig(
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,

@@ -18,6 +18,7 @@ from pagoda.engine.output_processor import OutputProcessor, ParentState
 from pagoda.engine.stats import EngineStats, StatLogger
 from pagoda.engine.structured_output import StructuredOutputs
 from pagoda.outputs import RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
 
@@ -85,11 +86,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
-                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    params: SamplingParams | PoolingParams | None = None, arrival_time: float | None = None,
                     priority: int = 0) -> str:
         """Validate and queue a request; raises ValueError on bad input, leaving the engine
-        untouched. ``priority``: with scheduling_policy="priority", lower values are served first."""
-        params = params or SamplingParams()
+        untouched. ``priority``: with scheduling_policy="priority", lower values are served first.
+        PoolingParams make a pooling request (the pooling runner's): its prompt's vector."""
+        params, pooling = self._pooling(params or SamplingParams())
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise ValueError(f"Got priority {priority}, but priority scheduling is not enabled: start the engine "
                              "with scheduling_policy='priority'.")
@@ -130,6 +132,10 @@ class LLMEngine:
                                     child_params, self.eos_token_id, max(1, max_tokens), arrival,
                                     cache_salt, fork_parent=children[0] if children else None, priority=priority))
         self.output_processor.add(parent, children)
+        if pooling is not None:
+            children[0].pooling_params = pooling
+            # Mean / CLS pooling need every token's hidden state: no cached prefix.
+            children[0].skip_prefix_cache |= self.config.model.pooler.pooling_type != "LAST"
         for req in children:
             if grammar is not None:
                 req.matcher = self.structured.matcher(grammar)
@@ -137,6 +143,24 @@ class LLMEngine:
             self.scheduler.add_request(req)
         self.num_prompt_tokens += len(token_ids) * params.n
         return request_id
+
+    def _pooling(self, params) -> tuple[SamplingParams, PoolingParams | None]:
+        """A pooling request runs as a greedy one-token request that is pooled instead of
+        sampled; (its stand-in SamplingParams, its PoolingParams). Each runner takes its own kind."""
+        runner = self.config.model.runner
+        if not isinstance(params, PoolingParams):
+            if runner == "pooling":
+                raise ValueError("This engine runs the pooling runner (runner='pooling'): use LLM.embed / "
+                                 "LLM.encode, or start another engine to generate.")
+            return params, None
+        if runner != "pooling":
+            raise ValueError("Embeddings need the pooling runner: start the engine with runner='pooling' "
+                             "(or task='embed').")
+        hidden = self.config.model.arch.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden:
+            raise ValueError(f"dimensions={params.dimensions} is more than the model's hidden size ({hidden}).")
+        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                              truncate_prompt_tokens=params.truncate_prompt_tokens), params
 
     def _grammar(self, params) -> str:
         if self.structured is None:

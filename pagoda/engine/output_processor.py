@@ -5,7 +5,7 @@ import time
 from pagoda.core.request import Request
 from pagoda.core.sched_output import ModelRunnerOutput
 from pagoda.detokenizer import IncrementalDetokenizer
-from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagoda.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -93,6 +93,7 @@ class OutputProcessor:
         """Returns the outputs to hand out and the child ids stopped by a stop string (the
         scheduler must free them)."""
         now = time.time()
+        outputs: list = []
         touched: dict[str, ParentState] = {}
         ended: set[str] = set()          # parents with a sequence that ended this step
         stopped: list[str] = []
@@ -103,6 +104,12 @@ class OutputProcessor:
         for req in updated:
             state = self.states.get(req.request_id)
             if state is None:
+                continue
+            if req.pooling_params is not None:
+                self.remove(state.parent.request_id)
+                outputs.append(PoolingRequestOutput(state.parent.request_id,
+                                                    PoolingOutput(runner_out.pooler_output[req.request_id]),
+                                                    state.parent.prompt_token_ids, True, req.num_cached_tokens))
                 continue
             token = req.all_token_ids[-1]
             state.token_ids.append(token)
@@ -128,7 +135,6 @@ class OutputProcessor:
             touched[parent.request_id] = parent
             if finished:
                 ended.add(parent.request_id)
-        outputs = []
         for parent_id, parent in touched.items():
             if parent_id in ended and parent.finished:
                 parent.metrics.finished_time = now

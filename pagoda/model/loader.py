@@ -42,6 +42,29 @@ def read_generation_config(path: str) -> dict:
     return read_json(f) if not path.endswith(".gguf") and f.is_file() else {}
 
 
+def read_pooler_config(path: str) -> dict:
+    """The pooling a sentence-transformers folder declares (``modules.json``, its Pooling
+    module's ``config.json``): {"pooling_type", "normalize"}, or {} for a folder without them."""
+    modules = Path(path) / "modules.json"
+    if path.endswith(".gguf") or not modules.is_file():
+        return {}
+    found = {"normalize": False}
+    for module in read_json(modules):
+        kind = module.get("type", "")
+        if kind.endswith("Normalize"):
+            found["normalize"] = True
+        elif kind.endswith("Pooling"):
+            modes = read_json(Path(path) / module.get("path", "") / "config.json")
+            names = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
+            chosen = [name for key, name in names.items() if modes.get(key)]
+            if len(chosen) != 1 or any(v for k, v in modes.items() if k.startswith("pooling_mode") and k not in names):
+                raise ValueError(f"{modules.parent}: unsupported sentence-transformers pooling "
+                                 f"{ {k: v for k, v in modes.items() if k.startswith('pooling_mode') and v} }; "
+                                 "supported: exactly one of last token, mean, CLS.")
+            found["pooling_type"] = chosen[0]
+    return found
+
+
 def safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pagoda.config import EngineConfig, kv_cache_torch_dtype
 from pagoda.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -20,6 +21,7 @@ from pagoda.model.layers.attention import (AttentionMetadata, TorchAttentionBack
 from pagoda.model.loader import get_model
 from pagoda.model.pipeline import IntermediateTensors, empty_intermediate, hidden_shapes
 from pagoda.runner.cuda_graph import CUDAGraphRunner
+from pagoda.pooling_params import PoolingParams
 from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, apply_grammar_bitmasks, logprobs_of, sample
 from pagoda.sampling_params import SamplingParams
 
@@ -62,6 +64,8 @@ class CachedRequestState:
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator | None
+    pooling: PoolingParams | None = None      # a pooling request: pooled at its prompt's end, never sampled
+    pooled_sum: torch.Tensor | None = None    # MEAN / CLS pooling: what its chunks so far contribute
 
 
 class AsyncRunnerOutput:
@@ -155,6 +159,8 @@ class ModelRunner:
         self.last_sampled: torch.Tensor | None = None
         self.num_sampling_steps = 0
         self.num_prompt_logprob_reqs = 0
+        self.num_pooling_reqs = 0
+        self.pooler = config.model.pooler
         self.free_rows = list(range(self.max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -302,7 +308,8 @@ class ModelRunner:
         gen = None
         if p.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(p.seed)
-        self.requests[r.req_id] = CachedRequestState(row, n, r.num_prompt_tokens, p, gen)
+        self.requests[r.req_id] = CachedRequestState(row, n, r.num_prompt_tokens, p, gen, r.pooling_params)
+        self.num_pooling_reqs += r.pooling_params is not None
 
     def _append_blocks(self, req_id: str, block_ids: list[int]) -> None:
         row = self.requests[req_id].row
@@ -316,6 +323,7 @@ class ModelRunner:
             self.num_row_blocks[state.row] = 0
             self.pending_idx[state.row] = self.pending_step[state.row] = -1
             self.num_prompt_logprob_reqs -= state.params.prompt_logprobs is not None
+            self.num_pooling_reqs -= state.pooling is not None
             self.free_rows.append(state.row)
 
     # ------------------------------------------------------------------ one step
@@ -362,6 +370,8 @@ class ModelRunner:
         if pending is not None:
             arrays["pending_dst"], arrays["pending_src"] = pending
         sampling = np.nonzero(computed + q_lens == known)[0]     # reached their last token
+        if self.num_pooling_reqs:        # (pooling requests reach it too, and are pooled instead)
+            sampling = sampling[[states[i].pooling is None for i in sampling]]
         s_states, s_rows = [states[i] for i in sampling], rows[sampling]
         if len(sampling):
             arrays["logits_idx"] = cu[sampling] - 1
@@ -371,6 +381,8 @@ class ModelRunner:
 
         out = ModelRunnerOutput({})
         self._prompt_logprobs(hidden, req_ids, states, rows, computed, q_lens, cu, out)
+        if self.num_pooling_reqs and self.rank == 0:
+            self._pool(hidden, req_ids, states, computed, q_lens, cu, known, out)
         if len(sampling) == 0:
             return AsyncRunnerOutput(self, out)
         logits = None if hidden is None else self.model.compute_logits(hidden[t["logits_idx"]])
@@ -391,6 +403,31 @@ class ModelRunner:
         self.last_sampled = result.token_ids
         return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result,
                                  self.num_sampling_steps, s_rows, arrivals)
+
+    def _pool(self, hidden, req_ids, states, computed, q_lens, cu, known, out) -> None:
+        """The pooling requests' vectors, from the final hidden states of their tokens in this
+        step: the last token's once the prompt is computed, or the mean (the first token's)
+        gathered over its chunks; cut to ``dimensions``, then L2-normalized. (On the host at
+        once: a pooling request's step is a prefill, which the host would wait for anyway.)"""
+        kind = self.pooler.pooling_type
+        for i, s in enumerate(states):
+            if s.pooling is None:
+                continue
+            start, end = int(cu[i] - q_lens[i]), int(cu[i])
+            if kind == "MEAN":
+                part = hidden[start:end].float().sum(0)
+                s.pooled_sum = part if s.pooled_sum is None else s.pooled_sum + part
+            elif kind == "CLS" and computed[i] == 0:
+                s.pooled_sum = hidden[start].float()
+            if computed[i] + q_lens[i] < known[i]:
+                continue
+            if kind == "LAST":
+                vec = hidden[end - 1].float()
+            else:
+                vec = s.pooled_sum / int(known[i]) if kind == "MEAN" else s.pooled_sum
+            vec = vec[:s.pooling.dimensions]
+            normalize = self.pooler.normalize if s.pooling.normalize is None else s.pooling.normalize
+            out.pooler_output[req_ids[i]] = (F.normalize(vec, dim=-1) if normalize else vec).cpu()
 
     def _sample_on_driver(self, logits, states, rows, t) -> SamplerOutput:
         """Tensor parallelism: rank 0's sampled tokens on every rank, which need them as the
