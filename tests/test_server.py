@@ -518,3 +518,58 @@ def test_forced_tool_calls_from_the_real_model(client):
     deltas = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
     assert _names_args(_summed(deltas)) == _names_args(choice["message"]["tool_calls"])
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.fixture(scope="module")
+def embed_server(smollm_path):
+    """A server of the pooling runner (`pagoda serve --runner pooling`), in-process."""
+    eng = AsyncLLM.from_engine_args(EngineArgs(smollm_path, runner="pooling", dtype="float32",
+                                               kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=512))
+    with TestClient(build_app(eng, [MODEL])) as c:
+        yield c, eng
+    eng.shutdown()
+
+
+def test_embeddings_equal_llm_embed(embed_server, smollm_path):
+    """/v1/embeddings: each input's vector as LLM.embed gives it, in input order, as floats or
+    base64 (little-endian float32, as OpenAI's client decodes it), cut to `dimensions`."""
+    import base64
+
+    import numpy as np
+
+    from pagoda import LLM
+    client, engine = embed_server
+    offline = LLM(smollm_path, runner="pooling", dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES,
+                  max_model_len=512)
+    expected = offline.embed(PROMPTS, use_tqdm=False)
+    want, lengths = [o.outputs.embedding for o in expected], [len(o.prompt_token_ids) for o in expected]
+    del offline
+    body = client.post("/v1/embeddings", json={"model": MODEL, "input": PROMPTS}).json()
+    assert body["object"] == "list" and body["model"] == MODEL and body["id"].startswith("embd-")
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and {d["object"] for d in body["data"]} == {"embedding"}
+    for d, w in zip(body["data"], want):
+        assert np.allclose(d["embedding"], w, atol=1e-5)
+    assert body["usage"] == {"prompt_tokens": sum(lengths), "total_tokens": sum(lengths)}
+    b64 = client.post("/v1/embeddings", json={"input": PROMPTS[0], "encoding_format": "base64"}).json()
+    assert np.allclose(np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4"), want[0], atol=1e-5)
+    cut = client.post("/v1/embeddings", json={"input": [[1, 2, 3, 4]], "dimensions": 32}).json()
+    assert len(cut["data"][0]["embedding"]) == 32
+    assert np.linalg.norm(cut["data"][0]["embedding"]) == pytest.approx(1.0, abs=1e-5)
+    wait_until_idle(engine)
+
+
+def test_embeddings_errors(embed_server, client):
+    embed_client, engine = embed_server
+    r = client.post("/v1/embeddings", json={"input": "Hello"})          # a generating server
+    assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
+    for body, status, message in [
+            ({"input": "Hi", "model": "nope"}, 404, "does not exist"),
+            ({"input": []}, 400, "input must not be empty"),
+            ({"input": [[5] * 600]}, 400, "longer than the maximum model length"),
+            ({"input": "Hi", "dimensions": 100_000}, 400, "more than the model's hidden size"),
+            ({"input": "Hi", "encoding_format": "int8"}, 400, "encoding_format")]:
+        r = embed_client.post("/v1/embeddings", json=body)
+        assert r.status_code == status and message in r.json()["error"]["message"], r.json()
+    r = embed_client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 400 and "pooling runner" in r.json()["error"]["message"]
+    wait_until_idle(engine)

@@ -16,7 +16,8 @@ from pagoda.engine.dp_replica import replica_engine, replica_env
 from pagoda.engine.engine_core import EngineCoreProc, EngineDeadError, EngineThread
 from pagoda.engine.llm_engine import LLMEngine, load_tokenizer
 from pagoda.engine.stats import EngineStats, sum_stats
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import PoolingRequestOutput, RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError"]
@@ -144,19 +145,21 @@ class AsyncLLM:
         return self._stats[0] if len(self._stats) == 1 else sum_stats(self._stats)
 
     # ------------------------------------------------------------------ the caller's side
-    async def generate(self, prompt, sampling_params: SamplingParams,
+    async def generate(self, prompt, sampling_params: SamplingParams | PoolingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Add the request, then yield its outputs as the engine makes them (a bad request
         raises its ValueError at the first). Leaving the loop early (the client went away, the
         task was cancelled) aborts the request, which frees its KV blocks. ``priority``: see
-        LLMEngine.add_request."""
+        LLMEngine.add_request. (PoolingParams: see ``encode``.)"""
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         self._check_alive()
         core = min(range(len(self._cores)), key=self._load.__getitem__)
-        stream = _Stream(asyncio.get_running_loop(), core, sampling_params.output_kind == RequestOutputKind.DELTA)
+        deltas = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
+        stream = _Stream(asyncio.get_running_loop(), core, deltas)
         self._streams[request_id] = stream
-        self._load[core] += sampling_params.n         # (changed on the event loop's thread only)
+        n = getattr(sampling_params, "n", 1)
+        self._load[core] += n                         # (changed on the event loop's thread only)
         finished = False
         try:
             self._cores[core].send(("add", request_id, prompt, sampling_params, priority))
@@ -168,9 +171,15 @@ class AsyncLLM:
                 finished = out.finished
                 yield out
         finally:
-            self._load[core] -= sampling_params.n
+            self._load[core] -= n
             if not finished:
                 self.abort(request_id)
+
+    def encode(self, prompt, pooling_params: PoolingParams, request_id: str,
+               priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling request (an engine with the pooling runner): its one output, the prompt's
+        vector, as ``generate`` yields outputs."""
+        return self.generate(prompt, pooling_params, request_id, priority)
 
     async def prompt_token_ids(self, prompts: list) -> list[list[int]]:
         """Each prompt's token ids as the engine reads them (tokenized by the engine)."""

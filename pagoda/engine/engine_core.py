@@ -22,7 +22,7 @@ import threading
 from dataclasses import astuple
 
 from pagoda.distributed.child_procs import SPAWN_HINT, ChildProcs, picklable
-from pagoda.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagoda.outputs import CompletionOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +128,11 @@ class EngineThread:
 
 
 # ---------------------------------------------------------------------- a process of its own
-def pack_output(out: RequestOutput, first: bool) -> tuple:
+def pack_output(out: RequestOutput | PoolingRequestOutput, first: bool) -> tuple | PoolingRequestOutput:
     """``out`` as plain values; the prompt only with a request's first output, the metrics only
-    with its last (what the server reads of them)."""
+    with its last (what the server reads of them). A pooling request's one output goes as it is."""
+    if isinstance(out, PoolingRequestOutput):
+        return out
     completions = tuple((c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason,
                          c.stop_reason) for c in out.outputs)
     prompt = (out.prompt, out.prompt_token_ids, out.prompt_logprobs) if first or out.finished else None
@@ -140,6 +142,8 @@ def pack_output(out: RequestOutput, first: bool) -> tuple:
 
 def unpack_output(packed: tuple, prompts: dict) -> RequestOutput:
     """The RequestOutput ``pack_output`` packed; ``prompts`` keeps each live request's prompt."""
+    if isinstance(packed, PoolingRequestOutput):
+        return packed
     request_id, finished, completions, prompt, metrics, num_cached = packed
     if prompt is None:
         prompt = prompts.get(request_id, (None, [], None))

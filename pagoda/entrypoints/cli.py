@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="first come first served, or by each request's priority (lower first)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="generate text, or (pooling) embed prompts: the server's /v1/embeddings")
+    p.add_argument("--task", default=None, choices=["generate", "embed"], help="vLLM's older name for --runner")
     p.add_argument("--log-stats", action="store_true",
                    help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
 
@@ -59,7 +62,8 @@ def engine_args_from(args):
                       data_parallel_size=args.data_parallel_size,
                       distributed_executor_backend=args.distributed_executor_backend,
                       kv_cache_dtype=args.kv_cache_dtype, scheduling_policy=args.scheduling_policy,
-                      enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats)
+                      enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats,
+                      runner=args.runner, task=args.task)
 
 
 def _make_llm(args):

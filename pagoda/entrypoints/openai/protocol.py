@@ -1,10 +1,11 @@
 """The OpenAI API's request bodies (with vLLM's extra sampling fields), validated by pydantic.
 Responses are plain dicts in OpenAI's shapes, built by the serving classes."""
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
@@ -125,6 +126,24 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs=true.")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.to_sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI's fields, and vLLM's extra ones)."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(dimensions=self.dimensions, normalize=self.normalize,
+                             truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:

@@ -51,7 +51,7 @@ class OpenAIServing:
             request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
             gens = [self.engine.generate(p, params, f"{request_id}-{i}", request.priority)
                     for i, p in enumerate(prompts)]
-            firsts = await _start(gens)
+            firsts = await start(gens)
         except ValueError as e:
             return error_response(str(e), 400)
         outputs = self._observed(_merge(gens, firsts))
@@ -124,6 +124,16 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
 
+def input_prompts(given, field: str) -> list:
+    """A request's prompts (completions' ``prompt``, embeddings' ``input``): a text, a list of
+    token ids, or a list of either; one engine prompt each."""
+    if isinstance(given, str) or (given and isinstance(given[0], int)):
+        given = [given]
+    if not given:
+        raise ValueError(f"{field} must not be empty.")
+    return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in given]
+
+
 def finite_logprob(logprob: float) -> float:
     # JSON has no -inf; as vLLM, a token the filters removed gets -9999.
     return max(logprob, -9999.0)
@@ -138,7 +148,7 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _start(gens: list) -> list[RequestOutput]:
+async def start(gens: list) -> list:
     """Each prompt's first output. The engine validates a request when it adds it, so a bad one
     raises here (an HTTP 400) before any response has started; the others are then aborted."""
     firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)

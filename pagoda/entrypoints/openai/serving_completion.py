@@ -1,6 +1,6 @@
 """POST /v1/completions: prompts as text, token ids, or lists of either."""
 from pagoda.entrypoints.openai.protocol import CompletionRequest
-from pagoda.entrypoints.openai.serving import OpenAIServing, finite_logprob
+from pagoda.entrypoints.openai.serving import OpenAIServing, finite_logprob, input_prompts
 from pagoda.outputs import CompletionOutput, RequestOutput
 
 
@@ -9,12 +9,7 @@ class OpenAIServingCompletion(OpenAIServing):
     id_prefix = "cmpl"
 
     def engine_prompts(self, request: CompletionRequest) -> list:
-        p = request.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            p = [p]
-        if not p:
-            raise ValueError("prompt must not be empty.")
-        return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+        return input_prompts(request.prompt, "prompt")
 
     def choice(self, request: CompletionRequest, out: RequestOutput, c: CompletionOutput,
                index: int, state: dict) -> dict:
