@@ -57,6 +57,7 @@
 #   bash benchmarks/gpu_session.sh serve16   # W3: the OpenAI server under Poisson arrivals, both models
 #   bash benchmarks/gpu_session.sh serve17   # W3 with the asyncio client, both models; the server stack over a stand-in engine
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
+#   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh serve19   # W3: the engine in its own process against its thread, interleaved
 #   BASE=dir bash benchmarks/gpu_session.sh serve19ab  # W3: BASE's server against this tree's, interleaved
 #   bash benchmarks/gpu_session.sh serve19dp # two GPUs: data-parallel tests, W3 Llama-3-8B at dp 1 and 2
@@ -685,6 +686,19 @@ case "${1:-}" in
           --out "$OUT/w1_$many" 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 $1 kv=$2 many=$many: /"
       done
     done
+    ;;
+  session20)
+    # The twentieth session's changes on one GPU: the pooling runner on CUDA (tiny Llama against HF),
+    # the GPU tests; W1 both models (a check after the batch queue and the pooling in the scheduler and
+    # runner); embedding throughput of Qwen3-0.6B against HF's forward
+    python3 -m pytest -q -p no:cacheprovider tests/test_pooling.py -k tiny 2>&1 | tail -2 | sed "s/^/pooling tests: /"
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -2 | sed "s/^/GPU tests: /"
+    warm_w1 .
+    for m in qwen3-0.6b llama3-8b qwen3-0.6b; do
+      python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --out "$OUT/w1" 2>&1 \
+        | grep -E "^pagoda |Error" | sed "s/^/W1 $m: /"
+    done
+    python3 benchmarks/embed.py --model-config $MA/qwen3-0.6b.json --hf --out "$OUT/embed" 2>&1 | tail -4
     ;;
   serve19)
     # W3 with the engine in a process of its own (default) against its thread in the server's

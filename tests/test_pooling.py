@@ -94,6 +94,30 @@ def test_mean_and_cls_pooling_over_chunks(smollm_path, hf_hidden, pooling_type):
         gc.collect()
 
 
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_tiny_llama_on_the_default_device_matches_hf(tmp_path, pooling_type):
+    """A random-weight Llama folder (safetensors) on the default device (the GPU's Triton kernels
+    and CUDA graphs there) against HF transformers on the CPU, prompts in chunks."""
+    from transformers import AutoModel
+
+    from tests.test_tensor_parallel import write_tiny_llama
+    folder = write_tiny_llama(str(tmp_path / "tiny"), hidden=128, intermediate=256, vocab=1031)
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 70)), [300, 2, 41] + list(range(900, 940))]
+    llm = LLM(folder, runner="pooling", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24,
+              max_model_len=256, max_num_batched_tokens=32, pooler_config={"pooling_type": pooling_type})
+    try:
+        got = llm.encode(ids(prompts), use_tqdm=False)
+    finally:
+        del llm
+        gc.collect()
+    hf = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    for out, prompt in zip(got, prompts):
+        with torch.no_grad():
+            hidden = hf(input_ids=torch.tensor([prompt])).last_hidden_state[0]
+        want = hidden[-1] if pooling_type == "LAST" else hidden.mean(0)
+        torch.testing.assert_close(out.outputs.data, F.normalize(want, dim=-1), atol=2e-4, rtol=2e-4)
+
+
 def test_pooling_errors(embedder, llm, smollm_path):
     with pytest.raises(ValueError, match="use LLM.embed"):
         embedder.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
