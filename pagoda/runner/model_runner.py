@@ -407,9 +407,10 @@ class ModelRunner:
     def _pool(self, hidden, req_ids, states, computed, q_lens, cu, known, out) -> None:
         """The pooling requests' vectors, from the final hidden states of their tokens in this
         step: the last token's once the prompt is computed, or the mean (the first token's)
-        gathered over its chunks; cut to ``dimensions``, then L2-normalized. (On the host at
-        once: a pooling request's step is a prefill, which the host would wait for anyway.)"""
+        gathered over its chunks; on the host (one copy a step: a pooling request's step is a
+        prefill, which the host would wait for anyway), cut to ``dimensions``, L2-normalized."""
         kind = self.pooler.pooling_type
+        done: list[tuple[int, torch.Tensor]] = []
         for i, s in enumerate(states):
             if s.pooling is None:
                 continue
@@ -422,12 +423,16 @@ class ModelRunner:
             if computed[i] + q_lens[i] < known[i]:
                 continue
             if kind == "LAST":
-                vec = hidden[end - 1].float()
+                done.append((i, hidden[end - 1].float()))
             else:
-                vec = s.pooled_sum / int(known[i]) if kind == "MEAN" else s.pooled_sum
-            vec = vec[:s.pooling.dimensions]
-            normalize = self.pooler.normalize if s.pooling.normalize is None else s.pooling.normalize
-            out.pooler_output[req_ids[i]] = (F.normalize(vec, dim=-1) if normalize else vec).cpu()
+                done.append((i, s.pooled_sum / int(known[i]) if kind == "MEAN" else s.pooled_sum))
+        if not done:
+            return
+        for (i, _), vec in zip(done, torch.stack([v for _, v in done]).cpu()):
+            p = states[i].pooling
+            vec = vec[:p.dimensions]
+            normalize = self.pooler.normalize if p.normalize is None else p.normalize
+            out.pooler_output[req_ids[i]] = F.normalize(vec, dim=-1) if normalize else vec
 
     def _sample_on_driver(self, logits, states, rows, t) -> SamplerOutput:
         """Tensor parallelism: rank 0's sampled tokens on every rank, which need them as the
