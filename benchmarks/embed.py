@@ -10,7 +10,8 @@ import json
 import os
 import time
 
-from common import Timer, dummy_model_dir, hf_model, measure_ceilings, model_config, param_counts
+from common import (Timer, add_knob_arg, apply_knob_args, dummy_model_dir, hf_model, measure_ceilings, model_config,
+                    param_counts)
 from throughput import make_requests, vocab_for
 
 
@@ -18,7 +19,8 @@ def run_pagoda(args, prompts) -> dict:
     from pagoda import LLM
     t0 = time.perf_counter()
     llm = LLM(dummy_model_dir(args.model_config), load_format="dummy", skip_tokenizer_init=True, runner="pooling",
-              dtype=args.dtype, max_model_len=max(len(p) for p in prompts) + 1)
+              dtype=args.dtype, max_model_len=max(len(p) for p in prompts) + 1,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     startup = time.perf_counter() - t0
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.embed(inputs[:8], use_tqdm=False)                 # (compiles outside the timed run)
@@ -58,18 +60,22 @@ def main():
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[100, 1024])
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
+    p.add_argument("--skip-floor", action="store_true", help="no ceilings measured (A/B runs)")
     p.add_argument("--hf", action="store_true")
     p.add_argument("--hf-batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
+    add_knob_arg(p)
     args = p.parse_args()
+    apply_knob_args(args)
     args.output_len = [1, 1]
     prompts, _ = make_requests(args.num_requests, args.prompt_len, args.output_len, vocab_for(args), args.seed)
     rows = [run_pagoda(args, prompts)]
     if args.hf:
         rows.append(run_hf(args, prompts))
     import torch
-    ceilings = measure_ceilings() if torch.cuda.is_available() else None
+    ceilings = measure_ceilings() if torch.cuda.is_available() and not args.skip_floor else None
     layers, _ = param_counts(model_config(args.model_config))
     floor = 2 * layers * sum(map(len, prompts)) / ceilings["bf16_flops_per_s"] if ceilings else float("nan")
     result = {"rows": rows, "compute_floor_s": floor, "ceilings": ceilings,

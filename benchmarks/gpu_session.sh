@@ -700,6 +700,17 @@ case "${1:-}" in
     done
     python3 benchmarks/embed.py --model-config $MA/qwen3-0.6b.json --hf --out "$OUT/embed" 2>&1 | tail -4
     ;;
+  embed20)
+    # Embeddings (host-bound 16,384-token prefills on Qwen3-0.6B): the defaults; CUDA graphs of mixed
+    # steps up to 16,384 tokens and 320 requests; 32,768-token steps; both
+    E="python3 benchmarks/embed.py --model-config $MA/qwen3-0.6b.json --skip-floor --out $OUT/embed"
+    G="--knob runner.cuda_graph.MAX_MIXED_CAPTURE=16384 --knob runner.cuda_graph.MAX_MIXED_REQS=320"
+    for round in 1 2; do
+      $E 2>&1 | grep "^pagoda " | sed "s/^/default $round: /"
+      $E $G 2>&1 | grep "^pagoda " | sed "s/^/graphs16k $round: /"
+      $E --max-num-batched-tokens 32768 2>&1 | grep "^pagoda " | sed "s/^/steps32k $round: /"
+    done
+    ;;
   serve19)
     # W3 with the engine in a process of its own (default) against its thread in the server's
     # process (PAGODA_ENGINE_PROCESS=0), interleaved: the stand-in engine (6 ms steps), then
