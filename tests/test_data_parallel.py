@@ -157,6 +157,16 @@ def test_server_engine_cores_over_replicas(tiny, reference):
     assert not any(core.procs[0].is_alive() for core in engine._cores)
 
 
+def test_server_layout_error_raises_from_the_replicas(tiny):
+    """The server's front checks the layout without an engine config (that would start CUDA in
+    the API server's process): one that does not split is refused up front."""
+    from pagoda.engine.arg_utils import EngineArgs
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        AsyncLLM.from_engine_args(EngineArgs(tiny, data_parallel_size=2, tensor_parallel_size=3, **SMALL))
+    assert set(multiprocessing.active_children()) == before       # nothing started
+
+
 def test_dead_replica_raises_and_takes_the_rest_down(tiny):
     llm = LLM(tiny, data_parallel_size=2, **SMALL)
     procs = replica_procs(llm)

@@ -90,16 +90,28 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
-    def create_engine_config(self) -> EngineConfig:
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        check_quantization_name(self.quantization)     # fail on a bad name before loading anything
-        path = resolve_model_path(self.model or default_model_path(), self.revision)
-        arch = read_arch_config(path)
+    def resolved_device(self) -> str:
+        """"cuda" or "cpu" (``device="auto"``: CUDA where there is a GPU). Creates no CUDA context."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def model_path(self) -> str:
+        return resolve_model_path(self.model or default_model_path(), self.revision)
+
+    def parallel_config(self, device: str, arch) -> ParallelConfig:
+        """The parallel layout, checked against the model and the visible GPUs (no CUDA context)."""
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.data_parallel_size, self.distributed_executor_backend)
         parallel.verify(arch, device)
+        return parallel
+
+    def create_engine_config(self) -> EngineConfig:
+        device = self.resolved_device()
+        check_quantization_name(self.quantization)     # fail on a bad name before loading anything
+        path = self.model_path()
+        arch = read_arch_config(path)
+        parallel = self.parallel_config(device, arch)
         quantization, quant_config = resolve_quantization(self.quantization, read_quant_config(path, arch), path)
         dtype, compute_dtype = _resolve_dtype(self.dtype, arch.torch_dtype, device)
         if self.load_format not in _LOAD_FORMATS:

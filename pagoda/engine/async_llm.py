@@ -16,6 +16,7 @@ from pagoda.engine.dp_replica import replica_engine, replica_env
 from pagoda.engine.engine_core import EngineCoreProc, EngineDeadError, EngineThread
 from pagoda.engine.llm_engine import LLMEngine, load_tokenizer
 from pagoda.engine.stats import EngineStats, sum_stats
+from pagoda.model.loader import read_arch_config
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -116,10 +117,11 @@ class AsyncLLM:
         dp = args.data_parallel_size
         if dp == 1:
             return cls.in_engine_process([partial(LLMEngine.from_engine_args, args)], make_tokenizer)
-        config = args.create_engine_config()          # (a layout that does not split raises here)
-        envs = None
-        if config.device == "cuda":
-            envs = [replica_env(d, dp, config.parallel.world_size) for d in range(dp)]
+        # Only the layout here (the replicas make their engine configs: that queries the GPU,
+        # which would start CUDA in the server's process).
+        device = args.resolved_device()
+        parallel = args.parallel_config(device, read_arch_config(args.model_path()))
+        envs = [replica_env(d, dp, parallel.world_size) for d in range(dp)] if device == "cuda" else None
         return cls.in_engine_process([partial(replica_engine, args, d, dp) for d in range(dp)], make_tokenizer, envs)
 
     def _setup(self, num_cores: int) -> None:
