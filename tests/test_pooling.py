@@ -87,7 +87,8 @@ def test_mean_and_cls_pooling_over_chunks(smollm_path, hf_hidden, pooling_type):
                 want = hidden.mean(0) if pooling_type == "MEAN" else hidden[0]
                 torch.testing.assert_close(torch.tensor(out.outputs.embedding), F.normalize(want, dim=-1),
                                            atol=1e-4, rtol=1e-4)
-        assert llm.get_stats().prefix_cache_hits == 0
+        stats = llm.get_stats()
+        assert stats.prefix_cache_hits == 0 and stats.num_generation_tokens == 0
         assert_no_leaks(llm)
     finally:
         del llm

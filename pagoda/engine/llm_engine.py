@@ -303,7 +303,10 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.num_steps += 1
-        self.num_generation_tokens += len(updated)
+        generated = len(updated)
+        if runner_out.pooler_output:     # (a pooled vector is no generated token)
+            generated -= sum(r.pooling_params is not None for r in updated)
+        self.num_generation_tokens += generated
         if self.stat_logger is not None:
             self.stat_logger.maybe_log(self.stats)
         return outputs

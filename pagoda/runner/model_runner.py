@@ -20,8 +20,8 @@ from pagoda.model.layers.attention import (AttentionMetadata, TorchAttentionBack
                                            set_forward_context)
 from pagoda.model.loader import get_model
 from pagoda.model.pipeline import IntermediateTensors, empty_intermediate, hidden_shapes
-from pagoda.runner.cuda_graph import CUDAGraphRunner
 from pagoda.pooling_params import PoolingParams
+from pagoda.runner.cuda_graph import CUDAGraphRunner
 from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, apply_grammar_bitmasks, logprobs_of, sample
 from pagoda.sampling_params import SamplingParams
 
@@ -125,7 +125,7 @@ class ModelRunner:
         self.single_rank = self.tp_size == 1 and self.pp.world_size == 1
         # Pipeline parallelism keeps one batch in flight a stage (the engine's batch queue): a
         # stage sends its activations and goes on with the next batch, and the sampled tokens
-        # come back later (``_sample_on_driver``). Its sends, kept until surely done.
+        # come back later (``_sample_and_send_back``). Its sends, kept until surely done.
         self.batches_in_flight = self.pp.world_size
         self.stage_sends: deque[list] = deque()
         self.model = get_model(mc, self.device)
@@ -418,8 +418,8 @@ class ModelRunner:
             if kind == "MEAN":
                 part = hidden[start:end].float().sum(0)
                 s.pooled_sum = part if s.pooled_sum is None else s.pooled_sum + part
-            elif kind == "CLS" and computed[i] == 0:
-                s.pooled_sum = hidden[start].float()
+            elif kind == "CLS" and computed[i] == 0:      # (a copy: a graph's output is overwritten)
+                s.pooled_sum = hidden[start].float().clone()
             if computed[i] + q_lens[i] < known[i]:
                 continue
             if kind == "LAST":
