@@ -7,7 +7,8 @@ from tqdm.auto import tqdm
 from pagoda.beam_search import beam_search
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import BeamSearchOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagoda.outputs import (BeamSearchOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
+                            ScoringRequestOutput)
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -72,6 +73,21 @@ class LLM:
         """Each prompt's embedding (``outputs.embedding``, a list of floats), as ``encode``."""
         return [EmbeddingRequestOutput.from_base(o)
                 for o in self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)]
+
+    def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, **_ignored) -> list[ScoringRequestOutput]:
+        """Each pair's similarity, as vLLM scores with an embedding model: the cosine of the two
+        texts' embeddings. ``data_1`` is one text (scored against each of ``data_2``) or as many
+        as ``data_2`` (pairwise)."""
+        first, second = self._as_list(data_1), self._as_list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if not second or len(first) != len(second):
+            raise ValueError(f"score() takes one text or as many as the second list ({len(second)}) as its first "
+                             f"argument; got {len(first)}.")
+        outs = self.encode(first + second, pooling_params, use_tqdm, truncate_prompt_tokens)
+        n = len(first)
+        return [ScoringRequestOutput.from_pair(str(i), a, b) for i, (a, b) in enumerate(zip(outs[:n], outs[n:]))]
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False, **_ignored) -> list[BeamSearchOutput]:
         """Beam search for each prompt (strings, or dicts with ``prompt`` / ``prompt_token_ids``);

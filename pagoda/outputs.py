@@ -130,3 +130,23 @@ class EmbeddingRequestOutput:
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
         return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """A pair's similarity (``LLM.score``): the cosine of their embeddings."""
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]          # the first text's, then the second's
+    finished: bool = True
+
+    @classmethod
+    def from_pair(cls, request_id: str, first: PoolingRequestOutput,
+                  second: PoolingRequestOutput) -> "ScoringRequestOutput":
+        score = torch.nn.functional.cosine_similarity(first.outputs.data, second.outputs.data, dim=0).item()
+        return cls(request_id, ScoringOutput(score), first.prompt_token_ids + second.prompt_token_ids)

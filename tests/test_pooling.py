@@ -141,6 +141,21 @@ def test_pooling_errors(embedder, llm, smollm_path):
         LLM(smollm_path, task="embed", pipeline_parallel_size=2)
 
 
+def test_score_is_the_cosine_of_the_embeddings(embedder):
+    """LLM.score: one text against several, or pairwise; the cosine of the two embeddings."""
+    query, docs = PROMPTS[0], [PROMPTS[1], PROMPTS[2]]
+    scores = embedder.score({"prompt_token_ids": query}, ids(docs), use_tqdm=False)
+    embeds = [torch.tensor(o.outputs.embedding) for o in embedder.embed(ids([query] + docs), use_tqdm=False)]
+    for s, doc, e in zip(scores, docs, embeds[1:]):
+        assert s.prompt_token_ids == query + doc
+        assert s.outputs.score == pytest.approx(F.cosine_similarity(embeds[0], e, dim=0).item(), abs=1e-5)
+    pairwise = embedder.score(ids(docs), ids(docs[::-1]), use_tqdm=False)
+    assert pairwise[0].outputs.score == pytest.approx(pairwise[1].outputs.score, abs=1e-6)
+    with pytest.raises(ValueError, match="as many as the second list"):
+        embedder.score(ids(docs), ids(PROMPTS), use_tqdm=False)
+    assert_no_leaks(embedder)
+
+
 def test_truncated_prompt_embeds_its_end(embedder):
     """truncate_prompt_tokens keeps the prompt's last k tokens, as for generation."""
     [cut] = embedder.embed(ids(PROMPTS[1:2]), truncate_prompt_tokens=10, use_tqdm=False)

@@ -573,3 +573,23 @@ def test_embeddings_errors(embed_server, client):
     r = embed_client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 400 and "pooling runner" in r.json()["error"]["message"]
     wait_until_idle(engine)
+
+
+def test_score_equals_llm_score(embed_server, smollm_path):
+    """/v1/score (and /score): one text against several, or pairwise, as LLM.score gives them."""
+    from pagoda import LLM
+    client, engine = embed_server
+    query, docs = "What is the capital of France?", ["Paris is the capital of France.", "Bananas are yellow."]
+    offline = LLM(smollm_path, runner="pooling", dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES,
+                  max_model_len=512)
+    want = [o.outputs.score for o in offline.score(query, docs, use_tqdm=False)]
+    del offline
+    for route in ("/v1/score", "/score"):
+        body = client.post(route, json={"model": MODEL, "text_1": query, "text_2": docs}).json()
+        assert body["object"] == "list" and [d["object"] for d in body["data"]] == ["score", "score"]
+        assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-5)
+    pairwise = client.post("/v1/score", json={"text_1": docs, "text_2": docs[::-1]}).json()
+    assert pairwise["data"][0]["score"] == pytest.approx(pairwise["data"][1]["score"], abs=1e-5)
+    r = client.post("/v1/score", json={"text_1": [query] * 2, "text_2": docs * 2})
+    assert r.status_code == 400 and "as many as text_2" in r.json()["error"]["message"]
+    wait_until_idle(engine)

@@ -4,8 +4,8 @@
   python -m pagoda.entrypoints.openai.api_server --model MODEL
 
 Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-tool-choice
---tool-call-parser hermes), /v1/embeddings (with --runner pooling), /v1/models, /health, /version,
-/metrics."""
+--tool-call-parser hermes), /v1/embeddings and /v1/score (with --runner pooling), /v1/models, /health,
+/version, /metrics."""
 import argparse
 import asyncio
 import logging
@@ -20,11 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import pagoda
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.metrics import ServerMetrics
-from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ScoreRequest
 from pagoda.entrypoints.openai.serving import error_response
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagoda.entrypoints.openai.serving_embedding import OpenAIServingPooling
 from pagoda.entrypoints.openai.tool_parsers import check_tool_call_parser
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     completion = OpenAIServingCompletion(engine, served_model_names, metrics)
     chat = OpenAIServingChat(engine, served_model_names, metrics, enable_auto_tool_choice=enable_auto_tool_choice,
                              tool_call_parser=tool_call_parser)
-    embedding = OpenAIServingEmbedding(engine, served_model_names)
+    pooling = OpenAIServingPooling(engine, served_model_names)
     created = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -82,7 +82,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request):
-        return await _until_disconnected(raw, embedding.create(body))
+        return await _until_disconnected(raw, pooling.embed(body))
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def score(body: ScoreRequest, raw: Request):
+        return await _until_disconnected(raw, pooling.score(body))
 
     return app
 

@@ -146,6 +146,17 @@ class EmbeddingRequest(BaseModel):
                              truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
+class ScoreRequest(BaseModel):
+    """POST /v1/score (vLLM's): ``text_1`` (one text, or as many as ``text_2``) against ``text_2``."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     """OpenAI's error shape, which its client reads the message from."""
     kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "InternalServerError")

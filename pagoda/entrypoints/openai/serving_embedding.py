@@ -1,5 +1,6 @@
-"""POST /v1/embeddings: each input's vector, from an engine with the pooling runner (``pagoda
-serve --runner pooling``), as OpenAI's (and vLLM's) Embeddings API answers."""
+"""POST /v1/embeddings and /v1/score (also /score): an engine with the pooling runner (``pagoda
+serve --runner pooling``) answers as OpenAI's Embeddings API does, and scores pairs of texts as
+vLLM scores them with an embedding model (the cosine of their embeddings)."""
 import base64
 import time
 import uuid
@@ -7,33 +8,68 @@ import uuid
 from fastapi.responses import JSONResponse
 
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.entrypoints.openai.protocol import EmbeddingRequest
+from pagoda.entrypoints.openai.protocol import EmbeddingRequest, ScoreRequest
 from pagoda.entrypoints.openai.serving import error_response, input_prompts, start
+from pagoda.outputs import PoolingRequestOutput, ScoringRequestOutput
+from pagoda.pooling_params import PoolingParams
 
 
-class OpenAIServingEmbedding:
+class OpenAIServingPooling:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
         self.engine = engine
         self.served_model_names = served_model_names
 
-    async def create(self, request: EmbeddingRequest):
+    async def embed(self, request: EmbeddingRequest):
+        if (refusal := self._refusal(request)) is not None:
+            return refusal
+        request_id = f"embd-{uuid.uuid4().hex}"
+        try:
+            outputs = await self._encode(input_prompts(request.input, "input"), request.pooling_params(), request_id,
+                                         request.priority)
+        except ValueError as e:
+            return error_response(str(e), 400)
+        data = [{"index": i, "object": "embedding", "embedding": _encoded(out.outputs.data, request.encoding_format)}
+                for i, out in enumerate(outputs)]
+        return self._response(request, request_id, data, outputs)
+
+    async def score(self, request: ScoreRequest):
+        if (refusal := self._refusal(request)) is not None:
+            return refusal
+        request_id = f"score-{uuid.uuid4().hex}"
+        try:
+            first, second = input_prompts(request.text_1, "text_1"), input_prompts(request.text_2, "text_2")
+            if len(first) == 1:
+                first = first * len(second)
+            if len(first) != len(second):
+                raise ValueError(f"text_1 must be one text or as many as text_2 ({len(second)}); got {len(first)}.")
+            params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens)
+            outputs = await self._encode(first + second, params, request_id, request.priority)
+        except ValueError as e:
+            return error_response(str(e), 400)
+        n = len(first)
+        scores = [ScoringRequestOutput.from_pair(str(i), a, b).outputs.score
+                  for i, (a, b) in enumerate(zip(outputs[:n], outputs[n:]))]
+        data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
+        return self._response(request, request_id, data, outputs)
+
+    def _refusal(self, request) -> JSONResponse | None:
         if request.model is not None and request.model not in self.served_model_names:
             return error_response(f"The model `{request.model}` does not exist.", 404, "model")
         if self.engine.model_config.runner != "pooling":
-            return error_response("This model does not serve the Embeddings API: start the server with "
+            return error_response("This model does not serve embeddings or scores: start the server with "
                                   "--runner pooling.", 400)
-        request_id = f"embd-{uuid.uuid4().hex}"
-        try:
-            params = request.pooling_params()
-            gens = [self.engine.encode(p, params, f"{request_id}-{i}", request.priority)
-                    for i, p in enumerate(input_prompts(request.input, "input"))]
-            outputs = await start(gens)        # (a pooling request's first output is its last)
-        except ValueError as e:
-            return error_response(str(e), 400)
+        return None
+
+    async def _encode(self, prompts: list, params: PoolingParams, request_id: str,
+                      priority: int) -> list[PoolingRequestOutput]:
+        """Each prompt's vector; a bad request raises its ValueError."""
+        gens = [self.engine.encode(p, params, f"{request_id}-{i}", priority) for i, p in enumerate(prompts)]
+        outputs = await start(gens)        # (a pooling request's first output is its last)
         for g in gens:
             await g.aclose()
-        data = [{"index": i, "object": "embedding", "embedding": _encoded(out.outputs.data, request.encoding_format)}
-                for i, out in enumerate(outputs)]
+        return outputs
+
+    def _response(self, request, request_id: str, data: list, outputs: list[PoolingRequestOutput]) -> JSONResponse:
         tokens = sum(len(out.prompt_token_ids) for out in outputs)
         return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
                              "model": request.model or self.served_model_names[0], "data": data,
