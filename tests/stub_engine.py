@@ -18,6 +18,8 @@ class StubEngine:
         self.running: dict[str, list] = {}      # request id -> [prompt, params, steps run]
         self.aborted: list[str] = []
         self.steps = 0
+        self.last_step_time: float | None = None
+        self.latencies: list[float] = []       # inter-token latencies not taken yet
         self.tokenizer = tokenizer
         self.config = types.SimpleNamespace(model=types.SimpleNamespace(model="stub", path="stub"),
                                             scheduler=types.SimpleNamespace(max_model_len=max_model_len))
@@ -47,15 +49,22 @@ class StubEngine:
         time.sleep(self.step_s)
         if self.steps == self.fail_at:
             raise RuntimeError("device lost")
-        outs = []
+        outs, now = [], time.monotonic()
         for rid, state in list(self.running.items()):
+            if state[2]:
+                self.latencies.append(now - self.last_step_time)
             state[2] += 1
             out = self._output(rid, *state)
             if out is not None:
                 outs.append(out)
                 if out.finished:
                     del self.running[rid]
+        self.last_step_time = now
         return outs
+
+    def take_inter_token_latencies(self) -> list[float]:
+        latencies, self.latencies = self.latencies, []
+        return latencies
 
     def _output(self, rid: str, prompt, params, n: int) -> RequestOutput | None:
         done = n >= params.max_tokens

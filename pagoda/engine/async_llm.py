@@ -7,7 +7,6 @@ one wake-up of each loop a step; ``generate`` is an async iterator of RequestOut
 import asyncio
 import itertools
 import os
-import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
@@ -36,7 +35,6 @@ class _Stream:
         self.deltas = deltas                # RequestOutputKind.DELTA
         self.pending: RequestOutput | BaseException | None = None
         self.ready = asyncio.Event()
-        self.last_output_time: float | None = None   # when the engine's last output arrived (its thread)
 
     def push(self, item) -> None:
         """On the loop's thread."""
@@ -130,9 +128,8 @@ class AsyncLLM:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._load = [0] * num_cores                # sequences in flight, per engine core
-        # The servers' inter-token latency metrics: a streamed request's time between the arrivals
-        # of its consecutive outputs (one a step), observed on the engine's side, before a slow
-        # reader merges them. (A request that asks for its final output only has no others.)
+        # The servers' inter-token latency metrics: each request's time between its consecutive
+        # tokens, as the engine's steps gave them (streamed or not: the engine measures them).
         self.itl_observers: list[Callable[[float], None]] = []
 
     def _describe(self, tokenizer, model_config, max_model_len: int, stats: list[EngineStats]) -> None:
@@ -215,17 +212,12 @@ class AsyncLLM:
     def _dispatch(self, core: int, events: list) -> None:
         """One round of engine core ``core``'s events (on its thread, or its pipe's reader)."""
         items = []
-        now = time.monotonic()
         for event in events:
             kind = event[0]
             if kind == "out":
                 _, request_id, out, _ = event
                 stream = self._streams.get(request_id)
                 if stream is not None:
-                    if stream.last_output_time is not None:
-                        for observe in self.itl_observers:
-                            observe(now - stream.last_output_time)
-                    stream.last_output_time = now
                     items.append((request_id, stream, out))
                     if out.finished:
                         self._streams.pop(request_id, None)
@@ -238,6 +230,10 @@ class AsyncLLM:
                 fut = self._calls.get(call_id)
                 if fut is not None:
                     fut.get_loop().call_soon_threadsafe(_set_result if ok else _set_exception, fut, value)
+            elif kind == "itl":
+                for observe in self.itl_observers:
+                    for seconds in event[1]:
+                        observe(seconds)
             elif kind == "stats":
                 self._stats[core] = event[1]
             elif kind == "dead":

@@ -23,6 +23,10 @@ def _step_if_busy(engine) -> list[RequestOutput]:
     return engine.step() if engine.has_unfinished_requests() else []
 
 
+def _take_inter_token_latencies(engine) -> list[float]:
+    return engine.take_inter_token_latencies()
+
+
 def _stats(engine) -> EngineStats:
     return engine.stats
 
@@ -134,6 +138,9 @@ class DPEngine(ChildProcs):
             self._finish_steps([d for d, conn, p in children if conn in ready or p.sentinel in ready])
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def take_inter_token_latencies(self) -> list[float]:
+        return [x for latencies in self._call_all(_take_inter_token_latencies) for x in latencies]
 
     def reset_prefix_cache(self) -> bool:
         return all(self._call_all("reset_prefix_cache"))

@@ -9,7 +9,7 @@ Commands, plain tuples:  ("add", request_id, prompt, params, priority) | ("abort
                          ("call", call_id, name, args) | ("shutdown", ())
 Events, a list a step:   ("out", request_id, RequestOutput, first) | ("fail", request_id, error) |
                          ("aborted", request_id) | ("reply", call_id, ok, value) |
-                         ("stats", EngineStats) | ("dead", error)
+                         ("itl", [seconds]) | ("stats", EngineStats) | ("dead", error)
 
 Across the process boundary an output travels as a tuple of plain values (``pack_output``):
 pickling a step's 256 RequestOutput dataclasses took 1.2 ms and unpickling 1.9 (this CPU),
@@ -53,6 +53,8 @@ def run_engine_loop(engine, next_command, emit) -> None:
             block = False
         if engine.has_unfinished_requests():
             events += _step(engine, live)
+            if latencies := engine.take_inter_token_latencies():
+                events.append(("itl", latencies))
         events.append(("stats", engine.stats))     # (after an abort too: its blocks are free)
         emit(events)
 

@@ -311,6 +311,11 @@ class LLMEngine:
             self.stat_logger.maybe_log(self.stats)
         return outputs
 
+    def take_inter_token_latencies(self) -> list[float]:
+        """The inter-token latencies of the steps finished since the last call (seconds)."""
+        latencies, self.output_processor.inter_token_latencies = self.output_processor.inter_token_latencies, []
+        return latencies
+
     @property
     def stats(self) -> EngineStats:
         pool = self.kv_cache_manager.pool

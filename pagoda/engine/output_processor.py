@@ -72,6 +72,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}       # child request id -> state
         self.parents: dict[str, ParentState] = {}
+        # Each request's time from its last token to the one it got now, a step at a time, for
+        # the server's inter-token latency metric (vLLM's, over every request): taken by it.
+        self.inter_token_latencies: list[float] = []
 
     def add(self, parent: ParentState, children: list[Request]) -> None:
         self.parents[parent.request_id] = parent
@@ -130,6 +133,8 @@ class OutputProcessor:
                         finished = True
             parent = state.parent
             m = parent.metrics
+            if m.last_token_time is not None and parent.request_id not in touched:
+                self.inter_token_latencies.append(now - m.last_token_time)
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
             touched[parent.request_id] = parent

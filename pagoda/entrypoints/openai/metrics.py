@@ -1,8 +1,8 @@
 """GET /metrics in Prometheus' text format. The names are vLLM's (``vllm:`` prefix), so the
 dashboards and benchmark scripts written for a vLLM server read this one unchanged. Engine
 figures are read from the engine's latest stats snapshot at each scrape; latencies are observed
-when a request finishes, but the inter-token latency of streamed requests, as each of their
-outputs arrives from the engine."""
+when a request finishes, but the inter-token latency, which the engine measures a step at a time
+for every request (streamed or not) and sends with the step's outputs."""
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -58,7 +58,7 @@ class ServerMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", label,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("vllm:inter_token_latency_seconds",
-                             "Time between a streamed request's consecutive outputs (a step's tokens each).", label,
+                             "Time between a request's consecutive tokens (a step's, as the engine gave them).", label,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         engine.itl_observers.append(self.itl.labels(model_name).observe)
         self.success = Counter("vllm:request_success", "Finished requests.", label + ["finished_reason"],
