@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from pagoda import LLM
+from pagoda import LLM, SamplingParams
 from pagoda.model.pipeline import get_pp_indices
 from tests.test_tensor_parallel import (GREEDY, PROMPTS, SEEDED, SMALL, assert_same, assert_smollm2_greedy_matches,
                                         outputs_at, run, worker_procs, write_tiny_llama)
@@ -77,6 +77,38 @@ def test_pp2_keeps_a_batch_in_flight_per_stage(tiny4):
         assert all(len(ids) == 3 and not ids & others[0] for ids, others in beside[1:])
     finally:
         vars(llm.llm_engine.executor).pop("execute_model", None)   # (a cycle gc.freeze keeps alive)
+        del llm
+        gc.collect()
+
+
+def test_pp2_batch_queue_with_preemption_and_aborts(tiny4):
+    """A cache too small for the batch (requests preempted while their tokens are in flight)
+    and requests aborted mid-way, over two stages with a batch each: the others' greedy tokens
+    equal one process's under the same cache, and every block comes back."""
+    tight = dict(SMALL, num_gpu_blocks_override=12, block_size=8, max_num_seqs=8, max_model_len=64)
+    prompts = [{"prompt_token_ids": [7 + i] * (5 + 3 * i)} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = LLM(tiny4, **tight)
+    expected = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    del ref
+    llm = LLM(tiny4, pipeline_parallel_size=2, **tight)
+    try:
+        engine = llm.llm_engine
+        ids = [engine.add_request(None, p, params) for p in prompts]
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            steps += 1
+            if steps == 6:
+                engine.abort_request([ids[1], ids[6]])
+        assert engine.stats.num_preemptions > 0
+        assert {i: done[r] for i, r in enumerate(ids) if r in done} == {
+            i: e for i, e in enumerate(expected) if i not in (1, 6)}
+        pool = engine.kv_cache_manager.pool
+        assert pool.num_free_blocks == pool.num_usable_blocks
+    finally:
         del llm
         gc.collect()
 
