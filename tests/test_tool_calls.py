@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.api_server import build_app
-from pagoda.entrypoints.openai.tool_parsers import ForcedCallStream, HermesToolParser, StreamingToolCalls
+from pagoda.entrypoints.openai.tool_parsers import (ForcedCallStream, HermesToolParser, Llama3JsonToolParser,
+                                                     StreamingToolCalls)
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import RequestOutputKind
 from pagoda.tokenizer import Tokenizer
@@ -80,6 +81,42 @@ def test_streamed_plain_answer_is_sent_whole():
     got = [stream.feed(p) for p in ("a < b", " and <", "tool", " x")] + [stream.feed("", final=True)]
     assert "".join(t for t, _ in got) == "a < b and <tool x" and not any(c for _, c in got)
     assert got[1][0] == " and "                                      # "<" held until it could not be a tag
+
+
+LLAMA3_CALLS = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                '{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "24h"}}')
+
+
+def test_llama3_json_extract():
+    p = Llama3JsonToolParser()
+    content, calls = p.extract(LLAMA3_CALLS)
+    assert content is None
+    assert _names_args(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris", "fmt": "24h"})]
+    assert _names_args(p.extract(' {"name": "f", "parameters": {}}\n')[1]) == [("f", {})]     # no tag
+    for text in ("No tools needed.", '{"name": "f", "parameters": {}} and then text', '{"city": "Paris"}',
+                 '{"name": "f", "parameters": {', ""):
+        assert p.extract(text) == (text, [])                        # not (only) calls: the text stays
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_llama3_json_streamed_in_pieces(seed):
+    """Held while it may be calls, then parsed whole; a plain answer passes as it comes."""
+    rng = random.Random(seed)
+    for answer, plain in ((LLAMA3_CALLS, False), ("The weather is {sunny}.", True), ("  {not json}", False)):
+        cuts = sorted(rng.sample(range(1, len(answer)), rng.randint(1, min(12, len(answer) - 1))))
+        pieces = [answer[a:b] for a, b in zip([0] + cuts, cuts + [len(answer)])]
+        stream, content, calls = Llama3JsonToolParser().stream(), "", []
+        for i, piece in enumerate(pieces):
+            text, new = stream.feed(piece, final=i == len(pieces) - 1)
+            if not plain and i < len(pieces) - 1:
+                assert text == "" and new == []                     # held: it may be calls
+            content += text
+            calls += new
+        expected = Llama3JsonToolParser().extract(answer)
+        assert (content or None, _names_args(calls)) == (expected[0], _names_args(expected[1]))
+        assert stream.num_calls == len(expected[1])
+    stream = Llama3JsonToolParser().stream()
+    assert stream.feed("Hi") == ("Hi", []) and stream.feed(" {x") == (" {x", [])    # sent at once
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -166,6 +203,25 @@ def test_streamed_chat_returns_tool_call_deltas(tokenizer):
     assert [tc["index"] for tc in calls] == [0, 1]
     assert _names_args(calls) == _names_args(HermesToolParser().extract(CALLS_TEXT)[1])
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_llama3_json_tool_calls(tokenizer, stream):
+    """--tool-call-parser llama3_json: an answer that is all calls gives tool_calls, no content."""
+    _, client = _client(tokenizer, LLAMA3_CALLS, enable_auto_tool_choice=True, tool_call_parser="llama3_json")
+    with client:
+        r = client.post("/v1/chat/completions", json=_chat(stream=stream))
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert not "".join(d.get("content") or "" for d in deltas)
+        calls, finish = [tc for d in deltas for tc in d.get("tool_calls", [])], chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] is None
+        calls, finish = choice["message"]["tool_calls"], choice["finish_reason"]
+    assert finish == "tool_calls" and [tc.get("index", i) for i, tc in enumerate(calls)] == [0, 1]
+    assert _names_args(calls) == _names_args(Llama3JsonToolParser().extract(LLAMA3_CALLS)[1])
 
 
 def test_plain_answer_and_tool_history(tokenizer):

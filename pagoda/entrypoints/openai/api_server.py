@@ -4,7 +4,7 @@
   python -m pagoda.entrypoints.openai.api_server --model MODEL
 
 Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-tool-choice
---tool-call-parser hermes), /v1/embeddings and /v1/score (with --runner pooling), /v1/models, /health,
+--tool-call-parser hermes or llama3_json), /v1/embeddings and /v1/score (with --runner pooling), /v1/models, /health,
 /version, /metrics."""
 import argparse
 import asyncio
@@ -125,7 +125,7 @@ def run_server(args) -> None:
     from pagoda.entrypoints.cli import engine_args_from
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (known: hermes).")
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (known: hermes, llama3_json).")
     check_tool_call_parser(args.tool_call_parser)
     engine = AsyncLLM.from_engine_args(engine_args_from(args))
     try:

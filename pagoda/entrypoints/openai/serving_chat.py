@@ -5,8 +5,7 @@ import json
 
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.serving import OpenAIServing, finite_logprob
-from pagoda.entrypoints.openai.tool_parsers import (ForcedCallStream, StreamingToolCalls, get_tool_parser,
-                                                     make_tool_call)
+from pagoda.entrypoints.openai.tool_parsers import ForcedCallStream, get_tool_parser, make_tool_call
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import StructuredOutputsParams
 
@@ -67,7 +66,7 @@ class OpenAIServingChat(OpenAIServing):
                 finish = "tool_calls"
         elif choice == "auto" and self.tool_parser is not None:
             if request.stream:
-                tools = state.setdefault("tools", StreamingToolCalls(self.tool_parser))
+                tools = state.setdefault("tools", self.tool_parser.stream())
                 text, calls = tools.feed(c.text, final=finish is not None)
                 first_call = tools.num_calls - len(calls)
                 calls = [{"index": first_call + i, **call} for i, call in enumerate(calls)]

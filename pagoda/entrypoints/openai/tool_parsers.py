@@ -5,13 +5,18 @@
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-one block per call; the text before the first block is the message's content. Calls become
-OpenAI's ``tool_calls`` (``arguments`` a JSON string); a block that is not a JSON object with a
-name leaves the text as it was, content."""
+one block per call; the text before the first block is the message's content. ``llama3_json``:
+Llama 3.1-3.3's, the whole answer is the calls, JSON objects separated by ";" after an optional
+``<|python_tag|>``:
+
+    {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+Calls become OpenAI's ``tool_calls`` (``arguments`` a JSON string); text that is not a JSON
+object with a name stays as it was, content."""
 import json
 import uuid
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 def check_tool_call_parser(name: str | None) -> None:
@@ -21,6 +26,9 @@ def check_tool_call_parser(name: str | None) -> None:
 
 class HermesToolParser:
     start, end = "<tool_call>", "</tool_call>"
+
+    def stream(self) -> "StreamingToolCalls":
+        return StreamingToolCalls(self)
 
     def extract(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of a whole message."""
@@ -81,6 +89,62 @@ class StreamingToolCalls:
                 break
         self.num_calls += len(calls)
         return content, calls
+
+
+class Llama3JsonToolParser:
+    tag = "<|python_tag|>"
+
+    def extract(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool calls) of a whole message: calls only if all of it is calls."""
+        body = text.strip()
+        if body.startswith(self.tag):
+            body = body[len(self.tag):].lstrip()
+        calls, decoder, i = [], json.JSONDecoder(), 0
+        while i < len(body):
+            try:
+                obj, i = decoder.raw_decode(body, i)
+            except json.JSONDecodeError:
+                return text, []
+            call = _call_of(obj)
+            if call is None:
+                return text, []
+            calls.append(call)
+            while i < len(body) and body[i] in " \t\n;":
+                i += 1
+        return (None, calls) if calls else (text, [])
+
+    def may_be_calls(self, head: str) -> bool:
+        """Whether a message that begins with ``head`` (stripped) may still be tool calls."""
+        return head.startswith(("{", self.tag)) or self.tag.startswith(head)
+
+    def stream(self) -> "HeldToolCalls":
+        return HeldToolCalls(self)
+
+
+class HeldToolCalls:
+    """A streamed message whose calls are the whole of it (llama3_json), as (content delta,
+    tool calls): held while it may be calls, parsed when it ends; once it cannot be, sent as it
+    comes."""
+
+    def __init__(self, parser: Llama3JsonToolParser):
+        self.parser = parser
+        self.held = ""
+        self.passing = False
+        self.num_calls = 0
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
+        if self.passing:
+            return delta, []
+        self.held += delta
+        head = self.held.lstrip()
+        if head and not self.parser.may_be_calls(head):
+            self.passing, text, self.held = True, self.held, ""
+            return text, []
+        if not final:
+            return "", []
+        content, calls = self.parser.extract(self.held)
+        self.num_calls = len(calls)
+        return content or "", calls
 
 
 class ForcedCallStream:
@@ -162,9 +226,13 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 def _tool_call(body: str) -> dict | None:
     try:
-        obj = json.loads(body)
+        return _call_of(json.loads(body))
     except json.JSONDecodeError:
         return None
+
+
+def _call_of(obj) -> dict | None:
+    """A JSON object {"name", "arguments" or "parameters"} as an OpenAI tool call, else None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -177,6 +245,6 @@ def make_tool_call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def get_tool_parser(name: str) -> HermesToolParser:
+def get_tool_parser(name: str) -> HermesToolParser | Llama3JsonToolParser:
     check_tool_call_parser(name)
-    return HermesToolParser()
+    return Llama3JsonToolParser() if name == "llama3_json" else HermesToolParser()
