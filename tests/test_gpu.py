@@ -196,6 +196,26 @@ def test_rare_sampling_paths_async_equals_sync(dummy_qwen3):
     assert len(results[True][4][0]) == 3 and results[True][3][2] == len(prompts[3]["prompt_token_ids"])
 
 
+def test_allowed_token_ids_on_the_gpu(dummy_qwen3):
+    """allowed_token_ids (a mask on the sampler's special-rows path) beside a plain row, sampled
+    and greedy: every token allowed, async scheduling as the synchronous engine."""
+    llm, engine = dummy_qwen3, dummy_qwen3.llm_engine
+    allowed = [3, 17, 29, 101, 2048]
+    prompts = [{"prompt_token_ids": list(range(40 + 9 * i, 80 + 9 * i))} for i in range(3)]
+    params = [SamplingParams(temperature=0.8, seed=1, max_tokens=12, allowed_token_ids=allowed, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=allowed[:2], ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    results = {}
+    for mode in (True, False):
+        engine.async_scheduling = mode
+        llm.reset_prefix_cache()
+        results[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine.async_scheduling = True
+    assert results[True] == results[False]
+    assert set(results[True][0]) <= set(allowed) and set(results[True][1]) <= set(allowed[:2])
+    assert not set(results[True][2]) <= set(allowed)          # (the plain row is not held to them)
+
+
 def test_a_step_too_large_for_the_gpu_is_a_clear_error(tmp_path):
     """The start-up's profiling step (max_num_batched_tokens tokens) that does not fit beside
     the weights: a ValueError naming the setting, not a bare out-of-memory error. Two
