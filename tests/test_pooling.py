@@ -95,6 +95,27 @@ def test_mean_and_cls_pooling_over_chunks(smollm_path, hf_hidden, pooling_type):
         gc.collect()
 
 
+def test_pooling_over_tensor_and_data_parallel_ranks(tmp_path):
+    """tp=2 (rank 0 pools the replicated final hidden states) and dp=2 (each replica its share of
+    the prompts) give one process's embeddings."""
+    from tests.test_tensor_parallel import write_tiny_llama
+    folder = write_tiny_llama(str(tmp_path / "tiny"), hidden=128, intermediate=256, vocab=1031)
+    prompts = ids([[5, 6, 7, 8, 9], list(range(10, 70)), [300, 2, 41] + list(range(900, 940))])
+    small = dict(runner="pooling", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24,
+                 max_model_len=256, device="cpu")
+    got = {}
+    for layout in ({}, {"tensor_parallel_size": 2}, {"data_parallel_size": 2}):
+        llm = LLM(folder, **small, **layout)
+        try:
+            got[str(layout)] = torch.stack([o.outputs.data for o in llm.encode(prompts, use_tqdm=False)])
+        finally:
+            del llm
+            gc.collect()
+    ref = got.pop("{}")
+    for vectors in got.values():
+        torch.testing.assert_close(vectors, ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
 def test_tiny_llama_on_the_default_device_matches_hf(tmp_path, pooling_type):
     """A random-weight Llama folder (safetensors) on the default device (the GPU's Triton kernels

@@ -15,6 +15,7 @@ from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.dp_replica import replica_env, replica_main
 from pagoda.engine.stats import EngineStats, sum_stats
 from pagoda.outputs import RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
 
@@ -85,7 +86,7 @@ class DPEngine(ChildProcs):
                 self._outputs.append(out)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> str:
         """Queue the request on the least-loaded replica; a bad one raises its ValueError here
         and leaves that replica as it was."""
@@ -95,8 +96,9 @@ class DPEngine(ChildProcs):
             raise ValueError(f"Request id {request_id!r} is already in use.")
         replica = min(range(len(self._load)), key=self._load.__getitem__)
         self._call(replica, "add_request", request_id, prompt, params, arrival_time, priority)
-        self._owner[request_id] = replica, params.n
-        self._load[replica] += params.n
+        n = getattr(params, "n", 1)           # (PoolingParams: one sequence)
+        self._owner[request_id] = replica, n
+        self._load[replica] += n
         return request_id
 
     def abort_request(self, request_ids) -> None:
