@@ -42,7 +42,7 @@ def test_chat_streams_replies():
                                           (["generate", "x", "--quantization", "awq"], "no quantization config"),
                                           (["generate", "x", "--kv-cache-dtype", "int8"], "Unknown kv_cache_dtype"),
                                           (["generate", "x", "--runner", "pooling"], "pooling runner"),
-                                          (["generate", "x", "--task", "embed", "-pp", "2"], "pipeline parallelism"),
+                                          (["generate", "x", "--task", "embed"], "pooling runner"),
                                           (["generate", "x", "-dp", "2", "--distributed-executor-backend", "ray"],
                                            "not over Ray")])
 def test_bad_arguments_fail_cleanly(bad, message):

@@ -95,16 +95,18 @@ def test_mean_and_cls_pooling_over_chunks(smollm_path, hf_hidden, pooling_type):
         gc.collect()
 
 
-def test_pooling_over_tensor_and_data_parallel_ranks(tmp_path):
-    """tp=2 (rank 0 pools the replicated final hidden states) and dp=2 (each replica its share of
-    the prompts) give one process's embeddings."""
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_pooling_over_parallel_ranks(tmp_path, pooling_type):
+    """tp=2 (rank 0 pools the replicated final hidden states), pp=2 (the last stage pools and
+    broadcasts the vectors, a batch in flight a stage) and dp=2 (each replica its share of the
+    prompts) give one process's embeddings, prompts in chunks."""
     from tests.test_tensor_parallel import write_tiny_llama
     folder = write_tiny_llama(str(tmp_path / "tiny"), hidden=128, intermediate=256, vocab=1031)
     prompts = ids([[5, 6, 7, 8, 9], list(range(10, 70)), [300, 2, 41] + list(range(900, 940))])
     small = dict(runner="pooling", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24,
-                 max_model_len=256, device="cpu")
+                 max_model_len=256, device="cpu", max_num_batched_tokens=32, pooler_config={"pooling_type": pooling_type})
     got = {}
-    for layout in ({}, {"tensor_parallel_size": 2}, {"data_parallel_size": 2}):
+    for layout in ({}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"data_parallel_size": 2}):
         llm = LLM(folder, **small, **layout)
         try:
             got[str(layout)] = torch.stack([o.outputs.data for o in llm.encode(prompts, use_tqdm=False)])
@@ -158,8 +160,6 @@ def test_pooling_errors(embedder, llm, smollm_path):
         pooling_llm(smollm_path, pooler_config={"softmax": True})
     with pytest.raises(ValueError, match="Unknown task 'score'"):
         LLM(smollm_path, task="score")
-    with pytest.raises(ValueError, match="does not support pipeline parallelism"):
-        LLM(smollm_path, task="embed", pipeline_parallel_size=2)
 
 
 def test_score_is_the_cosine_of_the_embeddings(embedder):

@@ -142,9 +142,6 @@ class EngineArgs:
             quantization=quantization, quant_config=quant_config, tokenizer=self.tokenizer, revision=self.revision,
             generation_config=read_generation_config(path), runner=self._runner())
         if model.runner == "pooling":
-            if self.pipeline_parallel_size > 1:
-                raise ValueError("The pooling runner does not support pipeline parallelism yet; use "
-                                 "tensor_parallel_size or data_parallel_size.")
             model.pooler = self._pooler(path)
         cache = CacheConfig(
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,

@@ -77,8 +77,9 @@ class AsyncRunnerOutput:
 
     def __init__(self, runner: "ModelRunner", out: ModelRunnerOutput, req_ids: list[str] = (),
                  states: list[CachedRequestState] = (), result: SamplerOutput | None = None,
-                 step_id: int = -1, rows: np.ndarray | None = None, arrivals: list = ()):
+                 step_id: int = -1, rows: np.ndarray | None = None, arrivals: list = (), pooled=None):
         self.runner, self.out, self.req_ids, self.states = runner, out, list(req_ids), list(states)
+        self.pooled = pooled       # (pipeline parallelism) (request ids, params, vectors, work) on their way
         self.positions = [s.num_tokens - 1 for s in self.states]     # where each sampled token goes
         self.step_id, self.rows = step_id, rows
         self.host, self.arrivals, self.copied = None, list(arrivals), None
@@ -93,6 +94,12 @@ class AsyncRunnerOutput:
                 self.copied.record()
 
     def get_output(self) -> ModelRunnerOutput:
+        if self.pooled is not None:
+            ids, params, vectors, work = self.pooled
+            work.wait()
+            if self.runner.rank == 0:
+                self.runner._deliver_pooled(self.out, ids, params, vectors)
+            self.pooled = None
         if self.host is not None:
             for work in self.arrivals:
                 work.wait()
@@ -381,10 +388,9 @@ class ModelRunner:
 
         out = ModelRunnerOutput({})
         self._prompt_logprobs(hidden, req_ids, states, rows, computed, q_lens, cu, out)
-        if self.num_pooling_reqs and self.rank == 0:
-            self._pool(hidden, req_ids, states, computed, q_lens, cu, known, out)
+        pooled = self._pool(hidden, req_ids, states, computed, q_lens, cu, known, out) if self.num_pooling_reqs else None
         if len(sampling) == 0:
-            return AsyncRunnerOutput(self, out)
+            return AsyncRunnerOutput(self, out, pooled=pooled)
         logits = None if hidden is None else self.model.compute_logits(hidden[t["logits_idx"]])
         if sched.grammar_bitmasks and logits is not None:
             apply_grammar_bitmasks(logits, [req_ids[i] for i in sampling], sched.grammar_bitmasks)
@@ -402,17 +408,24 @@ class ModelRunner:
         self.pending_step[s_rows] = self.num_sampling_steps
         self.last_sampled = result.token_ids
         return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result,
-                                 self.num_sampling_steps, s_rows, arrivals)
+                                 self.num_sampling_steps, s_rows, arrivals, pooled)
 
-    def _pool(self, hidden, req_ids, states, computed, q_lens, cu, known, out) -> None:
+    def _pool(self, hidden, req_ids, states, computed, q_lens, cu, known, out):
         """The pooling requests' vectors, from the final hidden states of their tokens in this
         step: the last token's once the prompt is computed, or the mean (the first token's)
-        gathered over its chunks; on the host (one copy a step: a pooling request's step is a
-        prefill, which the host would wait for anyway), cut to ``dimensions``, L2-normalized."""
+        gathered over its chunks, on the rank that samples. Rank 0 gets them on the host (one
+        copy a step: a pooling request's step is a prefill, which the host would wait for
+        anyway); with pipeline parallelism they come from the last stage by a broadcast, whose
+        (request ids, params, vectors, work) is returned for get_output."""
         kind = self.pooler.pooling_type
-        done: list[tuple[int, torch.Tensor]] = []
+        done: list[int] = []
+        vectors: list[torch.Tensor] = []
         for i, s in enumerate(states):
             if s.pooling is None:
+                continue
+            ends = computed[i] + q_lens[i] == known[i]
+            done += [i] if ends else []
+            if self.rank != self.driver:        # (the final hidden states' rank pools)
                 continue
             start, end = int(cu[i] - q_lens[i]), int(cu[i])
             if kind == "MEAN":
@@ -420,19 +433,29 @@ class ModelRunner:
                 s.pooled_sum = part if s.pooled_sum is None else s.pooled_sum + part
             elif kind == "CLS" and computed[i] == 0:      # (a copy: a graph's output is overwritten)
                 s.pooled_sum = hidden[start].float().clone()
-            if computed[i] + q_lens[i] < known[i]:
+            if not ends:
                 continue
             if kind == "LAST":
-                done.append((i, hidden[end - 1].float()))
+                vectors.append(hidden[end - 1].float())
             else:
-                done.append((i, s.pooled_sum / int(known[i]) if kind == "MEAN" else s.pooled_sum))
+                vectors.append(s.pooled_sum / int(known[i]) if kind == "MEAN" else s.pooled_sum)
         if not done:
-            return
-        for (i, _), vec in zip(done, torch.stack([v for _, v in done]).cpu()):
-            p = states[i].pooling
+            return None
+        ids, params = [req_ids[i] for i in done], [states[i].pooling for i in done]
+        if self.pp.world_size == 1:
+            if self.rank == 0:
+                self._deliver_pooled(out, ids, params, torch.stack(vectors))
+            return None
+        stacked = (torch.stack(vectors) if self.rank == self.driver
+                   else torch.empty(len(done), self.arch.hidden_size, dtype=torch.float32, device=self.device))
+        return ids, params, stacked, broadcast_output(stacked, src=self.driver)
+
+    def _deliver_pooled(self, out: ModelRunnerOutput, ids: list[str], params: list, vectors: torch.Tensor) -> None:
+        """Each vector cut to its request's ``dimensions`` and L2-normalized, into ``out``."""
+        for req_id, p, vec in zip(ids, params, vectors.cpu()):
             vec = vec[:p.dimensions]
             normalize = self.pooler.normalize if p.normalize is None else p.normalize
-            out.pooler_output[req_ids[i]] = F.normalize(vec, dim=-1) if normalize else vec
+            out.pooler_output[req_id] = F.normalize(vec, dim=-1) if normalize else vec
 
     def _sample_on_driver(self, logits, states, rows, t) -> SamplerOutput:
         """Tensor parallelism: rank 0's sampled tokens on every rank, which need them as the
