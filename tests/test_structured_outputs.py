@@ -56,6 +56,46 @@ def test_answers_match_their_constraints(llm):
     assert_no_leaks(llm)
 
 
+def _masks_seen(worker):
+    """(Run on each rank) record how many masks each step brings this rank."""
+    seen, execute = [], worker.runner.execute_model
+
+    def recording(sched):
+        seen.append(len(sched.grammar_bitmasks))
+        return execute(sched)
+    worker.runner.execute_model = recording
+    worker.masks_seen = seen
+
+
+def _masks(worker) -> list[int]:
+    return worker.masks_seen
+
+
+@pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 3}])
+def test_constraints_over_parallel_ranks(smollm_path, layout):
+    """Over stages or tensor-parallel ranks: one process's greedy constrained answers; of the
+    worker ranks, only the one that samples gets the masks (the last stage's first rank; none
+    with tensor parallelism alone, where rank 0, the engine's, samples)."""
+    constraints = [StructuredOutputsParams(choice=["red", "green", "blue"]), StructuredOutputsParams(regex=PHONE)]
+    prompts = ["Pick a colour:", "My phone number is"]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=c) for c in constraints]
+    kwargs = dict(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=512)
+    one = LLM(smollm_path, **kwargs)
+    want = [o.outputs[0].text for o in one.generate(prompts, params, use_tqdm=False)]
+    del one
+    llm = LLM(smollm_path, **kwargs, **layout)
+    try:
+        executor = llm.llm_engine.executor
+        executor.collective_rpc(_masks_seen)
+        assert [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        seen = executor.collective_rpc(_masks)
+        driver = len(seen) - layout.get("tensor_parallel_size", 1)
+        # (rank 0 is the engine's own process: its steps are not sent, so it may keep them)
+        assert all(seen[driver]) and not any(any(s) for r, s in enumerate(seen) if r not in (0, driver))
+    finally:
+        del llm
+
+
 def test_json_without_free_whitespace(llm):
     """disable_any_whitespace: the JSON has no whitespace but the ", " and ": " separators."""
     out = llm.generate("A person as JSON:", SamplingParams(temperature=0, max_tokens=80, structured_outputs=(

@@ -1,6 +1,8 @@
 """Executors run the model runner on every rank: in this process alone (tensor_parallel_size
 1), or over worker processes on this node (multiproc_executor.py) or Ray actors on a cluster's
 nodes (ray_executor.py). All answer the same three calls."""
+from dataclasses import replace
+
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagoda.runner.model_runner import ModelRunner
@@ -31,6 +33,16 @@ class ParallelExecutor:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+
+def split_masks(sched: SchedulerOutput, world_size: int, tp_size: int) -> tuple[SchedulerOutput, int | None]:
+    """(what the ranks that do not sample get, the worker rank that samples when it is not 0):
+    structured outputs' masks (a vocabulary's bits a request) go to the rank that samples alone,
+    not pickled to every rank each step."""
+    if not sched.grammar_bitmasks:
+        return sched, None
+    driver = world_size - tp_size          # (the last stage's first rank: 0 without stages)
+    return replace(sched, grammar_bitmasks={}), driver or None
 
 
 def get_executor(config: EngineConfig):

@@ -6,7 +6,7 @@ pipeline stages' sends and receives (torch.distributed: gloo on CPU, NCCL on CUD
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import SchedulerOutput
 from pagoda.distributed.child_procs import SPAWN_HINT, ChildProcs
-from pagoda.distributed.executor import ParallelExecutor
+from pagoda.distributed.executor import ParallelExecutor, split_masks
 from pagoda.distributed.parallel_state import check_no_process_group, free_port
 from pagoda.distributed.worker import Worker, worker_main
 
@@ -17,6 +17,7 @@ class MultiprocExecutor(ChildProcs, ParallelExecutor):
 
     def __init__(self, config: EngineConfig):
         check_no_process_group()          # (one torch.distributed group per process)
+        self.world_size, self.tp_size = config.parallel.world_size, config.parallel.tensor_parallel_size
         port = free_port()
         try:
             self._start_children(worker_main, lambda rank: (config, rank, port), config.parallel.world_size - 1)
@@ -39,7 +40,11 @@ class MultiprocExecutor(ChildProcs, ParallelExecutor):
         return [local] + self._replies()
 
     def execute_model(self, sched: SchedulerOutput):
-        self._send(("execute_model", (sched,)))
+        lean, driver = split_masks(sched, self.world_size, self.tp_size)
+        others = [r for r in range(1, self.world_size) if r != driver]
+        self._send(("execute_model", (lean,)), others)
+        if driver is not None:
+            self._send(("execute_model", (sched,)), [driver])
         try:
             out = self.worker.runner.execute_model(sched)
         except BaseException as e:

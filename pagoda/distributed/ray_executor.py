@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import SchedulerOutput
 from pagoda.distributed.child_procs import ERROR_GRACE_S, StopsOnFailure, WorkerFailed
-from pagoda.distributed.executor import ParallelExecutor
+from pagoda.distributed.executor import ParallelExecutor, split_masks
 from pagoda.distributed.parallel_state import check_no_process_group, destroy_distributed, free_port
 from pagoda.distributed.worker import Worker
 
@@ -144,6 +144,7 @@ class RayExecutor(StopsOnFailure, ParallelExecutor):
     def __init__(self, config: EngineConfig):
         check_no_process_group()          # (one torch.distributed group per process)
         world, device = config.parallel.world_size, config.device
+        self.world_size, self.tp_size = world, config.parallel.tensor_parallel_size
         _connect(world, device)
         host = ray.util.get_node_ip_address()
         self.actors: list = []          # rank 1..N-1's, in rank order
@@ -181,9 +182,10 @@ class RayExecutor(StopsOnFailure, ParallelExecutor):
         self._finalizer()
 
     # ------------------------------------------------------------------ calls on every rank
-    def _submit(self, method: str, *args) -> list:
-        """``method(*args)`` queued on every actor, without waiting."""
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
+    def _submit(self, method: str, *args, only_args: dict | None = None) -> list:
+        """``method(*args)`` queued on every actor, without waiting (rank r's arguments
+        ``only_args[r]`` where given)."""
+        refs = [getattr(a, method).remote(*(only_args or {}).get(r, args)) for r, a in enumerate(self.actors, 1)]
         self._pending += zip(range(1, len(refs) + 1), refs)
         return refs
 
@@ -224,7 +226,9 @@ class RayExecutor(StopsOnFailure, ParallelExecutor):
         self._check_running()
         try:
             self._reap(timeout=0)       # an earlier step's failure, seen without waiting
-            self._submit("execute_model", ray.put(sched))
+            lean, driver = split_masks(sched, self.world_size, self.tp_size)
+            self._submit("execute_model", ray.put(lean),
+                         only_args=None if driver is None else {driver: (ray.put(sched),)})
             return self.worker.runner.execute_model(sched)
         except BaseException as e:
             raise self._fail(e) from e
