@@ -79,7 +79,7 @@ class AsyncRunnerOutput:
                  states: list[CachedRequestState] = (), result: SamplerOutput | None = None,
                  step_id: int = -1, rows: np.ndarray | None = None, arrivals: list = (), pooled=None):
         self.runner, self.out, self.req_ids, self.states = runner, out, list(req_ids), list(states)
-        self.pooled = pooled       # (pipeline parallelism) (request ids, params, vectors, work) on their way
+        self.pooled = pooled       # (request ids, params, vectors, what to wait for) on their way to rank 0
         self.positions = [s.num_tokens - 1 for s in self.states]     # where each sampled token goes
         self.step_id, self.rows = step_id, rows
         self.host, self.arrivals, self.copied = None, list(arrivals), None
@@ -95,8 +95,8 @@ class AsyncRunnerOutput:
 
     def get_output(self) -> ModelRunnerOutput:
         if self.pooled is not None:
-            ids, params, vectors, work = self.pooled
-            work.wait()
+            ids, params, vectors, wait = self.pooled
+            wait()
             if self.runner.rank == 0:
                 self.runner._deliver_pooled(self.out, ids, params, vectors)
             self.pooled = None
@@ -388,7 +388,7 @@ class ModelRunner:
 
         out = ModelRunnerOutput({})
         self._prompt_logprobs(hidden, req_ids, states, rows, computed, q_lens, cu, out)
-        pooled = self._pool(hidden, req_ids, states, computed, q_lens, cu, known, out) if self.num_pooling_reqs else None
+        pooled = self._pool(hidden, req_ids, states, computed, q_lens, cu, known) if self.num_pooling_reqs else None
         if len(sampling) == 0:
             return AsyncRunnerOutput(self, out, pooled=pooled)
         logits = None if hidden is None else self.model.compute_logits(hidden[t["logits_idx"]])
@@ -410,13 +410,13 @@ class ModelRunner:
         return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result,
                                  self.num_sampling_steps, s_rows, arrivals, pooled)
 
-    def _pool(self, hidden, req_ids, states, computed, q_lens, cu, known, out):
+    def _pool(self, hidden, req_ids, states, computed, q_lens, cu, known):
         """The pooling requests' vectors, from the final hidden states of their tokens in this
         step: the last token's once the prompt is computed, or the mean (the first token's)
-        gathered over its chunks, on the rank that samples. Rank 0 gets them on the host (one
-        copy a step: a pooling request's step is a prefill, which the host would wait for
-        anyway); with pipeline parallelism they come from the last stage by a broadcast, whose
-        (request ids, params, vectors, work) is returned for get_output."""
+        gathered over its chunks, on the rank that samples. They reach rank 0's host as the
+        sampled tokens do, without waiting (a copy behind the step; with pipeline parallelism a
+        broadcast from the last stage): (request ids, params, vectors, what to wait for) is
+        returned for get_output, which hands them out."""
         kind = self.pooler.pooling_type
         done: list[int] = []
         vectors: list[torch.Tensor] = []
@@ -443,12 +443,18 @@ class ModelRunner:
             return None
         ids, params = [req_ids[i] for i in done], [states[i].pooling for i in done]
         if self.pp.world_size == 1:
-            if self.rank == 0:
-                self._deliver_pooled(out, ids, params, torch.stack(vectors))
-            return None
+            if self.rank != 0:
+                return None
+            # To the host behind the step, as the sampled tokens go: the engine queues the next
+            # step meanwhile (async scheduling)
+            host = torch.stack(vectors).to("cpu", non_blocking=True)
+            copied = torch.cuda.Event() if self.device.type == "cuda" else None
+            if copied is not None:
+                copied.record()
+            return ids, params, host, copied.synchronize if copied is not None else (lambda: None)
         stacked = (torch.stack(vectors) if self.rank == self.driver
                    else torch.empty(len(done), self.arch.hidden_size, dtype=torch.float32, device=self.device))
-        return ids, params, stacked, broadcast_output(stacked, src=self.driver)
+        return ids, params, stacked, broadcast_output(stacked, src=self.driver).wait
 
     def _deliver_pooled(self, out: ModelRunnerOutput, ids: list[str], params: list, vectors: torch.Tensor) -> None:
         """Each vector cut to its request's ``dimensions`` and L2-normalized, into ``out``."""
