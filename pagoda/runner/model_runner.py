@@ -57,6 +57,12 @@ def keep_freed_memory() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
 
 
+def _needs_extras(p: SamplingParams) -> bool:
+    """Whether a request's every sampling step takes the sampler's per-request extras (its
+    min_tokens only until it has them)."""
+    return p.needs_penalties or bool(p.logit_bias) or bool(p.allowed_token_ids) or bool(p.bad_words_token_ids)
+
+
 @dataclass
 class CachedRequestState:
     row: int
@@ -66,6 +72,9 @@ class CachedRequestState:
     generator: torch.Generator | None
     pooling: PoolingParams | None = None      # a pooling request: pooled at its prompt's end, never sampled
     pooled_sum: torch.Tensor | None = None    # MEAN / CLS pooling: what its chunks so far contribute
+    # allowed_token_ids and each bad word's tokens but its last, on the device: copied once
+    allowed_ids: torch.Tensor | None = None
+    bad_word_prefixes: list | None = None
 
 
 class AsyncRunnerOutput:
@@ -132,7 +141,7 @@ class ModelRunner:
         self.single_rank = self.tp_size == 1 and self.pp.world_size == 1
         # Pipeline parallelism keeps one batch in flight a stage (the engine's batch queue): a
         # stage sends its activations and goes on with the next batch, and the sampled tokens
-        # come back later (``_sample_and_send_back``). Its sends, kept until surely done.
+        # come back later (``_sample_on_driver``). Its sends, kept until surely done.
         self.batches_in_flight = self.pp.world_size
         self.stage_sends: deque[list] = deque()
         self.model = get_model(mc, self.device)
@@ -306,8 +315,7 @@ class ModelRunner:
         p = r.sampling_params
         self.temperature[row] = 0.0 if p.greedy else p.temperature
         self.top_p[row], self.top_k[row], self.min_p[row] = p.top_p, p.top_k, p.min_p
-        self.special[row] = (p.needs_penalties or bool(p.logit_bias) or p.min_tokens > 0 or bool(p.allowed_token_ids)
-                             or bool(p.bad_words_token_ids))
+        self.special[row] = _needs_extras(p) or p.min_tokens > 0
         self.num_logprobs[row] = NO_LOGPROBS if p.logprobs is None else p.logprobs
         self.seeded[row] = p.seed is not None
         self.pending_idx[row] = self.pending_step[row] = -1
@@ -397,10 +405,8 @@ class ModelRunner:
         arrivals = []
         if self.single_rank:
             result = sample(logits, self._sampling_metadata(s_states, s_rows, t))
-        elif self.pp.world_size > 1:
-            result, arrivals = self._sample_and_send_back(logits, s_states, s_rows, t)
         else:
-            result = self._sample_on_driver(logits, s_states, s_rows, t)
+            result, arrivals = self._sample_on_driver(logits, s_states, s_rows, t)
         for s in s_states:
             s.num_tokens += 1
         self.num_sampling_steps += 1
@@ -424,7 +430,8 @@ class ModelRunner:
             if s.pooling is None:
                 continue
             ends = computed[i] + q_lens[i] == known[i]
-            done += [i] if ends else []
+            if ends:
+                done.append(i)
             if self.rank != self.driver:        # (the final hidden states' rank pools)
                 continue
             start, end = int(cu[i] - q_lens[i]), int(cu[i])
@@ -463,39 +470,32 @@ class ModelRunner:
             normalize = self.pooler.normalize if p.normalize is None else p.normalize
             out.pooler_output[req_id] = F.normalize(vec, dim=-1) if normalize else vec
 
-    def _sample_on_driver(self, logits, states, rows, t) -> SamplerOutput:
-        """Tensor parallelism: rank 0's sampled tokens on every rank, which need them as the
-        next step's input ids (and record them as rank 0 does)."""
-        if self.rank == self.driver:
-            result = sample(logits, self._sampling_metadata(states, rows, t))
-            result.token_ids = result.token_ids.to(torch.int64)
-        else:
-            result = SamplerOutput(torch.empty(len(states), dtype=torch.int64, device=self.device),
-                                   None, None, None, None)
-        broadcast(result.token_ids, src=self.driver)
-        return result
-
-    def _sample_and_send_back(self, logits, states, rows, t) -> tuple[SamplerOutput, list]:
-        """Pipeline parallelism: the last stage's driver samples and broadcasts the tokens (and
-        logprobs, which the engine on rank 0 wants) to every rank, without waiting: the works
-        are waited on when the results are read (AsyncRunnerOutput.get_output), so the first
-        stage runs the next batch meanwhile. Every rank knows the fields' shapes: the batch's
-        sampling rows and their logprobs counts."""
-        n = len(states)
+    def _sample_on_driver(self, logits, states, rows, t) -> tuple[SamplerOutput, list]:
+        """The driver's sampled tokens on every rank, which need them as the next step's input
+        ids (and record them as the driver does). With tensor parallelism alone the driver is
+        rank 0, and the broadcast is waited on here. With pipeline parallelism the last stage's
+        driver also sends the logprobs (rank 0, the engine's, wants them), over the output
+        group and without waiting: the works are returned for get_output, so the first stage
+        runs the next batch meanwhile. Every rank knows the fields' shapes: the batch's sampling
+        rows and their logprobs counts."""
+        n, pipelined = len(states), self.pp.world_size > 1
         ks = self.num_logprobs[rows]
         if self.rank == self.driver:
             result = sample(logits, self._sampling_metadata(states, rows, t))
             result.token_ids = result.token_ids.to(torch.int64)
-            if result.logprobs is not None:
+            if pipelined and result.logprobs is not None:
                 result.logprobs, result.topk_logprobs = result.logprobs.float(), result.topk_logprobs.float()
                 result.ranks, result.topk_ids = result.ranks.long(), result.topk_ids.long()
         else:
             empty = functools.partial(torch.empty, device=self.device)
             result = SamplerOutput(empty(n, dtype=torch.int64), None, None, None, None)
-            if (ks != NO_LOGPROBS).any():
+            if pipelined and (ks != NO_LOGPROBS).any():
                 k = self.arch.vocab_size if (ks == -1).any() else int(ks.max())
                 result.logprobs, result.ranks = empty(n, dtype=torch.float32), empty(n, dtype=torch.int64)
                 result.topk_ids, result.topk_logprobs = empty(n, k, dtype=torch.int64), empty(n, k, dtype=torch.float32)
+        if not pipelined:
+            broadcast(result.token_ids, src=self.driver)
+            return result, []
         fields = (result.token_ids, result.logprobs, result.ranks, result.topk_ids, result.topk_logprobs)
         return result, [broadcast_output(x, src=self.driver) for x in fields if x is not None and x.numel()]
 
@@ -661,8 +661,7 @@ class ModelRunner:
         token ids, bad words, stop tokens held back by min_tokens): a loop over the flagged rows
         only."""
         return [i for i in np.nonzero(self.special[rows])[0].tolist()
-                if states[i].params.needs_penalties or states[i].params.logit_bias or states[i].params.allowed_token_ids
-                or states[i].params.bad_words_token_ids
+                if _needs_extras(states[i].params)
                 or states[i].num_tokens - states[i].num_prompt_tokens < states[i].params.min_tokens]
 
     def _sampling_metadata(self, states: list[CachedRequestState], rows: np.ndarray,
@@ -719,7 +718,10 @@ class ModelRunner:
         if allowed:
             keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=dev)
             for k, i in enumerate(allowed):
-                keep[k, self._to_device(np.array(states[i].params.allowed_token_ids))] = True
+                s = states[i]
+                if s.allowed_ids is None:
+                    s.allowed_ids = self._to_device(np.array(s.params.allowed_token_ids))
+                keep[k, s.allowed_ids] = True
             md.allowed = (self._to_device(np.array(allowed)), keep)
         if pen:
             b = len(states)
@@ -750,18 +752,20 @@ class ModelRunner:
         """A bad word's last token is banned where the output so far ends with the rest of it (a
         one-token word: always), as vLLM does; the match is made on the device (no sync)."""
         ban_rows, ban_ids, active = [], [], []
+        always = torch.ones((), dtype=torch.bool, device=self.device)
         for i in bad:
             s = states[i]
+            if s.bad_word_prefixes is None:
+                s.bad_word_prefixes = [self._to_device(np.array(w[:-1])) if len(w) > 1 else None
+                                       for w in s.params.bad_words_token_ids]
             num_out = s.num_tokens - s.num_prompt_tokens
-            words = [w for w in s.params.bad_words_token_ids if len(w) - 1 <= num_out]
+            words = [(w, prefix) for w, prefix in zip(s.params.bad_words_token_ids, s.bad_word_prefixes)
+                     if len(w) - 1 <= num_out]
             # (only the output's last tokens, as many as the longest word's prefix)
-            longest = max((len(w) for w in words), default=1)
+            longest = max((len(w) for w, _ in words), default=1)
             tail = self._row_tokens(s, s.num_tokens - longest + 1) if longest > 1 else None
-            for word in words:
-                if len(word) > 1:
-                    active.append((tail[len(tail) - len(word) + 1:] == self._to_device(np.array(word[:-1]))).all())
-                else:
-                    active.append(torch.ones((), dtype=torch.bool, device=self.device))
+            for word, prefix in words:
+                active.append(always if prefix is None else (tail[len(tail) - len(prefix):] == prefix).all())
                 ban_rows.append(i)
                 ban_ids.append(word[-1])
         if ban_rows:
