@@ -9,7 +9,7 @@ from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.outputs import (BeamSearchOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
                             ScoringRequestOutput)
-from pagoda.pooling_params import PoolingParams
+from pagoda.pooling_params import PoolingParams, score_pairs
 from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
@@ -79,12 +79,8 @@ class LLM:
         """Each pair's similarity, as vLLM scores with an embedding model: the cosine of the two
         texts' embeddings. ``data_1`` is one text (scored against each of ``data_2``) or as many
         as ``data_2`` (pairwise)."""
-        first, second = self._as_list(data_1), self._as_list(data_2)
-        if len(first) == 1:
-            first = first * len(second)
-        if not second or len(first) != len(second):
-            raise ValueError(f"score() takes one text or as many as the second list ({len(second)}) as its first "
-                             f"argument; got {len(first)}.")
+        first, second = score_pairs(self._as_list(data_1), self._as_list(data_2),
+                                    ("score()'s first argument", "the second list"))
         outs = self.encode(first + second, pooling_params, use_tqdm, truncate_prompt_tokens)
         n = len(first)
         return [ScoringRequestOutput.from_pair(str(i), a, b) for i, (a, b) in enumerate(zip(outs[:n], outs[n:]))]

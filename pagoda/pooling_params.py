@@ -19,3 +19,13 @@ class PoolingParams:
 
     def clone(self) -> "PoolingParams":
         return replace(self)
+
+
+def score_pairs(first: list, second: list, names: tuple[str, str]) -> tuple[list, list]:
+    """The texts scoring pairs (LLM.score, /v1/score): one first text against each second one,
+    or as many of each, pairwise. ``names``: the two arguments', for the error."""
+    if len(first) == 1:
+        first = first * len(second)
+    if not second or len(first) != len(second):
+        raise ValueError(f"{names[0]} must be one text or as many as {names[1]} ({len(second)}); got {len(first)}.")
+    return first, second

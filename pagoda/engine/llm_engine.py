@@ -245,9 +245,7 @@ class LLMEngine:
         try:
             if self._in_flight is not None and self._structured_running():
                 outputs, self._in_flight = self._finish_step(*self._in_flight), None
-            sched = self.scheduler.schedule()
-            if self._structured_ids:
-                sched.grammar_bitmasks = self.structured.bitmasks(sched.num_scheduled_tokens, self.scheduler.requests)
+            sched = self._schedule()
             launched = self.executor.execute_model(sched)
             if self._in_flight is not None:
                 outputs += self._finish_step(*self._in_flight)
@@ -272,10 +270,7 @@ class LLMEngine:
         queue = self._batch_queue
         try:
             if len(queue) < self.batch_queue_size:
-                sched = self.scheduler.schedule()
-                if self._structured_ids:
-                    sched.grammar_bitmasks = self.structured.bitmasks(sched.num_scheduled_tokens,
-                                                                      self.scheduler.requests)
+                sched = self._schedule()
                 if not sched.is_empty or sched.finished_req_ids:   # (the runner drops the finished)
                     queue.append((sched, self.executor.execute_model(sched)))
                 if not sched.is_empty and len(queue) < self.batch_queue_size:
@@ -289,6 +284,13 @@ class LLMEngine:
             self.kv_cache_manager.pool.forget_cached_blocks()
             raise
         return outputs
+
+    def _schedule(self):
+        """The next step, with the allowed-token masks of its structured requests."""
+        sched = self.scheduler.schedule()
+        if self._structured_ids:
+            sched.grammar_bitmasks = self.structured.bitmasks(sched.num_scheduled_tokens, self.scheduler.requests)
+        return sched
 
     def _structured_running(self) -> bool:
         self._structured_ids.intersection_update(self.scheduler.requests)

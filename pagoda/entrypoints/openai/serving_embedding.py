@@ -11,7 +11,7 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.protocol import EmbeddingRequest, ScoreRequest
 from pagoda.entrypoints.openai.serving import error_response, input_prompts, start
 from pagoda.outputs import PoolingRequestOutput, ScoringRequestOutput
-from pagoda.pooling_params import PoolingParams
+from pagoda.pooling_params import PoolingParams, score_pairs
 
 
 class OpenAIServingPooling:
@@ -37,11 +37,8 @@ class OpenAIServingPooling:
             return refusal
         request_id = f"score-{uuid.uuid4().hex}"
         try:
-            first, second = input_prompts(request.text_1, "text_1"), input_prompts(request.text_2, "text_2")
-            if len(first) == 1:
-                first = first * len(second)
-            if len(first) != len(second):
-                raise ValueError(f"text_1 must be one text or as many as text_2 ({len(second)}); got {len(first)}.")
+            first, second = score_pairs(input_prompts(request.text_1, "text_1"), input_prompts(request.text_2, "text_2"),
+                                        ("text_1", "text_2"))
             params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens)
             outputs = await self._encode(first + second, params, request_id, request.priority)
         except ValueError as e:
