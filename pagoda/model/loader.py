@@ -55,13 +55,12 @@ def read_pooler_config(path: str) -> dict:
             found["normalize"] = True
         elif kind.endswith("Pooling"):
             modes = read_json(Path(path) / module.get("path", "") / "config.json")
+            on = sorted(k for k, v in modes.items() if k.startswith("pooling_mode") and v)
             names = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
-            chosen = [name for key, name in names.items() if modes.get(key)]
-            if len(chosen) != 1 or any(v for k, v in modes.items() if k.startswith("pooling_mode") and k not in names):
-                raise ValueError(f"{modules.parent}: unsupported sentence-transformers pooling "
-                                 f"{ {k: v for k, v in modes.items() if k.startswith('pooling_mode') and v} }; "
+            if len(on) != 1 or on[0] not in names:
+                raise ValueError(f"{modules.parent}: unsupported sentence-transformers pooling {on}; "
                                  "supported: exactly one of last token, mean, CLS.")
-            found["pooling_type"] = chosen[0]
+            found["pooling_type"] = names[on[0]]
     return found
 
 
