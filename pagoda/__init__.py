@@ -16,6 +16,8 @@ _PUBLIC = {
     "PoolingParams": "pagoda.pooling_params",
     "PoolingRequestOutput": "pagoda.outputs",
     "EmbeddingRequestOutput": "pagoda.outputs",
+    "ClassificationRequestOutput": "pagoda.outputs",
+    "ScoringRequestOutput": "pagoda.outputs",
 }
 __all__ = list(_PUBLIC)
 

@@ -102,6 +102,25 @@ class ModelConfig:
     def is_gguf(self) -> bool:
         return self.path.endswith(".gguf")
 
+    @property
+    def pooling_task(self) -> str:
+        """What the pooling runner returns: a sequence classification model's class
+        probabilities ("classify"), any other model's embedding ("embed")."""
+        return "classify" if is_classifier(self.arch.architecture) else "embed"
+
+
+def is_classifier(architecture: str) -> bool:
+    return architecture.endswith("ForSequenceClassification")
+
+
+def class_labels(arch: ArchConfig) -> list[str]:
+    """A classification model's label names in class order: config.json's ``id2label``, else
+    ``num_labels`` (2 when absent, as in transformers) names LABEL_0, LABEL_1, ..."""
+    id2label = arch.hf_config.get("id2label")
+    if id2label:
+        return [id2label[k] for k in sorted(id2label, key=int)]
+    return [f"LABEL_{i}" for i in range(arch.hf_config.get("num_labels", 2))]
+
 
 @dataclass
 class CacheConfig:

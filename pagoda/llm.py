@@ -7,9 +7,9 @@ from tqdm.auto import tqdm
 from pagoda.beam_search import beam_search
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import (BeamSearchOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
-                            ScoringRequestOutput)
-from pagoda.pooling_params import PoolingParams, score_pairs
+from pagoda.outputs import (BeamSearchOutput, ClassificationRequestOutput, EmbeddingRequestOutput,
+                            PoolingRequestOutput, RequestOutput, ScoringRequestOutput)
+from pagoda.pooling_params import PoolingParams, pair_scores, score_pairs, score_prompts
 from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
@@ -56,34 +56,37 @@ class LLM:
     def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
                use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
                **_ignored) -> list[PoolingRequestOutput]:
-        """Each prompt's pooled vector (a tensor), with the pooling runner (``runner="pooling"``):
+        """Each prompt's pooled output (a tensor), with the pooling runner (``runner="pooling"``):
         the final hidden states pooled as the model's pooler config says (the last token's by
-        default), then normalized."""
-        prompts = self._as_list(prompts)
-        params = self._params_list(pooling_params or PoolingParams(), len(prompts), PoolingParams)
-        if truncate_prompt_tokens is not None:
-            params = [p.clone() for p in params]
-            for p in params:
-                p.truncate_prompt_tokens = truncate_prompt_tokens
-        return self._run(prompts, params, use_tqdm)
+        default), then normalized; a classifier's class probabilities."""
+        return self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, None)
 
     def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
               **_ignored) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (``outputs.embedding``, a list of floats), as ``encode``."""
         return [EmbeddingRequestOutput.from_base(o)
-                for o in self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)]
+                for o in self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "embed")]
+
+    def classify(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+                 **_ignored) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (``outputs.probs``), with a sequence classification
+        model (``*ForSequenceClassification``): its head on the last token's final hidden
+        state, then softmax (sigmoid for one label)."""
+        return [ClassificationRequestOutput.from_base(o)
+                for o in self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "classify")]
 
     def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
               pooling_params: PoolingParams | None = None, **_ignored) -> list[ScoringRequestOutput]:
-        """Each pair's similarity, as vLLM scores with an embedding model: the cosine of the two
-        texts' embeddings. ``data_1`` is one text (scored against each of ``data_2``) or as many
-        as ``data_2`` (pairwise)."""
+        """Each pair's score, as vLLM scores: with a cross-encoder (a classifier of one label)
+        its sigmoid output for the two texts read together; with an embedding model the cosine
+        of their embeddings. ``data_1`` is one text (scored against each of ``data_2``) or as
+        many as ``data_2`` (pairwise)."""
         first, second = score_pairs(self._as_list(data_1), self._as_list(data_2),
                                     ("score()'s first argument", "the second list"))
-        outs = self.encode(first + second, pooling_params, use_tqdm, truncate_prompt_tokens)
-        n = len(first)
-        return [ScoringRequestOutput.from_pair(str(i), a, b) for i, (a, b) in enumerate(zip(outs[:n], outs[n:]))]
+        prompts = score_prompts(self.llm_engine.config.model.pooling_task, self.get_tokenizer(), first, second)
+        return pair_scores(self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "score"), len(first))
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False, **_ignored) -> list[BeamSearchOutput]:
         """Beam search for each prompt (strings, or dicts with ``prompt`` / ``prompt_token_ids``);
@@ -118,6 +121,16 @@ class LLM:
         if len(params) != n:
             raise ValueError(f"Got {len(params)} {kind.__name__} for {n} prompts; pass one, or one per prompt.")
         return params
+
+    def _pool(self, prompts, pooling_params, use_tqdm: bool, truncate_prompt_tokens: int | None,
+              task: str | None) -> list[PoolingRequestOutput]:
+        prompts = self._as_list(prompts)
+        params = [p.clone() for p in self._params_list(pooling_params, len(prompts), PoolingParams)]
+        for p in params:
+            p.task = task or p.task
+            if truncate_prompt_tokens is not None:
+                p.truncate_prompt_tokens = truncate_prompt_tokens
+        return self._run(prompts, params, use_tqdm)
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
              priority: list[int] | None = None) -> list[RequestOutput]:

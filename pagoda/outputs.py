@@ -133,17 +133,44 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]                       # one per class (the logits with use_activation=False)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """A classification (``LLM.classify``): the classes' probabilities as a list of floats."""
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)
+
+
+@dataclass
 class ScoringOutput:
     score: float
 
 
 @dataclass
 class ScoringRequestOutput:
-    """A pair's similarity (``LLM.score``): the cosine of their embeddings."""
+    """A pair's score (``LLM.score``): the cosine of their embeddings, or a cross-encoder's
+    output for the two texts read together."""
     request_id: str
     outputs: ScoringOutput
     prompt_token_ids: list[int]          # the first text's, then the second's
     finished: bool = True
+
+    @classmethod
+    def from_cross_encoder(cls, out: PoolingRequestOutput) -> "ScoringRequestOutput":
+        return cls(out.request_id, ScoringOutput(out.outputs.data.item()), out.prompt_token_ids, out.finished)
 
     @classmethod
     def from_pair(cls, request_id: str, first: PoolingRequestOutput,

@@ -143,8 +143,10 @@ class Tokenizer:
 
     # ---- encode / decode ----------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, pair: str | None = None, add_special_tokens: bool = True) -> list[int]:
+        """``pair``: a second text, encoded after the first as the post-processor joins two
+        (transformers' ``text_pair``: a cross-encoder's input)."""
+        return self.inner.encode(text, pair, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [e.ids for e in self.inner.encode_batch(texts, add_special_tokens=add_special_tokens)]

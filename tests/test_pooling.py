@@ -158,8 +158,8 @@ def test_pooling_errors(embedder, llm, smollm_path):
         pooling_llm(smollm_path, pooler_config={"pooling_type": "max"})
     with pytest.raises(ValueError, match="Unknown pooler_config keys"):
         pooling_llm(smollm_path, pooler_config={"softmax": True})
-    with pytest.raises(ValueError, match="Unknown task 'score'"):
-        LLM(smollm_path, task="score")
+    with pytest.raises(ValueError, match="Unknown task 'reward'"):
+        LLM(smollm_path, task="reward")
 
 
 def test_score_is_the_cosine_of_the_embeddings(embedder):

@@ -576,7 +576,8 @@ def test_embeddings_errors(embed_server, client):
 
 
 def test_score_equals_llm_score(embed_server, smollm_path):
-    """/v1/score (and /score): one text against several, or pairwise, as LLM.score gives them."""
+    """/v1/score (and /score): one text against several, or pairwise, as LLM.score gives them;
+    /rerank orders the documents by those scores (an embedding model's: cosines)."""
     from pagoda import LLM
     client, engine = embed_server
     query, docs = "What is the capital of France?", ["Paris is the capital of France.", "Bananas are yellow."]
@@ -588,6 +589,8 @@ def test_score_equals_llm_score(embed_server, smollm_path):
         body = client.post(route, json={"model": MODEL, "text_1": query, "text_2": docs}).json()
         assert body["object"] == "list" and [d["object"] for d in body["data"]] == ["score", "score"]
         assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-5)
+    ranked = client.post("/rerank", json={"query": query, "documents": docs}).json()["results"]
+    assert [r["relevance_score"] for r in ranked] == pytest.approx(sorted(want, reverse=True), abs=1e-5)
     pairwise = client.post("/v1/score", json={"text_1": docs, "text_2": docs[::-1]}).json()
     assert pairwise["data"][0]["score"] == pytest.approx(pairwise["data"][1]["score"], abs=1e-5)
     r = client.post("/v1/score", json={"text_1": [query] * 2, "text_2": docs * 2})

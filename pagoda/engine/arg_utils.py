@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from pagoda.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, PoolerConfig,
-                           SchedulerConfig)
+                           SchedulerConfig, is_classifier)
 from pagoda.model.hub import default_model_path, resolve_model_path
 from pagoda.model.loader import read_arch_config, read_generation_config, read_pooler_config, read_quant_config
 from pagoda.quant.base import check_quantization_name, resolve_quantization
@@ -60,18 +60,26 @@ class EngineArgs:
     tokenizer_mode: str = "auto"
     skip_tokenizer_init: bool = False
     disable_log_stats: bool = True
-    runner: str = "auto"                       # "generate", or "pooling" for LLM.embed / encode (vLLM's)
-    task: str | None = None                    # vLLM's older name for it: "generate" or "embed"
+    runner: str = "auto"                       # "generate", or "pooling" for LLM.embed / classify / score (vLLM's)
+    task: str | None = None                    # vLLM's older name for it: "generate", "embed", "classify", "score"
     pooler_config: PoolerConfig | dict | None = None   # over the model folder's (sentence-transformers) pooling
     override_pooler_config: PoolerConfig | dict | None = None   # (vLLM's older name)
 
-    def _runner(self) -> str:
-        tasks = {None: "generate", "auto": "generate", "generate": "generate", "embed": "pooling", "encode": "pooling"}
+    def _runner(self, architecture: str) -> str:
+        """"generate" or "pooling"; "auto" picks pooling for a classifier (as vLLM does)."""
+        tasks = {None: "auto", "auto": "auto", "generate": "generate",
+                 "embed": "pooling", "encode": "pooling", "classify": "pooling", "score": "pooling"}
         if self.task not in tasks:
-            raise ValueError(f"Unknown task {self.task!r}; choose 'generate' or 'embed'.")
+            raise ValueError(f"Unknown task {self.task!r}; choose one of generate, embed, classify, score.")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"Unknown runner {self.runner!r}; choose 'generate' or 'pooling'.")
-        return tasks[self.task] if self.runner == "auto" else self.runner
+        runner = tasks[self.task] if self.runner == "auto" else self.runner
+        if is_classifier(architecture):
+            if runner == "generate":
+                raise ValueError(f"{architecture} is a classifier: it does not generate. Use the pooling runner "
+                                 "(runner='pooling', the default for it): LLM.classify / LLM.score.")
+            return "pooling"
+        return "generate" if runner == "auto" else runner
 
     def _pooler(self, path: str) -> PoolerConfig:
         """The model folder's pooling (a sentence-transformers one), else vLLM's default for a
@@ -140,7 +148,7 @@ class EngineArgs:
             model=self.model or path, path=path, arch=arch, dtype=dtype, compute_dtype=compute_dtype,
             seed=self.seed, load_format=self.load_format,
             quantization=quantization, quant_config=quant_config, tokenizer=self.tokenizer, revision=self.revision,
-            generation_config=read_generation_config(path), runner=self._runner())
+            generation_config=read_generation_config(path), runner=self._runner(arch.architecture))
         if model.runner == "pooling":
             model.pooler = self._pooler(path)
         cache = CacheConfig(

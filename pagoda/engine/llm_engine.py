@@ -8,7 +8,7 @@ import time
 from collections import deque
 from dataclasses import asdict
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, class_labels
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
@@ -147,18 +147,16 @@ class LLMEngine:
     def _pooling(self, params) -> tuple[SamplingParams, PoolingParams | None]:
         """A pooling request runs as a greedy one-token request that is pooled instead of
         sampled; (its stand-in SamplingParams, its PoolingParams). Each runner takes its own kind."""
-        runner = self.config.model.runner
+        model = self.config.model
         if not isinstance(params, PoolingParams):
-            if runner == "pooling":
-                raise ValueError("This engine runs the pooling runner (runner='pooling'): use LLM.embed / "
-                                 "LLM.encode, or start another engine to generate.")
+            if model.runner == "pooling":
+                raise ValueError("This engine runs the pooling runner (runner='pooling'): use LLM.embed, "
+                                 "LLM.classify, LLM.score or LLM.encode, or start another engine to generate.")
             return params, None
-        if runner != "pooling":
-            raise ValueError("Embeddings need the pooling runner: start the engine with runner='pooling' "
-                             "(or task='embed').")
-        hidden = self.config.model.arch.hidden_size
-        if params.dimensions is not None and params.dimensions > hidden:
-            raise ValueError(f"dimensions={params.dimensions} is more than the model's hidden size ({hidden}).")
+        if model.runner != "pooling":
+            raise ValueError("Embeddings, classes and scores need the pooling runner: start the engine with "
+                             "runner='pooling' (or task='embed').")
+        _check_pooling_task(params, model)
         return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                               truncate_prompt_tokens=params.truncate_prompt_tokens), params
 
@@ -335,3 +333,25 @@ def load_tokenizer(args: EngineArgs, model_path: str) -> Tokenizer | None:
         return None
     source = args.tokenizer or model_path
     return Tokenizer.from_gguf(source) if source.endswith(".gguf") else Tokenizer.from_pretrained(source)
+
+
+def _check_pooling_task(params: PoolingParams, model) -> None:
+    """Refuse what the model cannot give: an embedding from a classifier, classes from an
+    embedding model, a cross-encoder's score from a classifier of several labels."""
+    arch = model.arch.architecture
+    if model.pooling_task == "classify":
+        labels = len(class_labels(model.arch))
+        if params.task == "embed":
+            raise ValueError(f"This model ({arch}) classifies; it gives no embeddings: use LLM.classify or LLM.score.")
+        if params.task == "score" and labels != 1:
+            raise ValueError(f"Scoring pairs with a classifier needs a cross-encoder (one label); {arch} has "
+                             f"{labels}: use LLM.classify.")
+        if params.dimensions is not None:
+            raise ValueError("dimensions is for embeddings; this model classifies.")
+        return
+    if params.task == "classify":
+        raise ValueError(f"Classification needs a sequence classification model (an architecture "
+                         f"*ForSequenceClassification); this one ({arch}) gives embeddings: use LLM.embed.")
+    hidden = model.arch.hidden_size
+    if params.dimensions is not None and params.dimensions > hidden:
+        raise ValueError(f"dimensions={params.dimensions} is more than the model's hidden size ({hidden}).")

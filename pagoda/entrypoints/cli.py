@@ -35,8 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="first come first served, or by each request's priority (lower first)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
-                   help="generate text, or (pooling) embed prompts: the server's /v1/embeddings")
-    p.add_argument("--task", default=None, choices=["generate", "embed"], help="vLLM's older name for --runner")
+                   help="generate text, or (pooling) embed or classify prompts: the server's /v1/embeddings, "
+                        "/classify, /score, /rerank (auto: pooling for a *ForSequenceClassification model)")
+    p.add_argument("--task", default=None, choices=["generate", "embed", "classify", "score"],
+                   help="vLLM's older name for --runner")
     p.add_argument("--log-stats", action="store_true",
                    help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
 

@@ -1,9 +1,11 @@
 """Llama-family decoder: Llama 2/3 (and Mistral), Qwen2 (q/k/v biases) and Qwen3 (per-head
-q/k RMSNorm). One definition with two switches, since the three differ in nothing else."""
+q/k RMSNorm). One definition with two switches, since the three differ in nothing else; with an
+LM head (generation) or a classification head (sequence classification, cross-encoders)."""
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from pagoda.config import ArchConfig
+from pagoda.config import ArchConfig, class_labels
 from pagoda.distributed.parallel_state import get_pp_group
 from pagoda.kernels.reference import Rope
 from pagoda.model.layers.activation import SiluAndMul
@@ -103,7 +105,8 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class _LlamaDecoder(nn.Module):
+    """The decoder stack and what its final hidden states feed: an LM head, or a classifier."""
     # checkpoint name -> (our fused parameter, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -115,10 +118,6 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, self.qk_norm, quant)
-        pp = get_pp_group()
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if pp.is_last_rank else PPMissingLayer()
-        if cfg.tie_word_embeddings and pp.world_size == 1:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None):
@@ -126,9 +125,38 @@ class LlamaForCausalLM(nn.Module):
         for the next stage."""
         return self.model(input_ids, positions, intermediate_tensors)
 
+
+class LlamaForCausalLM(_LlamaDecoder):
+    def __init__(self, cfg: ArchConfig, quant: QuantMethod | None = None):
+        super().__init__(cfg, quant)
+        pp = get_pp_group()
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if pp.is_last_rank else PPMissingLayer()
+        if cfg.tie_word_embeddings and pp.world_size == 1:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+class LlamaForSequenceClassification(_LlamaDecoder):
+    """HF's ``*ForSequenceClassification``: the classes' logits from a final hidden state by
+    ``score`` (hidden -> num_labels, no bias) instead of an LM head. The pooling runner applies
+    it to the last token's state; with one label the model is a cross-encoder (a reranker)."""
+
+    def __init__(self, cfg: ArchConfig, quant: QuantMethod | None = None):
+        super().__init__(cfg, quant)
+        # (small: replicated on every tensor-parallel rank; on the last pipeline stage only)
+        self.score = nn.Linear(cfg.hidden_size, len(class_labels(cfg)), bias=False) \
+            if get_pp_group().is_last_rank else PPMissingLayer()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The classes' logits, in float32 (no collective: each rank has the whole head)."""
+        return F.linear(hidden.float(), self.score.weight.float())
+
+
+class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
     qk_norm = True

@@ -119,7 +119,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     mapping = getattr(model, "packed_modules_mapping", {})
-    tied = model.config.tie_word_embeddings
+    tied = ties_lm_head(model)
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or _load_kv_scale(modules, name, tensor):
@@ -151,6 +151,11 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         raise ValueError(f"The checkpoint lacks {len(missing)} weights, e.g. {missing[:4]}.")
 
 
+def ties_lm_head(model: nn.Module) -> bool:
+    """The LM head is the embedding (a classifier's config may say so too: it has no LM head)."""
+    return model.config.tie_word_embeddings and hasattr(model, "lm_head")
+
+
 def _expected_names(model: nn.Module, mapping: dict) -> set[str]:
     shards: dict[str, list] = {}
     for fused, sid in mapping.values():
@@ -171,7 +176,7 @@ def other_stages_weights(model: nn.Module) -> tuple[str, ...]:
     """Name prefixes of the checkpoint tensors that other pipeline stages hold, so this one
     never reads them (but the embedding's, when this stage's LM head is tied to it)."""
     skip = missing_prefixes(model)
-    if model.config.tie_word_embeddings and "lm_head." not in skip:
+    if ties_lm_head(model) and "lm_head." not in skip:
         skip = tuple(p for p in skip if p != "model.embed_tokens.")
     return skip
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagoda.config import EngineConfig, kv_cache_torch_dtype
+from pagoda.config import EngineConfig, class_labels, kv_cache_torch_dtype
 from pagoda.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagoda.distributed.parallel_state import (broadcast, broadcast_output, get_pp_group, get_tp_rank, get_tp_size,
                                                graphs_captured, recv_object, send_object)
@@ -177,6 +177,9 @@ class ModelRunner:
         self.num_prompt_logprob_reqs = 0
         self.num_pooling_reqs = 0
         self.pooler = config.model.pooler
+        # A classifier's pooled state goes through its head: the classes' logits, not the state.
+        self.classifies = config.model.pooling_task == "classify"
+        self.pooled_width = len(class_labels(self.arch)) if self.classifies else self.arch.hidden_size
         self.free_rows = list(range(self.max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -449,26 +452,38 @@ class ModelRunner:
         if not done:
             return None
         ids, params = [req_ids[i] for i in done], [states[i].pooling for i in done]
+        if self.pp.world_size == 1 and self.rank != 0:
+            return None
+        if self.rank == self.driver:
+            stacked = torch.stack(vectors)
+            if self.classifies:
+                stacked = self.model.compute_logits(stacked)
+        else:
+            stacked = torch.empty(len(done), self.pooled_width, dtype=torch.float32, device=self.device)
         if self.pp.world_size == 1:
-            if self.rank != 0:
-                return None
             # To the host behind the step, as the sampled tokens go: the engine queues the next
             # step meanwhile (async scheduling)
-            host = torch.stack(vectors).to("cpu", non_blocking=True)
+            host = stacked.to("cpu", non_blocking=True)
             copied = torch.cuda.Event() if self.device.type == "cuda" else None
             if copied is not None:
                 copied.record()
             return ids, params, host, copied.synchronize if copied is not None else (lambda: None)
-        stacked = (torch.stack(vectors) if self.rank == self.driver
-                   else torch.empty(len(done), self.arch.hidden_size, dtype=torch.float32, device=self.device))
         return ids, params, stacked, broadcast_output(stacked, src=self.driver).wait
 
     def _deliver_pooled(self, out: ModelRunnerOutput, ids: list[str], params: list, vectors: torch.Tensor) -> None:
-        """Each vector cut to its request's ``dimensions`` and L2-normalized, into ``out``."""
+        """Each request's output into ``out``, after its activation: an embedding cut to its
+        ``dimensions`` and L2-normalized; a classifier's logits as probabilities (softmax, or the
+        sigmoid of a single label's: a cross-encoder's score)."""
         for req_id, p, vec in zip(ids, params, vectors.cpu()):
-            vec = vec[:p.dimensions]
-            normalize = self.pooler.normalize if p.normalize is None else p.normalize
-            out.pooler_output[req_id] = F.normalize(vec, dim=-1) if normalize else vec
+            if self.classifies:
+                if p.use_activation is not False:
+                    vec = vec.sigmoid() if vec.numel() == 1 else vec.softmax(-1)
+            else:
+                vec = vec[:p.dimensions]
+                normalize = next(x for x in (p.use_activation, p.normalize, self.pooler.normalize) if x is not None)
+                if normalize:
+                    vec = F.normalize(vec, dim=-1)
+            out.pooler_output[req_id] = vec
 
     def _sample_on_driver(self, logits, states, rows, t) -> tuple[SamplerOutput, list]:
         """The driver's sampled tokens on every rank, which need them as the next step's input

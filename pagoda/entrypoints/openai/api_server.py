@@ -4,8 +4,8 @@
   python -m pagoda.entrypoints.openai.api_server --model MODEL
 
 Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-tool-choice
---tool-call-parser hermes or llama3_json), /v1/embeddings and /v1/score (with --runner pooling), /v1/models, /health,
-/version, /metrics."""
+--tool-call-parser hermes or llama3_json), /v1/embeddings, /classify, /v1/score and /rerank (with
+--runner pooling), /v1/models, /health, /version, /metrics."""
 import argparse
 import asyncio
 import logging
@@ -20,7 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import pagoda
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.metrics import ServerMetrics
-from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ScoreRequest
+from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest,
+                                               EmbeddingRequest, RerankRequest, ScoreRequest)
 from pagoda.entrypoints.openai.serving import error_response
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -88,6 +89,17 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/score")
     async def score(body: ScoreRequest, raw: Request):
         return await _until_disconnected(raw, pooling.score(body))
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(body: ClassificationRequest, raw: Request):
+        return await _until_disconnected(raw, pooling.classify(body))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, raw: Request):
+        return await _until_disconnected(raw, pooling.rerank(body))
 
     return app
 

@@ -157,6 +157,31 @@ class ScoreRequest(BaseModel):
     priority: int = 0
 
 
+class RerankRequest(BaseModel):
+    """POST /rerank, /v1/rerank, /v2/rerank (vLLM's, as Jina's and Cohere's): the documents
+    ordered by their score against the query, the best ``top_n`` (0: all)."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int = 0
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
+class ClassificationRequest(BaseModel):
+    """POST /classify (vLLM's; also /v1/classify): each input's class probabilities."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
+    user: str | None = None
+    priority: int = 0
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     """OpenAI's error shape, which its client reads the message from."""
     kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "InternalServerError")

@@ -1,6 +1,8 @@
-"""POST /v1/embeddings and /v1/score (also /score): an engine with the pooling runner (``pagoda
-serve --runner pooling``) answers as OpenAI's Embeddings API does, and scores pairs of texts as
-vLLM scores them with an embedding model (the cosine of their embeddings)."""
+"""The pooling runner's routes (``pagoda serve --runner pooling``; a classifier's default), as
+vLLM's: POST /v1/embeddings (OpenAI's Embeddings API), /classify (a classifier's class
+probabilities), /v1/score (also /score) and /rerank (also /v1/rerank, /v2/rerank): pairs of
+texts scored as LLM.score scores them (a cross-encoder's output, or the cosine of two
+embeddings)."""
 import base64
 import time
 import uuid
@@ -8,10 +10,11 @@ import uuid
 from fastapi.responses import JSONResponse
 
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.entrypoints.openai.protocol import EmbeddingRequest, ScoreRequest
+from pagoda.config import class_labels
+from pagoda.entrypoints.openai.protocol import ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest
 from pagoda.entrypoints.openai.serving import error_response, input_prompts, start
 from pagoda.outputs import PoolingRequestOutput, ScoringRequestOutput
-from pagoda.pooling_params import PoolingParams, score_pairs
+from pagoda.pooling_params import PoolingParams, pair_scores, score_pairs, score_prompts
 
 
 class OpenAIServingPooling:
@@ -23,13 +26,29 @@ class OpenAIServingPooling:
         if (refusal := self._refusal(request)) is not None:
             return refusal
         request_id = f"embd-{uuid.uuid4().hex}"
+        params = request.pooling_params()
+        params.task = "embed"
         try:
-            outputs = await self._encode(input_prompts(request.input, "input"), request.pooling_params(), request_id,
-                                         request.priority)
+            outputs = await self._encode(input_prompts(request.input, "input"), params, request_id, request.priority)
         except ValueError as e:
             return error_response(str(e), 400)
         data = [{"index": i, "object": "embedding", "embedding": _encoded(out.outputs.data, request.encoding_format)}
                 for i, out in enumerate(outputs)]
+        return self._response(request, request_id, data, outputs)
+
+    async def classify(self, request: ClassificationRequest):
+        if (refusal := self._refusal(request)) is not None:
+            return refusal
+        request_id = f"classify-{uuid.uuid4().hex}"
+        params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens,
+                               use_activation=request.use_activation, task="classify")
+        try:
+            outputs = await self._encode(input_prompts(request.input, "input"), params, request_id, request.priority)
+        except ValueError as e:
+            return error_response(str(e), 400)
+        labels = class_labels(self.engine.model_config.arch)
+        data = [{"index": i, "label": labels[int(out.outputs.data.argmax())], "probs": out.outputs.data.tolist(),
+                 "num_classes": len(labels)} for i, out in enumerate(outputs)]
         return self._response(request, request_id, data, outputs)
 
     async def score(self, request: ScoreRequest):
@@ -39,22 +58,46 @@ class OpenAIServingPooling:
         try:
             first, second = score_pairs(input_prompts(request.text_1, "text_1"), input_prompts(request.text_2, "text_2"),
                                         ("text_1", "text_2"))
-            params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens)
-            outputs = await self._encode(first + second, params, request_id, request.priority)
+            scores, outputs = await self._scores(first, second, request, request_id)
         except ValueError as e:
             return error_response(str(e), 400)
-        n = len(first)
-        scores = [ScoringRequestOutput.from_pair(str(i), a, b).outputs.score
-                  for i, (a, b) in enumerate(zip(outputs[:n], outputs[n:]))]
-        data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
+        data = [{"index": i, "object": "score", "score": s.outputs.score} for i, s in enumerate(scores)]
         return self._response(request, request_id, data, outputs)
+
+    async def rerank(self, request: RerankRequest):
+        if (refusal := self._refusal(request)) is not None:
+            return refusal
+        request_id = f"rerank-{uuid.uuid4().hex}"
+        try:
+            if not request.documents:
+                raise ValueError("documents must not be empty.")
+            if request.top_n < 0:
+                raise ValueError(f"top_n must be at least 0 (0: all), got {request.top_n}.")
+            scores, outputs = await self._scores([request.query] * len(request.documents), request.documents,
+                                                 request, request_id)
+        except ValueError as e:
+            return error_response(str(e), 400)
+        results = sorted(({"index": i, "document": {"text": doc}, "relevance_score": s.outputs.score}
+                          for i, (doc, s) in enumerate(zip(request.documents, scores))),
+                         key=lambda r: -r["relevance_score"])
+        tokens = sum(len(out.prompt_token_ids) for out in outputs)
+        return JSONResponse({"id": request_id, "model": request.model or self.served_model_names[0],
+                             "usage": {"total_tokens": tokens}, "results": results[:request.top_n or None]})
+
+    async def _scores(self, first: list, second: list, request,
+                      request_id: str) -> tuple[list[ScoringRequestOutput], list[PoolingRequestOutput]]:
+        """The pairs' scores, as LLM.score gives them, and the engine's outputs they came from."""
+        prompts = score_prompts(self.engine.model_config.pooling_task, self.engine.tokenizer, first, second)
+        params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens, task="score")
+        outputs = await self._encode(prompts, params, request_id, request.priority)
+        return pair_scores(outputs, len(first)), outputs
 
     def _refusal(self, request) -> JSONResponse | None:
         if request.model is not None and request.model not in self.served_model_names:
             return error_response(f"The model `{request.model}` does not exist.", 404, "model")
         if self.engine.model_config.runner != "pooling":
-            return error_response("This model does not serve embeddings or scores: start the server with "
-                                  "--runner pooling.", 400)
+            return error_response("This model does not serve embeddings, classes or scores: start the server "
+                                  "with --runner pooling.", 400)
         return None
 
     async def _encode(self, prompts: list, params: PoolingParams, request_id: str,
