@@ -134,6 +134,10 @@ class CacheConfig:
     # v_scale (the checkpoint's, else 1.0, as in vLLM): twice the tokens in the same memory, and
     # half the bytes for the decode attention to read.
     cache_dtype: str = "auto"
+    # vLLM's calculate_kv_scales: each layer's k_scale / v_scale from the first step's keys and
+    # values (their largest magnitude over K_SCALE_RANGE / V_SCALE_RANGE), not the checkpoint's
+    # or 1.0. For caches of models whose keys exceed FP8's range (E4M3: 448).
+    calculate_kv_scales: bool = False
     num_blocks: int = 0                          # decided by the runner after profiling
 
 

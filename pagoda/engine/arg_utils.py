@@ -45,6 +45,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"            # or "priority"
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False          # an FP8 cache's scales from the first step (vLLM's)
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     swap_space: float = 4
@@ -133,6 +134,9 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         check_kv_cache_dtype(self.kv_cache_dtype, device)
+        if self.calculate_kv_scales and KV_CACHE_DTYPES[self.kv_cache_dtype] is None:
+            raise ValueError("calculate_kv_scales computes an FP8 KV cache's scales: it needs kv_cache_dtype='fp8' "
+                             f"(or 'fp8_e4m3', 'fp8_e5m2'), not {self.kv_cache_dtype!r}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"Unknown scheduling_policy {self.scheduling_policy!r}; choose 'fcfs' or 'priority'.")
         default_batched, default_seqs = _batch_defaults(device)
@@ -155,6 +159,7 @@ class EngineArgs:
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization, cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
             enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching)
         sched = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked,

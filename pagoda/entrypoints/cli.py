@@ -31,6 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="the KV cache's storage: the model's dtype (auto), or one byte an element (fp8 or "
                         "fp8_e4m3: E4M3; fp8_e5m2)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="an FP8 cache's k/v scales from the first step's keys and values (else the checkpoint's, or 1.0)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="first come first served, or by each request's priority (lower first)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
@@ -63,7 +65,8 @@ def engine_args_from(args):
                       pipeline_parallel_size=args.pipeline_parallel_size,
                       data_parallel_size=args.data_parallel_size,
                       distributed_executor_backend=args.distributed_executor_backend,
-                      kv_cache_dtype=args.kv_cache_dtype, scheduling_policy=args.scheduling_policy,
+                      kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+                      scheduling_policy=args.scheduling_policy,
                       enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats,
                       runner=args.runner, task=args.task)
 

@@ -177,6 +177,9 @@ class ModelRunner:
         self.num_prompt_logprob_reqs = 0
         self.num_pooling_reqs = 0
         self.pooler = config.model.pooler
+        # calculate_kv_scales: the first step sets each layer's FP8 scales, eagerly; the CUDA
+        # graphs, which hold the scales as constants, are captured after it.
+        self.kv_scales_pending = config.cache.calculate_kv_scales
         # A classifier's pooled state goes through its head: the classes' logits, not the state.
         self.classifies = config.model.pooling_task == "classify"
         self.pooled_width = len(class_labels(self.arch)) if self.classifies else self.arch.hidden_size
@@ -261,6 +264,13 @@ class ModelRunner:
             cache[:, 0] = 0.0      # the null block, read by padding
             layer.self_attn.attn.kv_cache = cache
             self.kv_caches.append(cache)
+        if not self.kv_scales_pending:       # (else once the first step has set the scales)
+            self._capture_graphs()
+        if self.device.type == "cuda":
+            self._compile_kernels()
+
+    def _capture_graphs(self) -> None:
+        """The decode and mixed-step CUDA graphs (on CUDA, unless enforce_eager)."""
         # (Not with pipeline parallelism yet: a graph would hold one stage's layers without the
         # sends and receives around them.)
         if self.device.type == "cuda" and not self.config.enforce_eager and self.pp.world_size == 1:
@@ -273,8 +283,6 @@ class ModelRunner:
                 graphs_captured(self.cuda_graphs)
             logger.info("Captured CUDA graphs for %d decode batch sizes and %d mixed-step sizes in %.1f s.",
                         len(self.cuda_graphs.sizes), len(self.cuda_graphs.mixed_sizes), time.perf_counter() - t0)
-        if self.device.type == "cuda":
-            self._compile_kernels()
 
     def _compile_kernels(self) -> None:
         """Compile now, not inside the first requests' steps (a second or more each), what the
@@ -395,7 +403,14 @@ class ModelRunner:
             arrays["logits_idx"] = cu[sampling] - 1
             arrays.update(self._sampling_arrays(s_states, s_rows))
         t = self._upload(arrays)
+        calibrating = self.kv_scales_pending
+        if calibrating:
+            for layer in self.model.model.local_layers:
+                layer.self_attn.attn.calibrate_next = True
         hidden = self._forward(batch, t)
+        if calibrating:
+            self.kv_scales_pending = False
+            self._capture_graphs()
 
         out = ModelRunnerOutput({})
         self._prompt_logprobs(hidden, req_ids, states, rows, computed, q_lens, cu, out)

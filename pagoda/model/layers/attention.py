@@ -18,6 +18,11 @@ from torch import nn
 from pagoda.kernels import reference
 from pagoda.kernels.reference import Rope
 
+# vLLM's calculate_kv_scales: a scale of the first step's largest |k| / 200 (|v| / 100), leaving
+# headroom in FP8's range for later tokens larger than the first step's.
+K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
+MIN_KV_SCALE = 1e-6      # (a layer whose keys were all zero)
+
 
 @dataclass
 class AttentionMetadata:
@@ -239,8 +244,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache = torch.tensor([])   # bound by the model runner
         # An FP8 cache's scales (vLLM's k_scale / v_scale): the checkpoint's, if it has them
-        # (loader.load_weights), else 1.0; other caches ignore them.
+        # (loader.load_weights), else 1.0; other caches ignore them. With calculate_kv_scales the
+        # runner sets calibrate_next for the first step, whose keys and values set them.
         self.k_scale = self.v_scale = 1.0
+        self.calibrate_next = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
                 ) -> torch.Tensor:
@@ -252,6 +259,19 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.calibrate_next:
+            n = ctx.attn_metadata.num_actual_tokens
+            self._calibrate(q[:n], k[:n], v[:n], rope and rope._replace(positions=rope.positions[:n]))
         out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale, rope,
                                   self.k_scale, self.v_scale)
         return out.view(-1, self.num_heads * self.head_dim)
+
+    def _calibrate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None) -> None:
+        """k_scale / v_scale from this step's keys (as the cache stores them: normed and rotated)
+        and values, as vLLM computes them: the largest magnitude over K_SCALE_RANGE (V_...)."""
+        if rope is not None:
+            _, k = reference.rotary_embedding(rope.positions, q.flatten(1), k.flatten(1), rope.cos_sin_cache,
+                                              self.head_dim, rope.q_norm_weight, rope.k_norm_weight, rope.eps)
+        self.k_scale = max(k.abs().max().item() / K_SCALE_RANGE, MIN_KV_SCALE)
+        self.v_scale = max(v.abs().max().item() / V_SCALE_RANGE, MIN_KV_SCALE)
+        self.calibrate_next = False
