@@ -7,17 +7,13 @@ its PTX).
 
   python benchmarks/attention_ir.py
 """
-import os
-import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ptxas_usage  # noqa: E402
-from pagoda.kernels import triton_attention as ta  # noqa: E402
+from common import ptxas_usage
+from pagoda.kernels import triton_attention as ta
 
 POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
             "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",

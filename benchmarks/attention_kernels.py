@@ -28,10 +28,9 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pagoda.kernels import reference  # noqa: E402
-from pagoda.kernels import triton_attention as ta  # noqa: E402
-from common import graph_ms  # noqa: E402  (the script's folder is on sys.path)
+from common import graph_ms
+from pagoda.kernels import reference
+from pagoda.kernels import triton_attention as ta
 
 MODELS = {"llama3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}  # q heads, kv heads, head_dim
 DECODE_BATCHES = [1, 8, 64, 256]

@@ -11,16 +11,12 @@ draws the chip's power and lowers its clocks); the GEMM then the attention. The 
 time after the GEMM is the difference. SM clocks are read after each (nvidia-smi through torch).
 """
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_kernels import MODELS, Case  # noqa: E402
-from common import graph_ms  # noqa: E402
-from pagoda.kernels import triton_attention as ta  # noqa: E402
+from attention_kernels import MODELS, Case
+from common import graph_ms
+from pagoda.kernels import triton_attention as ta
 
 LAYERS = 24
 

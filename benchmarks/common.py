@@ -1,8 +1,23 @@
-"""Shared benchmark helpers: dummy-model folders, the device's measured ceilings, HF baselines."""
+"""Shared benchmark helpers: dummy-model folders, the device's measured ceilings, HF baselines.
+
+Importing it puts the checkout to benchmark first on sys.path: $PAGODA_ROOT if set, else this
+one, so that this tree's scripts can time another worktree in an A/B run
+(`PAGODA_ROOT=.ab/base python benchmarks/throughput.py ...`)."""
 import json
 import os
+import sys
 import tempfile
 import time
+
+# First on the path, ahead of the editable install and the current directory: a script must not
+# time one tree's pagoda while its A/B label names another. Every script imports this module
+# before pagoda (or tests) for that reason.
+PAGODA_ROOT = os.path.abspath(os.environ.get("PAGODA_ROOT")
+                              or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not os.path.isdir(os.path.join(PAGODA_ROOT, "pagoda")):
+    # (a mistyped PAGODA_ROOT would otherwise fall through to the installed pagoda, unnoticed)
+    raise SystemExit(f"PAGODA_ROOT={PAGODA_ROOT} holds no pagoda/ package")
+sys.path.insert(0, PAGODA_ROOT)
 
 
 # W5: the quantization_config a dummy model's config.json gets for ``--quantization`` (4-bit

@@ -10,9 +10,11 @@ streamed token, on any machine:
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pagoda.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from tests.stub_engine import StubEngine  # noqa: E402
+import common  # before pagoda: puts the checkout to benchmark (PAGODA_ROOT) on sys.path
+from pagoda.outputs import CompletionOutput, RequestOutput
+from tests.stub_engine import StubEngine
+
+del common  # (imported for its sys.path entry alone)
 
 
 class WordTokenizer:

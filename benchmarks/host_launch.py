@@ -5,15 +5,13 @@ the device; the host's microseconds per call are printed.
 
   python3 benchmarks/host_launch.py [--cprofile]   # with cProfile of 2,000 RMSNorm launches
 """
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pagoda.kernels import triton_ops  # noqa: E402
-from common import host_seconds  # noqa: E402  (the script's folder is on sys.path)
+from common import host_seconds
+from pagoda.kernels import triton_ops
 
 
 def host_us(fn) -> float:

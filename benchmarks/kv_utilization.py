@@ -7,19 +7,18 @@ model, on the CPU, with the block count the H200 run had.
 """
 import argparse
 import json
-import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # before pagoda: puts the checkout to benchmark (PAGODA_ROOT) on sys.path
+from pagoda.config import SchedulerConfig
+from pagoda.core.kv_cache_manager import KVCacheManager
+from pagoda.core.request import Request
+from pagoda.core.sched_output import ModelRunnerOutput
+from pagoda.core.scheduler import Scheduler
+from pagoda.sampling_params import SamplingParams
 
-from pagoda.config import SchedulerConfig  # noqa: E402
-from pagoda.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from pagoda.core.request import Request  # noqa: E402
-from pagoda.core.sched_output import ModelRunnerOutput  # noqa: E402
-from pagoda.core.scheduler import Scheduler  # noqa: E402
-from pagoda.sampling_params import SamplingParams  # noqa: E402
+del common  # (imported for its sys.path entry alone)
 
 
 def main():

@@ -7,14 +7,11 @@ transformers' generate on the same GPU and the bandwidth floor (weights + KV rea
 import argparse
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (DUMMY_QUANT_CONFIGS, Timer, add_knob_arg, apply_knob_args, bar_chart, dummy_model_dir, hf_model,  # noqa: E402
+from common import (DUMMY_QUANT_CONFIGS, Timer, add_knob_arg, apply_knob_args, bar_chart, dummy_model_dir, hf_model,
                     host_profile, measure_ceilings, model_config, on_off, weight_bytes)
 
 

@@ -11,16 +11,14 @@ only), bf16.
   python3 benchmarks/linear_kernels.py --sweep   # the kernel's slab size and warps, one row
   python3 benchmarks/linear_kernels.py --blas    # cuBLAS against cuBLASLt at 16-256 rows
 """
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pagoda.kernels import triton_linear  # noqa: E402
-from common import graph_ms  # noqa: E402  (the script's folder is on sys.path)
+from common import graph_ms
+from pagoda.kernels import triton_linear
 
 SHAPES = {"qwen3 qkv": (4096, 1024), "qwen3 o": (1024, 2048), "qwen3 gate_up": (6144, 1024),
           "qwen3 down": (1024, 3072), "llama qkv": (6144, 4096), "llama o": (4096, 4096),

@@ -14,8 +14,10 @@ import os
 import runpy
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pagoda.kernels import triton_ops  # noqa: E402
+import common  # before pagoda: puts the checkout to benchmark (PAGODA_ROOT) on sys.path
+from pagoda.kernels import triton_ops
+
+del common  # (imported for its sys.path entry alone)
 
 
 def main():

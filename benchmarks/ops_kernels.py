@@ -26,15 +26,16 @@ import datetime
 import json
 import math
 import os
-import sys
 import time
 
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pagoda.kernels import reference  # noqa: E402
-from pagoda.kernels import triton_ops  # noqa: E402
+import common  # before pagoda: puts the checkout to benchmark (PAGODA_ROOT) on sys.path
+from pagoda.kernels import reference
+from pagoda.kernels import triton_ops
+
+del common  # (imported for its sys.path entry alone)
 
 MODELS = {  # hidden, q heads, kv heads, head_dim, intermediate, qk norm
     "qwen3-0.6b": (1024, 16, 8, 128, 3072, True),

@@ -13,15 +13,12 @@ If ``streams`` is well under ``whole``, splitting the decode batch over two stre
 
   python3 benchmarks/overlap_probe.py
 """
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pagoda.kernels import triton_attention as ta  # noqa: E402
-from common import graph_ms  # noqa: E402  (the script's folder is on sys.path)
+from common import graph_ms
+from pagoda.kernels import triton_attention as ta
 
 MODELS = {  # hidden, q heads, kv heads, head_dim, intermediate
     "llama3-8b": (4096, 32, 8, 128, 14336),

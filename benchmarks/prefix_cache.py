@@ -12,14 +12,11 @@ other. Random token ids, greedy, ignore_eos. The same workload runs with prefix 
 import argparse
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import dummy_model_dir  # noqa: E402
+from common import dummy_model_dir
 
 
 def make_turns(args, vocab: int):

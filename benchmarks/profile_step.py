@@ -8,11 +8,8 @@ With programmatic dependent launch on, a kernel's time includes its wait for the
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, add_knob_arg, apply_knob_args, dummy_model_dir, on_off  # noqa: E402
+from common import Timer, add_knob_arg, apply_knob_args, dummy_model_dir, on_off
 
 
 def kernel_totals(prof) -> dict:

@@ -22,12 +22,14 @@ import sysconfig
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from safetensors.torch import save_file  # noqa: E402
+from safetensors.torch import save_file
 
-from pagoda import LLM, SamplingParams  # noqa: E402
-from pagoda.model.hub import default_model_path  # noqa: E402
-from tests.quant_utils import quantize_folder  # noqa: E402
+import common  # before pagoda: puts the checkout to benchmark (PAGODA_ROOT) on sys.path
+from pagoda import LLM, SamplingParams
+from pagoda.model.hub import default_model_path
+from tests.quant_utils import quantize_folder
+
+del common  # (imported for its sys.path entry alone)
 
 
 def license_text() -> str:

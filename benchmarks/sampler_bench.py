@@ -1,9 +1,9 @@
 """The sampler alone on the GPU: device time (do_bench median) and host time to issue one call,
 for W1's batch shape (256 x Qwen3's 151,936 vocabulary) and batch 1, against another version
 of sampler.py (--old, e.g. main's) when given. The LM head's matmul is timed beside it. The
-one-kernel path (the "one kernel" rows: seeds set, as the runner does) comes from this tree's
-pagoda/kernels: compare kernels by running the script in two checkouts (an --old sampler.py
-that predates the kernel's filters skips its filtered rows).
+one-kernel path (the "one kernel" rows: seeds set, as the runner does) comes from the checkout
+benchmarked (this tree, or $PAGODA_ROOT: common.py): compare kernels by running the script on
+two checkouts (an --old sampler.py that predates the kernel's filters skips its filtered rows).
 
 The logits are a random LM head's (N(0, 1.6^2) a row): flat for an LM, top-p 0.9 keeps some
 35,000 tokens at T 0.8, which the kernel must search for over the whole row. --logit-scale 2
@@ -20,10 +20,8 @@ import importlib.util
 import inspect
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import add_knob_arg, apply_knob_args, host_seconds  # noqa: E402  (the script's folder is on sys.path)
+from common import PAGODA_ROOT, add_knob_arg, apply_knob_args, host_seconds
 
 CONFIGS = {
     "greedy": dict(temperature=0.0),
@@ -96,8 +94,7 @@ def main():
     print(f"kernel: SEARCH_BLOCK {triton_sampling.SEARCH_BLOCK}, COPY_BLOCK {triton_sampling.COPY_BLOCK}, "
           f"GUMBEL_PROGRAMS_PER_SM {getattr(triton_sampling, 'GUMBEL_PROGRAMS_PER_SM', '-')}, "
           f"logit scale {args.logit_scale:g}")
-    versions = {"new": load(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                         "pagoda/runner/sampler.py"), "new_sampler")}
+    versions = {"new": load(os.path.join(PAGODA_ROOT, "pagoda/runner/sampler.py"), "new_sampler")}
     if args.old and os.path.exists(args.old):
         versions["old"] = load(args.old, "old_sampler")
     rows = []

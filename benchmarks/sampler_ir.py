@@ -6,17 +6,13 @@ stride divisible by 16 (Qwen3, Llama 3) or not.
 
   python benchmarks/sampler_ir.py
 """
-import os
-import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ptxas_usage  # noqa: E402
-from pagoda.kernels import triton_sampling as ts  # noqa: E402
+from common import ptxas_usage
+from pagoda.kernels import triton_sampling as ts
 
 POINTERS = {"temperature_ptr": "*fp32", "seeds_ptr": "*i64", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
             "min_p_ptr": "*fp32", "list_vals_ptr": "*fp32", "list_ids_ptr": "*i32", "out_ptr": "*i64",

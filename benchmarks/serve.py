@@ -25,10 +25,8 @@ import urllib.parse
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_word_tokenizer, bar_chart, dummy_model_dir  # noqa: E402
-from throughput import random_token_ids, requests_for, vocab_for  # noqa: E402
+from common import PAGODA_ROOT, add_word_tokenizer, bar_chart, dummy_model_dir
+from throughput import random_token_ids, requests_for, vocab_for
 
 PERCENTILES = (50, 95, 99)
 
@@ -129,6 +127,17 @@ def summarize(args, rate: float, results: list[dict], duration: float) -> dict:
             "itl_ms": pcts([x for r in ok for x in r["itl"]]), "e2e_ms": pcts([r["e2e"] for r in ok])}
 
 
+def pagoda_cli() -> list[str]:
+    """The interpreter arguments that run `pagoda`'s command line from the checkout to benchmark."""
+    if not os.environ.get("PAGODA_ROOT"):
+        # `-m` serves the current directory's checkout: gpu_session.sh's W3 A/B runs this script
+        # from inside BASE for BASE's server
+        return ["-m", "pagoda.entrypoints.cli"]
+    # (`-m` would put the current directory ahead of PAGODA_ROOT: a checkout there would serve instead)
+    return ["-c", f"import runpy, sys; sys.path.insert(0, {PAGODA_ROOT!r}); "
+                  "runpy.run_module('pagoda.entrypoints.cli', run_name='__main__', alter_sys=True)"]
+
+
 def start_server(args) -> subprocess.Popen:
     """`pagoda serve` on a free port; returns once /health answers."""
     import httpx
@@ -143,7 +152,7 @@ def start_server(args) -> subprocess.Popen:
         if args.model_config:
             model = dummy_model_dir(args.model_config)
             add_word_tokenizer(model)
-        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        cmd = [sys.executable, *pagoda_cli(), "serve", "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", args.served_model_name, "--dtype", args.dtype, "--uvicorn-log-level", "warning"]
         cmd += ["--model", model] if model else []
         cmd += ["--load-format", "dummy"] if args.model_config else []

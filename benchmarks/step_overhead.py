@@ -14,12 +14,9 @@ import contextlib
 import functools
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_knob_arg, apply_knob_args, dummy_model_dir, on_off  # noqa: E402
+from common import add_knob_arg, apply_knob_args, dummy_model_dir, on_off
 
 PHASES = ["schedule", "prepare_inputs", "upload", "forward", "logits", "sample", "other_execute",
           "wait_for_device", "update_and_detokenize"]

@@ -10,14 +10,11 @@ import argparse
 import itertools
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (DUMMY_QUANT_CONFIGS, Timer, TritonCompiles, add_knob_arg, apply_knob_args,  # noqa: E402
+from common import (DUMMY_QUANT_CONFIGS, Timer, TritonCompiles, add_knob_arg, apply_knob_args,
                     bar_chart, dummy_model_dir, hf_model, host_profile, measure_ceilings, model_config, on_off,
                     param_counts, weight_bytes)
 

@@ -10,15 +10,12 @@ read. Needs a GPU.
 import argparse
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import graph_ms  # noqa: E402
-from pagoda.kernels import triton_w4a16 as tw  # noqa: E402
-from pagoda.quant.int4 import dequantize, pack_rows  # noqa: E402
+from common import graph_ms
+from pagoda.kernels import triton_w4a16 as tw
+from pagoda.quant.int4 import dequantize, pack_rows
 
 # (model, matrix): (K, N) of x @ W
 MATRICES = {("qwen3-0.6b", "qkv"): (1024, 4096), ("qwen3-0.6b", "o"): (2048, 1024),
