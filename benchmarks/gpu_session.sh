@@ -58,6 +58,7 @@
 #   bash benchmarks/gpu_session.sh serve17   # W3 with the asyncio client, both models; the server stack over a stand-in engine
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
+#   bash benchmarks/gpu_session.sh session21 # classifiers + calculate_kv_scales on CUDA (tests), GPU tests, W1 both models
 #   bash benchmarks/gpu_session.sh serve19   # W3: the engine in its own process against its thread, interleaved
 #   BASE=dir bash benchmarks/gpu_session.sh serve19ab  # W3: BASE's server against this tree's, interleaved
 #   bash benchmarks/gpu_session.sh serve19dp # two GPUs: data-parallel tests, W3 Llama-3-8B at dp 1 and 2
@@ -699,6 +700,21 @@ case "${1:-}" in
         | grep -E "^pagoda |Error" | sed "s/^/W1 $m: /"
     done
     python3 benchmarks/embed.py --model-config $MA/qwen3-0.6b.json --hf --out "$OUT/embed" 2>&1 | tail -4
+    ;;
+  session21)
+    # The twenty-first session's changes on one GPU: classifiers and cross-encoders on CUDA against
+    # HF (test_classify.py, on the default device), calculate_kv_scales (graphs captured after the
+    # first step), the pooling and GPU tests; W1 both models (a check after the model's classifier
+    # head and the runner's changes)
+    python3 -m pytest -q -p no:cacheprovider tests/test_classify.py -k "not parallel_ranks" 2>&1 | tail -2 | sed "s/^/classify tests: /"
+    python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv_cache.py -k calculate 2>&1 | tail -2 | sed "s/^/kv scales test: /"
+    python3 -m pytest -q -p no:cacheprovider tests/test_pooling.py -k tiny 2>&1 | tail -2 | sed "s/^/pooling tests: /"
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -2 | sed "s/^/GPU tests: /"
+    warm_w1 .
+    for m in qwen3-0.6b llama3-8b qwen3-0.6b; do
+      python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --out "$OUT/w1" 2>&1 \
+        | grep -E "^pagoda |Error" | sed "s/^/W1 $m: /"
+    done
     ;;
   embed20)
     # Embeddings (host-bound 16,384-token prefills on Qwen3-0.6B): the defaults; CUDA graphs of mixed
