@@ -170,6 +170,7 @@ def test_classifier_over_parallel_ranks(tmp_path, hf_tok):
 def classifier_server(tmp_path_factory, hf_tok):
     """Servers of a cross-encoder (one label), a 3-class classifier and an embedding model,
     in-process."""
+    pytest.importorskip("fastapi", reason="the server's extra (fastapi) is not installed")
     from fastapi.testclient import TestClient
 
     from pagoda.engine.arg_utils import EngineArgs

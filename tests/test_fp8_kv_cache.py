@@ -103,7 +103,7 @@ def test_calculate_kv_scales(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     first_kv = {}
 
-    def record(module, args):        # the first step's (chunk's) keys and values, per layer
+    def record(module, args):        # the first step's (chunk's) scales, from its keys and values, per layer
         q, k, v, rope = args
         if module not in first_kv:
             _, k = reference.rotary_embedding(rope.positions, q, k, rope.cos_sin_cache, module.head_dim)
@@ -123,7 +123,9 @@ def test_calculate_kv_scales(tmp_path):
         for h in hooks:
             h.remove()
         scales = [(a.k_scale, a.v_scale) for a in attns]
-        expected = [first_kv.pop(a) for a in attns]
+        # (the hooks' records: the calibrating step runs eagerly; on the GPU the others replay graphs)
+        expected = [first_kv.get(a) for a in attns]
+        first_kv.clear()
         assert_no_leaks(llm)
         del llm
         gc.collect()
@@ -135,10 +137,7 @@ def test_calculate_kv_scales(tmp_path):
     scales, expected, calibrated = run(kv_cache_dtype="fp8", calculate_kv_scales=True)
     assert fixed_scales == [(1.0, 1.0), (1.0, 1.0)]
     assert all(k > 1 and v > 1 for k, v in scales)
-    # Layer 0 sees the same first-step keys in both runs; layer 1 sees keys computed over an FP8
-    # cache, close to those of the float one.
-    assert scales[0] == pytest.approx(expected[0], rel=1e-5)
-    assert scales[1] == pytest.approx(expected[1], rel=0.1)
+    assert scales == [pytest.approx(e, rel=1e-5) for e in expected]
     err = lambda got: max(abs(a - b) for a, b in zip(got, exact))   # noqa: E731
     # (Measured: 0.79 against 6.5; an E4M3 cache of the model before the scaling, scales 1.0, is
     # itself 0.91 off: this random model's logits are sharp.)
