@@ -172,6 +172,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # Where the replicas of data_parallel_size > 1 run: processes of this node ("mp"), or Ray
+    # actors that the cluster places on any of its nodes ("ray"; DPEngine only).
+    data_parallel_backend: str = "mp"
 
     @property
     def world_size(self) -> int:
@@ -189,20 +192,27 @@ class ParallelConfig:
         if pp > arch.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size={pp} is more than the model's {arch.num_hidden_layers} "
                              f"layers: every stage needs at least one; use at most {arch.num_hidden_layers}.")
-        backend = self.distributed_executor_backend
+        backend, dp_backend = self.distributed_executor_backend, self.data_parallel_backend
         if backend not in (None, "mp", "uni", "ray"):
             raise ValueError(f"Unknown distributed_executor_backend {backend!r}; choose 'mp' or 'ray'.")
-        if backend == "ray":
-            import importlib.util
-            if importlib.util.find_spec("ray") is None:
-                raise ValueError("distributed_executor_backend='ray' needs Ray, which is not installed: "
-                                 "pip install ray (or leave the backend unset for multiprocessing).")
-            if dp > 1:
-                raise ValueError(f"data_parallel_size={dp} runs its replicas in processes of this node, not "
-                                 f"over Ray: leave distributed_executor_backend unset with data parallelism.")
+        if dp_backend not in ("mp", "ray"):
+            raise ValueError(f"Unknown data_parallel_backend {dp_backend!r}; choose 'mp' or 'ray'.")
+        import importlib.util
+        for name, value in (("distributed_executor_backend", backend), ("data_parallel_backend", dp_backend)):
+            if value == "ray" and importlib.util.find_spec("ray") is None:
+                raise ValueError(f"{name}='ray' needs Ray, which is not installed: pip install ray "
+                                 f"(or leave {name} unset for multiprocessing).")
+        if backend == "ray" and dp > 1:
+            # A replica's ranks stay on its node (they are its engine's processes); the replicas
+            # themselves are what may go to other nodes.
+            raise ValueError(f"distributed_executor_backend='ray' runs one engine's ranks over Ray, not "
+                             f"data_parallel_size={dp} replicas: leave it unset, and set data_parallel_backend="
+                             f"'ray' to run each replica (with its ranks) as a Ray actor on the cluster's nodes.")
         gpus = dp * self.world_size
-        # (Over Ray the GPUs may be on other nodes: the executor asks the cluster instead.)
-        if device == "cuda" and gpus > 1 and backend != "ray" and torch.cuda.device_count() < gpus:
+        # (Over Ray the GPUs may be on other nodes: the cluster is asked instead, and each
+        # replica checks its own.)
+        over_ray = backend == "ray" or (dp > 1 and dp_backend == "ray")
+        if device == "cuda" and gpus > 1 and not over_ray and torch.cuda.device_count() < gpus:
             layout = f"data_parallel_size={dp} x " if dp > 1 else ""
             raise ValueError(f"{layout}tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {gpus} "
                              f"GPUs (one per rank), but {torch.cuda.device_count()} are visible.")

@@ -44,7 +44,7 @@ def test_chat_streams_replies():
                                           (["generate", "x", "--runner", "pooling"], "pooling runner"),
                                           (["generate", "x", "--task", "embed"], "pooling runner"),
                                           (["generate", "x", "-dp", "2", "--distributed-executor-backend", "ray"],
-                                           "not over Ray")])
+                                           "set data_parallel_backend='ray'")])
 def test_bad_arguments_fail_cleanly(bad, message):
     r = run(bad + ["--max-model-len", "256"])
     assert r.returncode == 1 and "Traceback" not in r.stderr

@@ -37,7 +37,7 @@ def dp2(tiny):
 
 
 def replica_procs(llm):
-    return list(llm.llm_engine.procs)
+    return list(llm.llm_engine.replicas.procs)
 
 
 def _worker_pids(engine):

@@ -177,7 +177,7 @@ def test_start_up_failure_leaves_no_actor(tiny, tmp_path):
 def test_layout_errors(tiny, tiny4):
     with pytest.raises(ValueError, match="8 ranks need 8 CPUs in the Ray cluster .* it has 4"):
         LLM(tiny4, tensor_parallel_size=4, pipeline_parallel_size=2, **RAY)
-    with pytest.raises(ValueError, match="data_parallel_size=2 runs its replicas .* not over Ray"):
+    with pytest.raises(ValueError, match="not data_parallel_size=2 replicas.* set data_parallel_backend='ray'"):
         LLM(tiny, tensor_parallel_size=2, data_parallel_size=2, **RAY)
     assert ray.available_resources().get("CPU") == 4
     # One rank: no actor at all.

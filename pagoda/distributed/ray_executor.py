@@ -102,16 +102,22 @@ def _connect(world: int, device: str) -> None:
     ray.init()
 
 
+def check_cluster_has(kind: str, count: int, need: str) -> None:
+    """A ValueError at once (``need``, and what the cluster has) where the whole cluster has
+    fewer than ``count`` of ``kind``, rather than actors that wait for good."""
+    have = ray.cluster_resources().get(kind, 0)
+    if have < count:
+        raise ValueError(f"{need}, but it has {have:g}. Add nodes (ray start --address=...)"
+                         + (", or count more CPUs (ray start --num-cpus, ray.init(num_cpus=...))."
+                            if kind == "CPU" else "."))
+
+
 def _placement_group(world: int, device: str, host: str):
     """A bundle per rank, bundle 0 on this node (rank 0 is this process); PACK keeps the
     ranks on as few nodes as they fit on."""
     kind = "GPU" if device == "cuda" else "CPU"
-    have = ray.cluster_resources().get(kind, 0)
-    if have < world:
-        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world} ranks need {world} {kind}s "
-                         f"in the Ray cluster (one per rank), but it has {have:g}. Add nodes (ray start "
-                         f"--address=...)" + (", or count more CPUs (ray start --num-cpus, ray.init(num_cpus=...))."
-                                              if kind == "CPU" else "."))
+    check_cluster_has(kind, world, f"tensor_parallel_size x pipeline_parallel_size = {world} ranks need {world} "
+                                   f"{kind}s in the Ray cluster (one per rank)")
     bundles = [{kind: 1} for _ in range(world)]
     bundles[0][f"node:{host}"] = 0.001
     return placement_group(bundles, strategy="PACK")

@@ -53,6 +53,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    data_parallel_backend: str = "mp"          # or "ray": the replicas as Ray actors (LLM only, not the server)
     quantization: str | None = None
     load_format: str = "auto"
     enforce_eager: bool = False
@@ -108,11 +109,18 @@ class EngineArgs:
     def model_path(self) -> str:
         return resolve_model_path(self.model or default_model_path(), self.revision)
 
-    def parallel_config(self, device: str, arch) -> ParallelConfig:
-        """The parallel layout, checked against the model and the visible GPUs (no CUDA context)."""
+    def parallel_config(self, device: str, arch, ray_replicas: bool = False) -> ParallelConfig:
+        """The parallel layout, checked against the model and the visible GPUs (no CUDA context).
+        Only DPEngine (``ray_replicas``) can run the replicas as Ray actors: the server lays out
+        its engine cores, processes of this node, from this without it."""
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                  self.data_parallel_size, self.distributed_executor_backend)
+                                  self.data_parallel_size, self.distributed_executor_backend,
+                                  self.data_parallel_backend)
         parallel.verify(arch, device)
+        if parallel.data_parallel_size > 1 and parallel.data_parallel_backend == "ray" and not ray_replicas:
+            raise ValueError(f"data_parallel_backend='ray' runs LLM(...)'s replicas as Ray actors; the server's "
+                             f"data_parallel_size={parallel.data_parallel_size} replicas are engine core "
+                             f"processes of this node: leave data_parallel_backend as 'mp' to serve.")
         return parallel
 
     def create_engine_config(self) -> EngineConfig:
@@ -120,7 +128,7 @@ class EngineArgs:
         check_quantization_name(self.quantization)     # fail on a bad name before loading anything
         path = self.model_path()
         arch = read_arch_config(path)
-        parallel = self.parallel_config(device, arch)
+        parallel = self.parallel_config(device, arch, ray_replicas=True)
         quantization, quant_config = resolve_quantization(self.quantization, read_quant_config(path, arch), path)
         dtype, compute_dtype = _resolve_dtype(self.dtype, arch.torch_dtype, device)
         if self.load_format not in _LOAD_FORMATS:

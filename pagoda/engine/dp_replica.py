@@ -1,5 +1,6 @@
 """One data-parallel replica: a whole LLMEngine (with its own tensor/pipeline-parallel workers,
-if any) in a spawned process, doing what the front (DPEngine) asks over a pipe."""
+if any) in a spawned process, doing what the front (DPEngine) asks over a pipe (or in a Ray
+actor: engine/dp_ray.py)."""
 import os
 from dataclasses import replace
 
@@ -38,6 +39,11 @@ def replica_engine(args: EngineArgs, dp_rank: int, dp_size: int):
     return LLMEngine.from_engine_args(replace(args, data_parallel_size=1))
 
 
+def run_call(engine, method, args: tuple):
+    """A front's call: an engine method's name, or a function taking the engine first."""
+    return method(engine, *args) if callable(method) else getattr(engine, method)(*args)
+
+
 def replica_main(args: EngineArgs, dp_rank: int, dp_size: int, conn) -> None:
     """Build the engine, then serve ``(method, args)`` calls until told to stop or the front is
     gone. A call that raises (a bad request) answers ``("raise", exception)`` and the replica
@@ -58,7 +64,7 @@ def replica_main(args: EngineArgs, dp_rank: int, dp_size: int, conn) -> None:
         if method == "shutdown":
             break
         try:
-            result = method(engine, *call_args) if callable(method) else getattr(engine, method)(*call_args)
+            result = run_call(engine, method, call_args)
         except Exception as e:    # noqa: BLE001 - handed to the caller; the engine decides if it can go on
             conn.send(("raise", picklable(e)))
         else:

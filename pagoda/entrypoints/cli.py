@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
                    help="where ranks 1..N-1 of -tp x -pp run: processes of this node (mp, the default) or the "
                         "actors of a Ray cluster (ray: several nodes)")
+    p.add_argument("--data-parallel-backend", choices=["mp", "ray"], default="mp",
+                   help="where the -dp replicas run: processes of this node (mp, the default) or Ray actors on "
+                        "the cluster's nodes (ray: `pagoda generate` / `chat` only; the server's replicas run here)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="the KV cache's storage: the model's dtype (auto), or one byte an element (fp8 or "
                         "fp8_e4m3: E4M3; fp8_e5m2)")
@@ -65,6 +68,7 @@ def engine_args_from(args):
                       pipeline_parallel_size=args.pipeline_parallel_size,
                       data_parallel_size=args.data_parallel_size,
                       distributed_executor_backend=args.distributed_executor_backend,
+                      data_parallel_backend=args.data_parallel_backend,
                       kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
                       scheduling_policy=args.scheduling_policy,
                       enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats,
