@@ -59,6 +59,7 @@
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh session21 # classifiers + calculate_kv_scales on CUDA (tests), GPU tests, W1 both models
+#   bash benchmarks/gpu_session.sh asc21     # W3 with --api-server-count 2 against 1, interleaved (carry the server's wheels)
 #   bash benchmarks/gpu_session.sh serve19   # W3: the engine in its own process against its thread, interleaved
 #   BASE=dir bash benchmarks/gpu_session.sh serve19ab  # W3: BASE's server against this tree's, interleaved
 #   bash benchmarks/gpu_session.sh serve19dp # two GPUs: data-parallel tests, W3 Llama-3-8B at dp 1 and 2
@@ -714,6 +715,22 @@ case "${1:-}" in
     for m in qwen3-0.6b llama3-8b qwen3-0.6b; do
       python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --out "$OUT/w1" 2>&1 \
         | grep -E "^pagoda |Error" | sed "s/^/W1 $m: /"
+    done
+    ;;
+  asc21)
+    # Several API servers (--api-server-count) against one, interleaved: W3 MODELS (default
+    # qwen3-0.6b) at rates 64 and inf, ROUNDS (default 2); first the GPU tests of this session
+    # that needed the server's wheels or failed in call 1 (fastapi etc. ride in .whl)
+    python3 -m pytest -q -p no:cacheprovider tests/test_classify.py -k "not parallel_ranks" 2>&1 | tail -2 | sed "s/^/classify tests: /"
+    python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv_cache.py -k calculate 2>&1 | tail -2 | sed "s/^/kv scales test: /"
+    for m in ${MODELS:-qwen3-0.6b}; do
+      for round in $(seq ${ROUNDS:-2}); do
+        for c in 1 2; do
+          python3 benchmarks/serve.py --model-config $MA/$m.json --num-prompts 256 --request-rates 64 inf \
+            --server-args "--api-server-count $c" --out "$OUT/w3_asc$c" 2>&1 | grep -E "^ +(64|inf) |Error" \
+            | sed "s/^/W3 $m servers=$c round $round: /"
+        done
+      done
     done
     ;;
   embed20)

@@ -5,7 +5,7 @@ import time
 import types
 
 from pagoda.engine.stats import EngineStats
-from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 class StubEngine:
@@ -16,6 +16,7 @@ class StubEngine:
     def __init__(self, fail_at: int | None = None, step_s: float = 0.0, tokenizer=None, max_model_len: int = 64):
         self.fail_at, self.step_s = fail_at, step_s
         self.running: dict[str, list] = {}      # request id -> [prompt, params, steps run]
+        self.times: dict[str, list] = {}        # request id -> [arrival, first token] (its metrics)
         self.aborted: list[str] = []
         self.steps = 0
         self.last_step_time: float | None = None
@@ -32,11 +33,13 @@ class StubEngine:
         if not self.prompt_token_ids(prompt):
             raise ValueError("The prompt is empty.")
         self.running[request_id] = [prompt, params, 0]
+        self.times[request_id] = [time.time(), None]
 
     def abort_request(self, request_ids):
         for r in request_ids:
             self.aborted.append(r)
             self.running.pop(r, None)
+            self.times.pop(r, None)
 
     def has_unfinished_requests(self):
         return bool(self.running)
@@ -55,10 +58,14 @@ class StubEngine:
                 self.latencies.append(now - self.last_step_time)
             state[2] += 1
             out = self._output(rid, *state)
+            times = self.times[rid]
+            times[1] = times[1] or time.time()
             if out is not None:
                 outs.append(out)
                 if out.finished:
-                    del self.running[rid]
+                    del self.running[rid], self.times[rid]
+                    out.metrics = out.metrics or RequestMetrics(times[0], first_token_time=times[1],
+                                                                last_token_time=time.time())
         self.last_step_time = now
         return outs
 

@@ -19,20 +19,34 @@ def _delta(**kwargs) -> SamplingParams:
     return SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
 
 
-def _run_loop(engine, commands: list) -> list:
-    """Run the loop over ``commands`` (a None: step until the engine is idle), then shut down;
-    returns every event emitted."""
-    pending, events = list(commands) + [("shutdown", ())], []
+def _run_loop(engine, commands: list, num_fronts: int = 1) -> list:
+    """Run the loop over ``commands`` (a None: step until the engine is idle; an int: step that
+    many times; (front, command) from a front but the first), then shut down; returns every
+    event emitted, a list per front with several."""
+    pending, events = list(commands) + [("shutdown", ())], [[] for _ in range(num_fronts)]
+    steps_left = [0]
 
     def next_command(block):
+        if steps_left[0]:
+            steps_left[0] -= 1
+            return None
         if pending and (pending[0] is not None or not engine.has_unfinished_requests()):
             cmd = pending.pop(0)
-            return next_command(block) if cmd is None else cmd
+            if isinstance(cmd, int):
+                steps_left[0] = cmd - 1
+                return None
+            if cmd is None:
+                return next_command(block)
+            return cmd if isinstance(cmd[0], int) else (0, cmd)
         assert not block, "the loop blocked while commands were waiting"
         return None
 
-    run_engine_loop(engine, next_command, events.extend)
-    return events
+    def emit(per_front):
+        for front, got in zip(events, per_front):
+            front += got
+
+    run_engine_loop(engine, next_command, emit, num_fronts)
+    return events[0] if num_fronts == 1 else events
 
 
 def test_engine_loop_commands_and_failures():
@@ -55,6 +69,28 @@ def test_engine_loop_commands_and_failures():
     assert isinstance(fail_b[2], EngineDeadError) and "device lost" in str(fail_b[2])
     assert ("aborted", "c") in events and ("aborted", "never-added") not in events
     assert kinds.count("stats") >= 3 and events[-1][0] == "stats" and not engine.running
+
+
+def test_engine_loop_routes_each_front_its_requests():
+    """Several API servers over one engine core: a request's outputs (and a call's reply) go to
+    the front that sent it; the engine's figures and every finished request's latencies to
+    every front (each one's /metrics is the whole engine's); a front that is gone has its
+    requests aborted, and the others go on."""
+    engine = StubEngine()
+    per_front = _run_loop(engine, [
+        (0, ("add", "a", [1], _delta(max_tokens=2), 0)), (1, ("add", "b", [2], _delta(max_tokens=50), 0)),
+        (1, ("add", "c", [3], _delta(max_tokens=3), 0)), (1, ("call", 4, "prompt_token_ids", ([[9]],))),
+        3,                                          # a and c finish, b runs on
+        (1, ("gone", ())), None], num_fronts=2)
+    outs = [{e[1] for e in events if e[0] == "out"} for events in per_front]
+    assert outs == [{"a"}, {"b", "c"}]
+    assert ("reply", 4, True, [[9]]) in per_front[1] and not any(e[0] == "reply" for e in per_front[0])
+    assert engine.aborted == ["b"] and not engine.running
+    for events in per_front:
+        done = sorted(d for e in events if e[0] == "done" for d in e[1])
+        assert [(d[3], d[4]) for d in done] == [(2, ["length"]), (3, ["length"])]   # tokens, finish reasons
+        assert all(d[0] <= d[1] <= d[2] for d in done)                           # arrival, first, last token
+        assert [e[0] for e in events].count("stats") == [e[0] for e in per_front[0]].count("stats")
 
 
 def test_outputs_cross_the_pipe_unchanged():
@@ -123,7 +159,7 @@ def test_engine_process_serves_and_stops():
         while llm.stats.num_running and time.time() < deadline:
             time.sleep(0.01)
         assert llm.stats.num_running == 0
-        assert llm._cores[0]._prompts == {}        # the abandoned request's prompt is not kept
+        assert llm._cores[0].channel._prompts == {}        # the abandoned request's prompt is not kept
     finally:
         llm.shutdown()
     assert not llm._cores[0].procs[0].is_alive()

@@ -356,25 +356,32 @@ def test_openai_client_over_a_socket(base_url, llm):
         c.completions.create(model="nope", prompt="x")
 
 
-def test_pagoda_serve_command(tmp_path):
-    """`pagoda serve` as a subprocess: the embedded model under its own name, one completion."""
+def start_serve(tmp_path, flags: list[str]) -> tuple[subprocess.Popen, str, object]:
+    """`pagoda serve FLAGS` as a subprocess on a free port, once /health answers: (process,
+    its URL, its log file)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--port", str(port),
-                             "--host", "127.0.0.1", "--max-model-len", "256"], stdout=log, stderr=log)
+                             "--host", "127.0.0.1", *flags], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    end = time.time() + 120
+    while time.time() < end:
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    return proc, url, log
+
+
+def test_pagoda_serve_command(tmp_path):
+    """`pagoda serve` as a subprocess: the embedded model under its own name, one completion."""
+    proc, url, log = start_serve(tmp_path, ["--max-model-len", "256"])
     try:
-        url = f"http://127.0.0.1:{port}"
-        end = time.time() + 120
-        while time.time() < end:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         models = httpx.get(url + "/v1/models").json()
         assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
@@ -384,6 +391,55 @@ def test_pagoda_serve_command(tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def test_several_api_servers_over_one_engine(tmp_path, llm):
+    """`pagoda serve --api-server-count 2`: two API server processes on one port, fronts of one
+    engine core. Concurrent completions equal LLM.generate's; every scrape of /metrics, whichever
+    server answers it, counts every request (the engine core sends its figures to both); SIGTERM
+    stops the supervisor, both servers and the engine core."""
+    import concurrent.futures
+    proc, url, log = start_serve(tmp_path, ["--max-model-len", "512", "--dtype", "float32", "--api-server-count", "2",
+                                            "--served-model-name", MODEL])
+    prompts = [f"{p} ({i})" for i in range(3) for p in PROMPTS]
+    try:
+        children = subprocess.run(["ps", "--ppid", str(proc.pid), "-o", "pid="], capture_output=True,
+                                  text=True).stdout.split()
+        assert len(children) >= 3             # two API servers and the engine core (and Python's helpers)
+
+        def complete(prompt):
+            r = httpx.post(url + "/v1/completions", timeout=120,
+                           json={"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(complete, prompts))
+        want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        assert texts == [o.outputs[0].text for o in want]
+        e2e = f'vllm:e2e_request_latency_seconds_count{{model_name="{MODEL}"}} {len(prompts)}.0'
+        for _ in range(6):                    # (a new connection each: either server may answer)
+            end = time.time() + 10            # (the other server reads the last step's events a moment later)
+            while True:
+                metrics = httpx.get(url + "/metrics").text
+                success = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                              if line.startswith("vllm:request_success_total"))
+                if (success == len(prompts) and e2e in metrics) or time.time() > end:
+                    break
+                time.sleep(0.05)
+            assert success == len(prompts) and e2e in metrics
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
+        log.close()
+    end = time.time() + 20                    # (orphans are reaped by init in a moment)
+    while time.time() < end and any(_alive(int(pid)) for pid in children):
+        time.sleep(0.2)
+    assert not [pid for pid in children if _alive(int(pid))]
+
+
+def _alive(pid: int) -> bool:
+    state = subprocess.run(["ps", "-p", str(pid), "-o", "stat="], capture_output=True, text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")
 
 
 def test_a_slow_reader_gets_the_steps_it_missed_merged(engine, llm):

@@ -12,7 +12,7 @@ from functools import partial
 
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.dp_replica import replica_engine, replica_env
-from pagoda.engine.engine_core import EngineCoreProc, EngineDeadError, EngineThread
+from pagoda.engine.engine_core import CoreChannel, EngineCoreProc, EngineDeadError, EngineThread
 from pagoda.engine.llm_engine import LLMEngine, load_tokenizer
 from pagoda.engine.stats import EngineStats, sum_stats
 from pagoda.model.loader import read_arch_config
@@ -112,15 +112,20 @@ class AsyncLLM:
         if not engine_process:
             return cls(LLMEngine.from_engine_args(args))
         make_tokenizer = lambda model_config: load_tokenizer(args, model_config.path)   # noqa: E731
-        dp = args.data_parallel_size
-        if dp == 1:
-            return cls.in_engine_process([partial(LLMEngine.from_engine_args, args)], make_tokenizer)
-        # Only the layout here (the replicas make their engine configs: that queries the GPU,
-        # which would start CUDA in the server's process).
-        device = args.resolved_device()
-        parallel = args.parallel_config(device, read_arch_config(args.model_path()))
-        envs = [replica_env(d, dp, parallel.world_size) for d in range(dp)] if device == "cuda" else None
-        return cls.in_engine_process([partial(replica_engine, args, d, dp) for d in range(dp)], make_tokenizer, envs)
+        make_engines, envs = engine_core_makers(args)
+        return cls.in_engine_process(make_engines, make_tokenizer, envs)
+
+    @classmethod
+    def connect(cls, conns: list, info: tuple, tokenizer) -> "AsyncLLM":
+        """A front of engine cores that run elsewhere (an API server of several: ``conns`` are
+        its pipes to each core; ``info`` what the first core's ``wait_ready`` gave). Its
+        shutdown only closes its pipes: the cores drop its requests and go on."""
+        self = cls.__new__(cls)
+        self._setup(len(conns))
+        self._cores = [CoreChannel(conn, partial(self._dispatch, d), f"pagoda-engine-reader{d}")
+                       for d, conn in enumerate(conns)]
+        self._describe(tokenizer, info[0], info[1], [info[2]] * len(conns))
+        return self
 
     def _setup(self, num_cores: int) -> None:
         self.dead: EngineDeadError | None = None
@@ -128,9 +133,11 @@ class AsyncLLM:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._load = [0] * num_cores                # sequences in flight, per engine core
-        # The servers' inter-token latency metrics: each request's time between its consecutive
-        # tokens, as the engine's steps gave them (streamed or not: the engine measures them).
+        # The servers' metrics, as the engine measures them for every request (streamed or not,
+        # whichever API server it came through): the time between a request's consecutive
+        # tokens, and a finished request's (arrival, first token, last token, tokens, finish reasons).
         self.itl_observers: list[Callable[[float], None]] = []
+        self.done_observers: list[Callable[[tuple], None]] = []
 
     def _describe(self, tokenizer, model_config, max_model_len: int, stats: list[EngineStats]) -> None:
         self.tokenizer = tokenizer
@@ -191,7 +198,7 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         for core in self._cores:
-            core.shutdown()
+            core.close() if isinstance(core, CoreChannel) else core.shutdown()
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -234,6 +241,10 @@ class AsyncLLM:
                 for observe in self.itl_observers:
                     for seconds in event[1]:
                         observe(seconds)
+            elif kind == "done":
+                for observe in self.done_observers:
+                    for finished in event[1]:
+                        observe(finished)
             elif kind == "stats":
                 self._stats[core] = event[1]
             elif kind == "dead":
@@ -256,3 +267,17 @@ def _set_result(fut: asyncio.Future, result) -> None:
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+
+
+def engine_core_makers(args: EngineArgs) -> tuple[list, list | None]:
+    """(the callables that build each engine core's engine, each core's environment): one
+    engine, or with data_parallel_size D, D replicas (each core's GPUs in its environment)."""
+    dp = args.data_parallel_size
+    if dp == 1:
+        return [partial(LLMEngine.from_engine_args, args)], None
+    # Only the layout here (the replicas make their engine configs: that queries the GPU,
+    # which would start CUDA in the server's process).
+    device = args.resolved_device()
+    parallel = args.parallel_config(device, read_arch_config(args.model_path()))
+    envs = [replica_env(d, dp, parallel.world_size) for d in range(dp)] if device == "cuda" else None
+    return [partial(replica_engine, args, d, dp) for d in range(dp)], envs

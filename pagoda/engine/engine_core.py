@@ -5,11 +5,18 @@ of its own process (``EngineThread``) or, as vLLM's engine core and by default f
 ``pagoda serve``, in a spawned process of its own (``EngineCoreProc``): the server's event loop
 and the engine loop then hold a GIL each, and neither waits for the other's Python.
 
+Several API servers (``pagoda serve --api-server-count N``) are fronts of one engine core, each
+over a pipe of its own: a request's events go to the front that added it, the engine's figures
+(stats, inter-token latencies, the finished requests' latencies) to every front, so each one's
+/metrics describes the whole engine.
+
 Commands, plain tuples:  ("add", request_id, prompt, params, priority) | ("abort", [request_ids]) |
-                         ("call", call_id, name, args) | ("shutdown", ())
+                         ("call", call_id, name, args) | ("gone", ()) (a front's pipe closed) |
+                         ("shutdown", ())
 Events, a list a step:   ("out", request_id, RequestOutput, first) | ("fail", request_id, error) |
                          ("aborted", request_id) | ("reply", call_id, ok, value) |
-                         ("itl", [seconds]) | ("stats", EngineStats) | ("dead", error)
+                         ("itl", [seconds]) | ("done", [(arrival, first token, last token, tokens,
+                         finish reasons)]) | ("stats", EngineStats) | ("dead", error)
 
 Across the process boundary an output travels as a tuple of plain values (``pack_output``):
 pickling a step's 256 RequestOutput dataclasses took 1.2 ms and unpickling 1.9 (this CPU),
@@ -19,10 +26,12 @@ import pickle
 import queue
 import signal
 import threading
-from dataclasses import astuple
+from dataclasses import astuple, dataclass, field
+from multiprocessing.connection import wait
 
 from pagoda.distributed.child_procs import SPAWN_HINT, ChildProcs, picklable
 from pagoda.outputs import CompletionOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
+from pagoda.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -35,31 +44,46 @@ class EngineDeadError(RuntimeError):
 CALLS = {"prompt_token_ids": lambda engine, prompts: [engine.prompt_token_ids(p) for p in prompts]}
 
 
-def run_engine_loop(engine, next_command, emit) -> None:
+@dataclass
+class _Live:
+    """A request in the engine, as the loop follows it."""
+    front: int                     # the front that added it, which gets its events
+    deltas: bool                   # its outputs are deltas (RequestOutputKind.DELTA)
+    seen: bool = False             # it has had an output
+    tokens: dict = field(default_factory=dict)     # sample index -> tokens so far
+
+
+def run_engine_loop(engine, next_command, emit, num_fronts: int = 1) -> None:
     """Serve ``engine`` until a "shutdown" command. ``next_command(block)`` returns the next
-    command, or None when ``block`` is False and none is waiting; ``emit(events)`` hands out what
-    one round made."""
-    live: dict[str, bool] = {}        # request id -> whether it has had an output
+    (front, command), or None when ``block`` is False and none is waiting; ``emit(events)``
+    hands out what one round made: a list of events per front."""
+    requests: dict[str, _Live] = {}
     while True:
         # Idle: block until a command comes. Busy: take what has come, then step.
-        events, block = [], not engine.has_unfinished_requests()
-        while (cmd := next_command(block)) is not None:
+        events: list[list] = [[] for _ in range(num_fronts)]
+        shared, block = [], not engine.has_unfinished_requests()
+        while (got := next_command(block)) is not None:
+            front, cmd = got
             if cmd[0] == "shutdown":
                 return
             try:
-                events += _command(engine, cmd, live)
+                events[front] += _command(engine, cmd, front, requests)
             except Exception:             # noqa: BLE001 - a failed abort must not end the loop
                 logger.exception("An engine command failed.")
             block = False
         if engine.has_unfinished_requests():
-            events += _step(engine, live)
+            stepped, done = _step(engine, requests)
+            for front, event in stepped:
+                events[front].append(event)
+            if done:
+                shared.append(("done", done))
             if latencies := engine.take_inter_token_latencies():
-                events.append(("itl", latencies))
-        events.append(("stats", engine.stats))     # (after an abort too: its blocks are free)
-        emit(events)
+                shared.append(("itl", latencies))
+        shared.append(("stats", engine.stats))     # (after an abort too: its blocks are free)
+        emit([front_events + shared for front_events in events])
 
 
-def _command(engine, cmd: tuple, live: dict[str, bool]) -> list:
+def _command(engine, cmd: tuple, front: int, requests: dict[str, _Live]) -> list:
     kind = cmd[0]
     if kind == "add":
         _, request_id, prompt, params, priority = cmd
@@ -67,12 +91,18 @@ def _command(engine, cmd: tuple, live: dict[str, bool]) -> list:
             engine.add_request(request_id, prompt, params, priority=priority)
         except Exception as e:            # noqa: BLE001 - a bad request: its caller's error
             return [("fail", request_id, picklable(e))]
-        live[request_id] = False
+        requests[request_id] = _Live(front, getattr(params, "output_kind", None) == RequestOutputKind.DELTA)
     elif kind == "abort":
-        ids = [r for r in cmd[1] if live.pop(r, None) is not None]
+        ids = [r for r in cmd[1] if requests.pop(r, None) is not None]
         if ids:
             engine.abort_request(ids)
             return [("aborted", r) for r in ids]
+    elif kind == "gone":                  # nobody reads this front's requests any more
+        ids = [r for r, live in requests.items() if live.front == front]
+        for r in ids:
+            del requests[r]
+        if ids:
+            engine.abort_request(ids)
     elif kind == "call":
         _, call_id, name, args = cmd
         try:
@@ -84,25 +114,34 @@ def _command(engine, cmd: tuple, live: dict[str, bool]) -> list:
     return []
 
 
-def _step(engine, live: dict[str, bool]) -> list:
+def _step(engine, requests: dict[str, _Live]) -> tuple[list, list]:
+    """One step's (front, event) pairs, and its finished requests' latencies for the metrics."""
     try:
         outputs = engine.step()
     except Exception as e:                # noqa: BLE001 - fail the requests, keep serving
-        logger.exception("Engine step failed; aborting %d requests.", len(live))
-        engine.abort_request(list(live))
+        logger.exception("Engine step failed; aborting %d requests.", len(requests))
+        engine.abort_request(list(requests))
         error = EngineDeadError(f"The engine step failed: {e}")
-        events = [("fail", request_id, error) for request_id in live]
-        live.clear()
-        return events
-    events = []
+        events = [(live.front, ("fail", request_id, error)) for request_id, live in requests.items()]
+        requests.clear()
+        return events, []
+    events, done = [], []
     for out in outputs:
-        first = live.get(out.request_id) is False
+        live = requests.get(out.request_id)
+        if live is None:                  # (aborted by then)
+            continue
+        first, live.seen = not live.seen, True
+        if isinstance(out, RequestOutput):
+            for c in out.outputs:
+                live.tokens[c.index] = len(c.token_ids) + (live.tokens.get(c.index, 0) if live.deltas else 0)
         if out.finished:
-            live.pop(out.request_id, None)
-        elif first:
-            live[out.request_id] = True
-        events.append(("out", out.request_id, out, first))
-    return events
+            del requests[out.request_id]
+            if isinstance(out, RequestOutput) and out.metrics is not None:
+                m = out.metrics
+                done.append((m.arrival_time, m.first_token_time, m.last_token_time, max(live.tokens.values()),
+                             [c.finish_reason or "abort" for c in out.outputs]))
+        events.append((live.front, ("out", out.request_id, out, first)))
+    return events, done
 
 
 # ---------------------------------------------------------------------- one process
@@ -111,13 +150,13 @@ class EngineThread:
 
     def __init__(self, engine, dispatch):
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=run_engine_loop, args=(engine, self._next, dispatch),
+        self._thread = threading.Thread(target=run_engine_loop, args=(engine, self._next, lambda e: dispatch(e[0])),
                                         name="pagoda-engine", daemon=True)
         self._thread.start()
 
     def _next(self, block: bool):
         try:
-            return self._commands.get(block=block)
+            return 0, self._commands.get(block=block)
         except queue.Empty:
             return None
 
@@ -157,9 +196,10 @@ def unpack_output(packed: tuple, prompts: dict) -> RequestOutput:
                          finished, RequestMetrics(*metrics) if metrics is not None else None, num_cached)
 
 
-def _core_main(make_engine, conn) -> None:
-    """The engine core process: build the engine, then run the loop over the pipe until told
-    to stop or the server's process is gone."""
+def _core_main(make_engine, fronts: list, conn) -> None:
+    """The engine core process: build the engine, then run the loop until told to stop or the
+    server's process is gone. Its requests come over ``conn`` from the server's process, or,
+    with several API servers, over ``fronts`` (a pipe from each), ``conn`` then only its control."""
     # Ctrl-C reaches the whole process group: the server shuts this process down itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn.send(("started", None))
@@ -170,46 +210,46 @@ def _core_main(make_engine, conn) -> None:
         conn.send(("raise", picklable(e)))
         conn.close()
         return
+    channels = list(fronts) or [conn]     # where requests come from and their events go
+    open_fronts = set(range(len(channels)))
 
     def next_command(block: bool):
-        if not block and not conn.poll():
+        watched = [channels[i] for i in sorted(open_fronts)] + ([conn] if fronts else [])
+        ready = wait(watched, None if block else 0)
+        if not ready:
             return None
+        c = ready[0]
+        front = 0 if c is conn else channels.index(c)
         try:
-            return pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):       # the server's process has exited
-            return ("shutdown", ())
+            return front, pickle.loads(c.recv_bytes())
+        except (EOFError, OSError):
+            if c is conn:                 # the server's process has exited
+                return 0, ("shutdown", ())
+            open_fronts.discard(front)    # an API server has exited: its requests go
+            return front, ("gone", ())
 
-    def emit(events: list) -> None:
-        packed = [("out", e[1], pack_output(e[2], e[3])) if e[0] == "out" else e for e in events]
-        conn.send_bytes(pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL))
+    def emit(events: list[list]) -> None:
+        for front in sorted(open_fronts):
+            packed = [("out", e[1], pack_output(e[2], e[3])) if e[0] == "out" else e for e in events[front]]
+            try:
+                channels[front].send_bytes(pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL))
+            except OSError:               # (gone: next_command sees its end)
+                pass
 
-    run_engine_loop(engine, next_command, emit)
+    run_engine_loop(engine, next_command, emit, len(channels))
     del engine                            # (stops its own workers or replicas now)
     conn.close()
 
 
-class EngineCoreProc(ChildProcs):
-    """The loop in a spawned process (the engine, its model and its GPU live there), started
-    here; ``wait_ready()`` waits for its engine, then a thread here reads its events. Not
-    daemonic: a data-parallel engine spawns its replicas from it."""
-    child_name = "engine core"
-    daemon = False
+class CoreChannel:
+    """A front's pipe to an engine core: commands out, and a thread that reads the core's events
+    and hands them to ``dispatch`` (the core's death too, when the pipe ends)."""
 
-    def __init__(self, make_engine, dispatch, index: int = 0, env: dict[str, str] | None = None):
-        self.first_id = index
-        self._dispatch = dispatch
-        self._start_children(_core_main, lambda i: (make_engine,), 1, (lambda i: env) if env else None)
-
-    def wait_ready(self) -> tuple:
-        """The engine's (model config, max_model_len, stats) once it has started (its tokenizer
-        is not sent: the server loads its own); its start-up error raises here."""
-        self._replies(SPAWN_HINT)
-        (info,) = self._replies()
-        self._conn = self.conns[0]
+    def __init__(self, conn, dispatch, name: str, exit_code=lambda: None):
+        self._conn, self._dispatch, self._exit_code = conn, dispatch, exit_code
         self._lock = threading.Lock()             # sends come from the event loop and the reader
         self._prompts: dict[str, tuple] = {}
-        threading.Thread(target=self._read_events, name=f"pagoda-engine-reader{self.first_id}", daemon=True).start()
-        return info
+        threading.Thread(target=self._read_events, name=name, daemon=True).start()
 
     def send(self, cmd: tuple) -> None:
         data = pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
@@ -219,16 +259,52 @@ class EngineCoreProc(ChildProcs):
         except (OSError, ValueError) as e:
             raise EngineDeadError(f"The engine core process has stopped ({e}).") from e
 
+    def close(self) -> None:
+        """(An API server's: the core then drops this front's requests and goes on.)"""
+        self._conn.close()
+
     def _read_events(self) -> None:
         while True:
             try:
                 events = pickle.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
-                code = self.procs[0].exitcode
-                self._dispatch([("dead", EngineDeadError(f"The engine core process has stopped (exit code {code})."))])
+                code = self._exit_code()
+                self._dispatch([("dead", EngineDeadError("The engine core process has stopped" +
+                                                         (f" (exit code {code})." if code is not None else ".")))])
                 return
             for e in events:
                 if e[0] in ("aborted", "fail"):   # (nothing of it comes after this on the pipe)
                     self._prompts.pop(e[1], None)
             self._dispatch([("out", e[1], unpack_output(e[2], self._prompts), False) if e[0] == "out" else e
                             for e in events])
+
+
+class EngineCoreProc(ChildProcs):
+    """The loop in a spawned process (the engine, its model and its GPU live there), started
+    here; ``wait_ready()`` waits for its engine, then this process is its front (a CoreChannel
+    over the pipe), unless ``fronts`` are given: the core ends of pipes from API servers in
+    processes of their own (``pagoda serve --api-server-count``). Not daemonic: a
+    data-parallel engine spawns its replicas from it."""
+    child_name = "engine core"
+    daemon = False
+
+    def __init__(self, make_engine, dispatch, index: int = 0, env: dict[str, str] | None = None,
+                 fronts: list = ()):
+        self.first_id = index
+        self._dispatch = dispatch
+        self.channel: CoreChannel | None = None
+        self._start_children(_core_main, lambda i: (make_engine, list(fronts)), 1, (lambda i: env) if env else None)
+        self._fronts = bool(fronts)
+
+    def wait_ready(self) -> tuple:
+        """The engine's (model config, max_model_len, stats) once it has started (its tokenizer
+        is not sent: the server loads its own); its start-up error raises here."""
+        self._replies(SPAWN_HINT)
+        (info,) = self._replies()
+        if not self._fronts:
+            self.channel = CoreChannel(self.conns[0], self._dispatch, f"pagoda-engine-reader{self.first_id}",
+                                       lambda: self.procs[0].exitcode)
+        return info
+
+    def send(self, cmd: tuple) -> None:
+        self.channel.send(cmd)

@@ -140,6 +140,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the name(s) the API answers to (default: --model, or the embedded model's name)")
     p.add_argument("--api-key", default=None, help="require this key as `Authorization: Bearer KEY`")
     p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--api-server-count", "-asc", type=int, default=1,
+                   help="API server processes, each with its own event loop, on one port and over the same "
+                        "engine (for request rates one event loop cannot keep up with)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='parse tool calls out of chat answers when a request has tools (tool_choice "auto")')
     p.add_argument("--tool-call-parser", default=None, help="the tool-call format of the model: hermes (Qwen2.5/3), "

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server, as vLLM's ``vllm serve``:
 
-  pagoda serve [MODEL] --port 8000
+  pagoda serve [MODEL] --port 8000 [--api-server-count N]
   python -m pagoda.entrypoints.openai.api_server --model MODEL
 
 Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-tool-choice
@@ -9,8 +9,12 @@ Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-
 import argparse
 import asyncio
 import logging
+import multiprocessing as mp
 import os
+import signal
+import socket
 import time
+from multiprocessing.connection import wait
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +22,9 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import pagoda
-from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.async_llm import AsyncLLM, engine_core_makers
+from pagoda.engine.engine_core import EngineCoreProc
+from pagoda.engine.llm_engine import load_tokenizer
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest,
                                                EmbeddingRequest, RerankRequest, ScoreRequest)
@@ -35,8 +41,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     app = FastAPI(title="pagoda", version=pagoda.__version__)
     metrics = ServerMetrics(engine, served_model_names[0])
-    completion = OpenAIServingCompletion(engine, served_model_names, metrics)
-    chat = OpenAIServingChat(engine, served_model_names, metrics, enable_auto_tool_choice=enable_auto_tool_choice,
+    completion = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names, enable_auto_tool_choice=enable_auto_tool_choice,
                              tool_call_parser=tool_call_parser)
     pooling = OpenAIServingPooling(engine, served_model_names)
     created = int(time.time())
@@ -139,10 +145,75 @@ def run_server(args) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (known: hermes, llama3_json).")
     check_tool_call_parser(args.tool_call_parser)
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}.")
+    if args.api_server_count > 1:
+        run_api_servers(args, engine_args_from(args))
+        return
     engine = AsyncLLM.from_engine_args(engine_args_from(args))
     try:
-        app = build_app(engine, served_names(args), args.api_key, args.enable_auto_tool_choice, args.tool_call_parser)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        uvicorn.run(_app(engine, args), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        engine.shutdown()
+
+
+def _app(engine: AsyncLLM, args) -> FastAPI:
+    return build_app(engine, served_names(args), args.api_key, args.enable_auto_tool_choice, args.tool_call_parser)
+
+
+def run_api_servers(args, engine_args) -> None:
+    """``--api-server-count N``: N API servers, each a process of its own with its own event
+    loop, accepting on one listening socket (the kernel hands each connection to one of them),
+    fronts of the same engine cores over a pipe each. This process only supervises: when a
+    server or a core exits, or on Ctrl-C / SIGTERM, it stops them all."""
+    if os.environ.get("PAGODA_ENGINE_PROCESS", "1") == "0":
+        raise ValueError("--api-server-count needs the engine in a process of its own (PAGODA_ENGINE_PROCESS=0 "
+                         "keeps it on a thread of the one server).")
+    n = args.api_server_count
+    ctx = mp.get_context("spawn")
+    make_engines, envs = engine_core_makers(engine_args)
+    pipes = [[ctx.Pipe() for _ in range(n)] for _ in make_engines]   # [core][server]: (core end, server end)
+    sock = socket.create_server((args.host, args.port))
+    cores, servers = [], []
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        for d, make_engine in enumerate(make_engines):
+            cores.append(EngineCoreProc(make_engine, None, d, envs[d] if envs else None, [p[0] for p in pipes[d]]))
+        infos = [core.wait_ready() for core in cores]
+        for i in range(n):
+            server = ctx.Process(target=_api_server_main, name=f"pagoda-api-server{i}",
+                                 args=(args, engine_args, sock, [p[i][1] for p in pipes], infos[0]))
+            server.start()
+            servers.append(server)
+        for conn in (c for per_core in pipes for pair in per_core for c in pair):
+            conn.close()                  # (the processes that use them have their own)
+        logger.info("%d API servers on http://%s:%d", n, args.host, args.port)
+        wait([p.sentinel for p in servers] + [core.procs[0].sentinel for core in cores])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for server in servers:
+            server.terminate()            # (uvicorn's graceful shutdown)
+        for server in servers:
+            server.join(timeout=10)
+            if server.is_alive():
+                server.kill()
+        for core in cores:
+            core.shutdown()
+        sock.close()
+
+
+def _exit_on_signal(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _api_server_main(args, engine_args, sock, conns: list, info: tuple) -> None:
+    """One API server of several: its own front of the engine cores, on the shared socket."""
+    import uvicorn
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    engine = AsyncLLM.connect(conns, info, load_tokenizer(engine_args, info[0].path))
+    try:
+        uvicorn.Server(uvicorn.Config(_app(engine, args), log_level=args.uvicorn_log_level)).run(sockets=[sock])
     finally:
         engine.shutdown()
 

@@ -1,13 +1,13 @@
 """GET /metrics in Prometheus' text format. The names are vLLM's (``vllm:`` prefix), so the
 dashboards and benchmark scripts written for a vLLM server read this one unchanged. Engine
-figures are read from the engine's latest stats snapshot at each scrape; latencies are observed
-when a request finishes, but the inter-token latency, which the engine measures a step at a time
-for every request (streamed or not) and sends with the step's outputs."""
+figures are read from the engine's latest stats snapshot at each scrape; latencies come from the
+engine core, which measures them for every request (streamed or not): the inter-token latency a
+step at a time, the others when a request finishes. Every API server gets them all, so with
+several (``--api-server-count``) whichever answers a scrape describes the whole engine."""
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -61,21 +61,22 @@ class ServerMetrics:
                              "Time between a request's consecutive tokens (a step's, as the engine gave them).", label,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         engine.itl_observers.append(self.itl.labels(model_name).observe)
+        engine.done_observers.append(self.observe_finished)
         self.success = Counter("vllm:request_success", "Finished requests.", label + ["finished_reason"],
                                registry=self.registry)
         self.registry.register(_EngineCollector(engine, model_name))
 
-    def observe_finished(self, out: RequestOutput, num_tokens: int) -> None:
-        """``num_tokens``: the longest sample's length (a streamed output holds only the last delta)."""
-        m = out.metrics
-        if m is not None and m.first_token_time is not None:
-            self.ttft.labels(self.model_name).observe(m.first_token_time - m.arrival_time)
-            self.e2e.labels(self.model_name).observe(m.last_token_time - m.arrival_time)
+    def observe_finished(self, finished: tuple) -> None:
+        """A finished request's (arrival, first token, last token times, its longest sample's
+        tokens, each sample's finish reason), from the engine core."""
+        arrival, first_token, last_token, num_tokens, reasons = finished
+        if first_token is not None:
+            self.ttft.labels(self.model_name).observe(first_token - arrival)
+            self.e2e.labels(self.model_name).observe(last_token - arrival)
             if num_tokens > 1:
-                self.tpot.labels(self.model_name).observe(
-                    (m.last_token_time - m.first_token_time) / (num_tokens - 1))
-        for c in out.outputs:
-            self.success.labels(self.model_name, c.finish_reason or "abort").inc()
+                self.tpot.labels(self.model_name).observe((last_token - first_token) / (num_tokens - 1))
+        for reason in reasons:
+            self.success.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

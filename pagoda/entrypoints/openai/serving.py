@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagoda.engine.async_llm import AsyncLLM
-from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.protocol import SamplingRequest, error_body
 from pagoda.outputs import CompletionOutput, RequestOutput
 
@@ -24,10 +23,9 @@ class OpenAIServing:
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
         self.engine = engine
         self.served_model_names = served_model_names
-        self.metrics = metrics
 
     # ------------------------------------------------------------------ the subclasses' part
     def engine_prompts(self, request) -> list:
@@ -54,7 +52,7 @@ class OpenAIServing:
             firsts = await start(gens)
         except ValueError as e:
             return error_response(str(e), 400)
-        outputs = self._observed(_merge(gens, firsts))
+        outputs = _merge(gens, firsts)
         header = {"id": request_id, "created": int(time.time()),
                   "model": request.model or self.served_model_names[0]}
         if request.stream:
@@ -77,14 +75,6 @@ class OpenAIServing:
             fitted.append({"prompt": text, "prompt_token_ids": ids})
         return fitted
 
-    async def _observed(self, outputs):
-        num_tokens: dict[tuple[int, int], int] = {}      # (prompt, sample) -> tokens so far
-        async for i, out in outputs:
-            for c in out.outputs:
-                num_tokens[i, c.index] = num_tokens.get((i, c.index), 0) + len(c.token_ids)
-            if out.finished:
-                self.metrics.observe_finished(out, max(num_tokens[i, c.index] for c in out.outputs))
-            yield i, out
 
     async def _full(self, request, header: dict, outputs) -> dict:
         finals: dict[int, RequestOutput] = {}
