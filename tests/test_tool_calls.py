@@ -12,7 +12,8 @@ from fastapi.testclient import TestClient
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.api_server import build_app
 from pagoda.entrypoints.openai.tool_parsers import (ForcedCallStream, HermesToolParser, Llama3JsonToolParser,
-                                                     StreamingToolCalls)
+                                                     MistralToolParser, PythonicToolParser, StreamingToolCalls,
+                                                     get_tool_parser)
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import RequestOutputKind
 from pagoda.tokenizer import Tokenizer
@@ -119,6 +120,58 @@ def test_llama3_json_streamed_in_pieces(seed):
     assert stream.feed("Hi") == ("Hi", []) and stream.feed(" {x") == (" {x", [])    # sent at once
 
 
+WEATHER_AND_TIME = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris", "fmt": "24h"})]
+MISTRAL_CALLS = ('Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                 '{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "24h"}}]')
+MISTRAL_V11_CALLS = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "Europe/Paris", "fmt": "24h"}'
+PYTHONIC_CALLS = '[get_weather(city="Paris"), get_time(tz="Europe/Paris", fmt="24h")]'
+
+
+def test_mistral_extract():
+    """Both of Mistral's formats; the text before [TOOL_CALLS] is content; what is not calls stays."""
+    p = MistralToolParser()
+    assert (p.extract(MISTRAL_CALLS)[0], _names_args(p.extract(MISTRAL_CALLS)[1])) == ("Checking.", WEATHER_AND_TIME)
+    assert (p.extract(MISTRAL_V11_CALLS)[0], _names_args(p.extract(MISTRAL_V11_CALLS)[1])) == (None, WEATHER_AND_TIME)
+    assert _names_args(p.extract('[TOOL_CALLS]{"name": "f", "arguments": {}}')[1]) == [("f", {})]
+    for text in ("No tools.", "[TOOL_CALLS][{not json}]", '[TOOL_CALLS][{"city": "Paris"}]', "[TOOL_CALLS]f[ARGS]{",
+                 "[TOOL_CALLS]f{}", "[TOOL_CALLS][]"):
+        assert p.extract(text) == (text, [])
+
+
+def test_pythonic_extract():
+    """A Python list of calls with literal keyword arguments (JSON's true / null from Python's),
+    in Llama 4's tags or not; anything else stays text."""
+    p = PythonicToolParser()
+    assert p.extract(PYTHONIC_CALLS)[0] is None and _names_args(p.extract(PYTHONIC_CALLS)[1]) == WEATHER_AND_TIME
+    content, calls = p.extract('<|python_start|>[search(q="x", n=3, exact=True, lang=None, tags=["a", 1.5])]<|python_end|>')
+    assert content is None and _names_args(calls) == [("search", {"q": "x", "n": 3, "exact": True, "lang": None,
+                                                                  "tags": ["a", 1.5]})]
+    for text in ("No tools.", "[f(x)]", "[f(x=y)]", "[f(**kw)]", "[1, 2]", "[]", "get_weather(city='Paris')", "[f(x=1"):
+        assert p.extract(text) == (text, [])
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("name, answer, want_content", [("mistral", MISTRAL_CALLS, "Checking."),
+                                                        ("mistral", MISTRAL_V11_CALLS, ""),
+                                                        ("mistral", "Plain [text] here.", "Plain [text] here."),
+                                                        ("pythonic", PYTHONIC_CALLS, ""),
+                                                        ("pythonic", "Plain (text).", "Plain (text).")])
+def test_mistral_and_pythonic_streamed_in_pieces(seed, name, answer, want_content):
+    """Streamed in random pieces, an answer gives its whole extraction: the content, never a
+    piece of a tag or of a call, then the calls."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(answer)), rng.randint(1, min(12, len(answer) - 1))))
+    pieces = [answer[a:b] for a, b in zip([0] + cuts, cuts + [len(answer)])]
+    stream, content, calls = get_tool_parser(name).stream(), "", []
+    for i, piece in enumerate(pieces):
+        text, new = stream.feed(piece, final=i == len(pieces) - 1)
+        content += text
+        calls += new
+    expected = get_tool_parser(name).extract(answer)
+    assert content.strip() == want_content and (expected[0] or "") == want_content
+    assert _names_args(calls) == _names_args(expected[1]) and stream.num_calls == len(expected[1])
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_forced_call_stream(seed):
     """A "required" answer (a JSON list of calls, keys in either order, strings with escapes and
@@ -206,9 +259,12 @@ def test_streamed_chat_returns_tool_call_deltas(tokenizer):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_chat_llama3_json_tool_calls(tokenizer, stream):
-    """--tool-call-parser llama3_json: an answer that is all calls gives tool_calls, no content."""
-    _, client = _client(tokenizer, LLAMA3_CALLS, enable_auto_tool_choice=True, tool_call_parser="llama3_json")
+@pytest.mark.parametrize("parser, answer", [("llama3_json", LLAMA3_CALLS), ("pythonic", PYTHONIC_CALLS),
+                                            ("mistral", MISTRAL_V11_CALLS)])
+def test_chat_whole_answer_tool_calls(tokenizer, stream, parser, answer):
+    """--tool-call-parser llama3_json / pythonic / mistral: an answer that is all calls gives
+    tool_calls, no content."""
+    _, client = _client(tokenizer, answer, enable_auto_tool_choice=True, tool_call_parser=parser)
     with client:
         r = client.post("/v1/chat/completions", json=_chat(stream=stream))
     if stream:
@@ -221,7 +277,7 @@ def test_chat_llama3_json_tool_calls(tokenizer, stream):
         assert choice["message"]["content"] is None
         calls, finish = choice["message"]["tool_calls"], choice["finish_reason"]
     assert finish == "tool_calls" and [tc.get("index", i) for i, tc in enumerate(calls)] == [0, 1]
-    assert _names_args(calls) == _names_args(Llama3JsonToolParser().extract(LLAMA3_CALLS)[1])
+    assert _names_args(calls) == WEATHER_AND_TIME
 
 
 def test_plain_answer_and_tool_history(tokenizer):

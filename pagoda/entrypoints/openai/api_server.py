@@ -4,8 +4,8 @@
   python -m pagoda.entrypoints.openai.api_server --model MODEL
 
 Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-tool-choice
---tool-call-parser hermes or llama3_json), /v1/embeddings, /classify, /v1/score and /rerank (with
---runner pooling), /v1/models, /health, /version, /metrics."""
+--tool-call-parser hermes, llama3_json, mistral or pythonic), /v1/embeddings, /classify,
+/v1/score and /rerank (with --runner pooling), /v1/models, /health, /version, /metrics."""
 import argparse
 import asyncio
 import logging
@@ -32,7 +32,7 @@ from pagoda.entrypoints.openai.serving import error_response
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingPooling
-from pagoda.entrypoints.openai.tool_parsers import check_tool_call_parser
+from pagoda.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, check_tool_call_parser
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,8 @@ def run_server(args) -> None:
     from pagoda.entrypoints.cli import engine_args_from
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (known: hermes, llama3_json).")
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (known: "
+                         f"{', '.join(TOOL_CALL_PARSERS)}).")
     check_tool_call_parser(args.tool_call_parser)
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}.")

@@ -11,12 +11,24 @@ Llama 3.1-3.3's, the whole answer is the calls, JSON objects separated by ";" af
 
     {"name": "get_weather", "parameters": {"city": "Paris"}}
 
-Calls become OpenAI's ``tool_calls`` (``arguments`` a JSON string); text that is not a JSON
-object with a name stays as it was, content."""
+``mistral``: Mistral's, the text after ``[TOOL_CALLS]`` is the calls, a JSON list (v0.3
+tokenizers) or ``name[ARGS]{...}`` per call (v11 and later), the text before it content:
+
+    [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}
+
+``pythonic``: Llama 3.2's and 4's, the whole answer is a Python list of calls with keyword
+arguments of literal values (inside ``<|python_start|>`` ... ``<|python_end|>`` for Llama 4):
+
+    [get_weather(city="Paris"), get_time(tz="Europe/Paris")]
+
+Calls become OpenAI's ``tool_calls`` (``arguments`` a JSON string); text that is not calls in
+the parser's format stays as it was, content."""
+import ast
 import json
 import uuid
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 def check_tool_call_parser(name: str | None) -> None:
@@ -29,6 +41,11 @@ class HermesToolParser:
 
     def stream(self) -> "StreamingToolCalls":
         return StreamingToolCalls(self)
+
+    def parse_block(self, body: str) -> list[dict] | None:
+        """The calls of the text between a start tag and its end, or None if it is not calls."""
+        call = _tool_call(body)
+        return None if call is None else [call]
 
     def extract(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of a whole message."""
@@ -51,9 +68,10 @@ class HermesToolParser:
 class StreamingToolCalls:
     """A streamed message's deltas as (content delta, tool calls completed by it): text that may
     start a tool-call block is held back until it is known not to; each call is sent whole once
-    its block closes (a client sums tool-call deltas by index, so one delta a call is valid)."""
+    its block closes (a client sums tool-call deltas by index, so one delta a call is valid). A
+    parser whose ``end`` is None (mistral) has one block, to the message's end."""
 
-    def __init__(self, parser: HermesToolParser):
+    def __init__(self, parser: "HermesToolParser | MistralToolParser"):
         self.parser = parser
         self.held = ""               # text not yet sent: a possible start tag, or an open block
         self.in_call = False
@@ -65,14 +83,14 @@ class StreamingToolCalls:
         start, end = self.parser.start, self.parser.end
         while True:
             if self.in_call:
-                body, closed, after = self.held.partition(end)
+                body, closed, after = self.held.partition(end) if end else (self.held, "", "")
                 if not closed and not final:
                     break
-                call = _tool_call(body)
-                if call is None:             # not a call after all: say it as text
+                found = self.parser.parse_block(body)
+                if found is None:            # not calls after all: say it as text
                     content += start + body + closed
                 else:
-                    calls.append(call)
+                    calls += found
                 self.in_call, self.held = False, after
                 if not closed:
                     break
@@ -121,12 +139,80 @@ class Llama3JsonToolParser:
         return HeldToolCalls(self)
 
 
-class HeldToolCalls:
-    """A streamed message whose calls are the whole of it (llama3_json), as (content delta,
-    tool calls): held while it may be calls, parsed when it ends; once it cannot be, sent as it
-    comes."""
+class MistralToolParser:
+    start, end = "[TOOL_CALLS]", None
+    args_tag = "[ARGS]"
 
-    def __init__(self, parser: Llama3JsonToolParser):
+    def stream(self) -> StreamingToolCalls:
+        return StreamingToolCalls(self)
+
+    def extract(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool calls) of a whole message."""
+        head, sep, rest = text.partition(self.start)
+        calls = self.parse_block(rest) if sep else None
+        return (text, []) if calls is None else (head.strip() or None, calls)
+
+    def parse_block(self, body: str) -> list[dict] | None:
+        """The calls after the first [TOOL_CALLS]: a JSON list (or object), or name[ARGS]{...}
+        each, joined by more [TOOL_CALLS]; None if it is neither."""
+        body = body.strip()
+        if body[:1] in ("[", "{"):
+            try:
+                found = json.loads(body)
+            except json.JSONDecodeError:
+                return None
+            calls = [_call_of(obj) for obj in (found if isinstance(found, list) else [found])]
+            return calls if calls and None not in calls else None
+        calls = []
+        for part in body.split(self.start):
+            name, sep, arguments = part.partition(self.args_tag)
+            try:
+                json.loads(arguments)
+            except json.JSONDecodeError:
+                return None
+            if not sep or not name.strip():
+                return None
+            calls.append(make_tool_call(name.strip(), arguments.strip()))
+        return calls
+
+
+class PythonicToolParser:
+    start, end = "<|python_start|>", "<|python_end|>"
+
+    def extract(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool calls) of a whole message: calls only if all of it is calls."""
+        body = text.strip().removeprefix(self.start).removesuffix(self.end).strip()
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except SyntaxError:
+            return text, []
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if (not isinstance(node, ast.Call) or not isinstance(node.func, (ast.Name, ast.Attribute)) or node.args
+                    or any(k.arg is None for k in node.keywords)):
+                return text, []
+            try:
+                arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            except ValueError:           # (not a literal: a name, an expression)
+                return text, []
+            calls.append(make_tool_call(ast.unparse(node.func), json.dumps(arguments, ensure_ascii=False)))
+        return None, calls
+
+    def may_be_calls(self, head: str) -> bool:
+        return head.startswith(("[", self.start)) or self.start.startswith(head)
+
+    def stream(self) -> "HeldToolCalls":
+        return HeldToolCalls(self)
+
+
+class HeldToolCalls:
+    """A streamed message whose calls are the whole of it (llama3_json, pythonic), as (content
+    delta, tool calls): held while it may be calls, parsed when it ends; once it cannot be, sent
+    as it comes."""
+
+    def __init__(self, parser: "Llama3JsonToolParser | PythonicToolParser"):
         self.parser = parser
         self.held = ""
         self.passing = False
@@ -245,6 +331,7 @@ def make_tool_call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def get_tool_parser(name: str) -> HermesToolParser | Llama3JsonToolParser:
+def get_tool_parser(name: str):
     check_tool_call_parser(name)
-    return Llama3JsonToolParser() if name == "llama3_json" else HermesToolParser()
+    return {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
+            "pythonic": PythonicToolParser}[name]()
