@@ -248,10 +248,7 @@ class LLMEngine:
             if self._in_flight is not None:
                 outputs += self._finish_step(*self._in_flight)
         except BaseException:
-            # The caller aborts the requests. The blocks the failed steps were to fill are
-            # already indexed: forget the index, so no later request reads what was never written.
-            self._in_flight = None
-            self.kv_cache_manager.pool.forget_cached_blocks()
+            self._drop_steps_in_flight()
             raise
         self._in_flight = sched, launched
         if not self.async_scheduling or not self.scheduler.has_unfinished_requests():
@@ -278,10 +275,17 @@ class LLMEngine:
                 while queue:
                     outputs += self._finish_step(*queue.popleft())
         except BaseException:
-            queue.clear()
-            self.kv_cache_manager.pool.forget_cached_blocks()
+            self._drop_steps_in_flight()
             raise
         return outputs
+
+    def _drop_steps_in_flight(self) -> None:
+        """After a failed step (the caller aborts the requests): no step stays in flight, in either
+        step path. The blocks the failed steps were to fill are already indexed: forget the
+        index, so no later request reads what was never written."""
+        self._in_flight = None
+        self._batch_queue.clear()
+        self.kv_cache_manager.pool.forget_cached_blocks()
 
     def _schedule(self):
         """The next step, with the allowed-token masks of its structured requests."""

@@ -6,6 +6,7 @@ import functools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,45 +78,50 @@ class CachedRequestState:
     bad_word_prefixes: list | None = None
 
 
+def on_their_way(tensors: list, works: list = ()) -> tuple[list, Callable[[], object]]:
+    """Tensors on their way to this host, and what to wait for: with ``works`` (their broadcasts
+    from the rank that made them) the tensors as they will arrive; else non-blocking copies
+    queued behind the step and an event after them. Once waited for, ``.cpu()`` of each is on
+    the host (for the copies, without copying again)."""
+    if works:
+        return list(tensors), lambda: [w.wait() for w in works]
+    host = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+    if not any(t is not None and t.is_cuda for t in tensors):
+        return host, lambda: None
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied.synchronize
+
+
 class AsyncRunnerOutput:
-    """A step's results on their way to the host: the device-to-host copies are queued behind
-    the step and get_output() waits for them alone, so the engine can queue the next step first
-    (async scheduling) and process this one while the device runs that. With pipeline
-    parallelism the results are still on their way from the last stage (``arrivals``: the
-    works of their broadcasts): get_output() waits for those, then copies."""
+    """A step's results on their way to the host (``on_their_way``): the sampled tokens and
+    pooled vectors are copied behind the step, or with pipeline parallelism broadcast from the
+    last stage (``arrivals``: the works of the broadcasts), and get_output() waits for them
+    alone, so the engine can queue the next step first (async scheduling) and process this one
+    while the device runs that."""
 
     def __init__(self, runner: "ModelRunner", out: ModelRunnerOutput, req_ids: list[str] = (),
                  states: list[CachedRequestState] = (), result: SamplerOutput | None = None,
                  step_id: int = -1, rows: np.ndarray | None = None, arrivals: list = (), pooled=None):
         self.runner, self.out, self.req_ids, self.states = runner, out, list(req_ids), list(states)
-        self.pooled = pooled       # (request ids, params, vectors, what to wait for) on their way to rank 0
+        self.pooled = pooled       # (request ids, params, [vectors], their wait) on their way to rank 0
         self.positions = [s.num_tokens - 1 for s in self.states]     # where each sampled token goes
         self.step_id, self.rows = step_id, rows
-        self.host, self.arrivals, self.copied = None, list(arrivals), None
+        self.host = None
         if result is not None:
             fields = (result.token_ids, result.logprobs, result.ranks, result.topk_ids, result.topk_logprobs)
-            if self.arrivals:
-                self.host = list(fields)      # (filled by the broadcasts: copied once they are in)
-                return
-            self.host = [None if t is None else t.to("cpu", non_blocking=True) for t in fields]
-            self.copied = torch.cuda.Event() if runner.device.type == "cuda" else None
-            if self.copied is not None:
-                self.copied.record()
+            self.host, self.wait_host = on_their_way(fields, arrivals)
 
     def get_output(self) -> ModelRunnerOutput:
         if self.pooled is not None:
-            ids, params, vectors, wait = self.pooled
+            ids, params, (vectors,), wait = self.pooled
             wait()
             if self.runner.rank == 0:
                 self.runner._deliver_pooled(self.out, ids, params, vectors)
             self.pooled = None
         if self.host is not None:
-            for work in self.arrivals:
-                work.wait()
-            if self.arrivals:
-                self.host = [None if t is None else t.cpu() for t in self.host]
-            elif self.copied is not None:
-                self.copied.synchronize()
+            self.wait_host()
+            self.host = [None if t is None else t.cpu() for t in self.host]
             self.runner._record_sampled(self)
             self.host = None
         return self.out
@@ -439,7 +445,7 @@ class ModelRunner:
         step: the last token's once the prompt is computed, or the mean (the first token's)
         gathered over its chunks, on the rank that samples. They reach rank 0's host as the
         sampled tokens do, without waiting (a copy behind the step; with pipeline parallelism a
-        broadcast from the last stage): (request ids, params, vectors, what to wait for) is
+        broadcast from the last stage): (request ids, params, [vectors], what to wait for) is
         returned for get_output, which hands them out."""
         kind = self.pooler.pooling_type
         done: list[int] = []
@@ -475,15 +481,10 @@ class ModelRunner:
                 stacked = self.model.compute_logits(stacked)
         else:
             stacked = torch.empty(len(done), self.pooled_width, dtype=torch.float32, device=self.device)
-        if self.pp.world_size == 1:
-            # To the host behind the step, as the sampled tokens go: the engine queues the next
-            # step meanwhile (async scheduling)
-            host = stacked.to("cpu", non_blocking=True)
-            copied = torch.cuda.Event() if self.device.type == "cuda" else None
-            if copied is not None:
-                copied.record()
-            return ids, params, host, copied.synchronize if copied is not None else (lambda: None)
-        return ids, params, stacked, broadcast_output(stacked, src=self.driver).wait
+        # To the host behind the step, as the sampled tokens go: the engine queues the next step
+        # meanwhile (async scheduling)
+        works = [broadcast_output(stacked, src=self.driver)] if self.pp.world_size > 1 else []
+        return ids, params, *on_their_way([stacked], works)
 
     def _deliver_pooled(self, out: ModelRunnerOutput, ids: list[str], params: list, vectors: torch.Tensor) -> None:
         """Each request's output into ``out``, after its activation: an embedding cut to its
