@@ -235,6 +235,7 @@ def test_server_classifier_errors(classifier_server):
             (clients["ce"], "/rerank", {"query": "q", "documents": []}, "documents must not be empty"),
             (clients["ce"], "/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n must be at least 0"),
             (clients["cls"], "/classify", {"input": [[5] * 600]}, "longer than the maximum model length"),
+            (clients["cls"], "/classify", {"input": "Hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be"),
             (clients["emb"], "/classify", {"input": [5, 6]}, "Classification needs a sequence classification model")]:
         r = client.post(route, json=body)
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.json()

@@ -623,6 +623,7 @@ def test_embeddings_errors(embed_server, client):
             ({"input": []}, 400, "input must not be empty"),
             ({"input": [[5] * 600]}, 400, "longer than the maximum model length"),
             ({"input": "Hi", "dimensions": 100_000}, 400, "more than the model's hidden size"),
+            ({"input": "Hi", "dimensions": 0}, 400, "dimensions must be at least 1"),
             ({"input": "Hi", "encoding_format": "int8"}, 400, "encoding_format")]:
         r = embed_client.post("/v1/embeddings", json=body)
         assert r.status_code == status and message in r.json()["error"]["message"], r.json()

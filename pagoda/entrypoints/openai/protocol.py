@@ -143,7 +143,7 @@ class EmbeddingRequest(BaseModel):
 
     def pooling_params(self) -> PoolingParams:
         return PoolingParams(dimensions=self.dimensions, normalize=self.normalize,
-                             truncate_prompt_tokens=self.truncate_prompt_tokens)
+                             truncate_prompt_tokens=self.truncate_prompt_tokens, task="embed")
 
 
 class ScoreRequest(BaseModel):
@@ -180,6 +180,10 @@ class ClassificationRequest(BaseModel):
     use_activation: bool | None = None
     user: str | None = None
     priority: int = 0
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens, use_activation=self.use_activation,
+                             task="classify")
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:

@@ -23,33 +23,33 @@ class OpenAIServingPooling:
         self.served_model_names = served_model_names
 
     async def embed(self, request: EmbeddingRequest):
-        if (refusal := self._refusal(request)) is not None:
-            return refusal
-        request_id = f"embd-{uuid.uuid4().hex}"
-        params = request.pooling_params()
-        params.task = "embed"
-        try:
-            outputs = await self._encode(input_prompts(request.input, "input"), params, request_id, request.priority)
-        except ValueError as e:
-            return error_response(str(e), 400)
+        request_id, outputs = await self._encode_input(request, "embd")
+        if isinstance(outputs, JSONResponse):
+            return outputs
         data = [{"index": i, "object": "embedding", "embedding": _encoded(out.outputs.data, request.encoding_format)}
                 for i, out in enumerate(outputs)]
         return self._response(request, request_id, data, outputs)
 
     async def classify(self, request: ClassificationRequest):
-        if (refusal := self._refusal(request)) is not None:
-            return refusal
-        request_id = f"classify-{uuid.uuid4().hex}"
-        params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens,
-                               use_activation=request.use_activation, task="classify")
-        try:
-            outputs = await self._encode(input_prompts(request.input, "input"), params, request_id, request.priority)
-        except ValueError as e:
-            return error_response(str(e), 400)
+        request_id, outputs = await self._encode_input(request, "classify")
+        if isinstance(outputs, JSONResponse):
+            return outputs
         labels = class_labels(self.engine.model_config.arch)
         data = [{"index": i, "label": labels[int(out.outputs.data.argmax())], "probs": out.outputs.data.tolist(),
                  "num_classes": len(labels)} for i, out in enumerate(outputs)]
         return self._response(request, request_id, data, outputs)
+
+    async def _encode_input(self, request, prefix: str) -> tuple[str | None, list | JSONResponse]:
+        """(the request's id, the outputs of its ``input`` prompts), or the response that refuses
+        it: an unknown model, the wrong runner, a bad parameter or prompt."""
+        if (refusal := self._refusal(request)) is not None:
+            return None, refusal
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            return request_id, await self._encode(input_prompts(request.input, "input"), request.pooling_params(),
+                                                  request_id, request.priority)
+        except ValueError as e:
+            return request_id, error_response(str(e), 400)
 
     async def score(self, request: ScoreRequest):
         if (refusal := self._refusal(request)) is not None:
