@@ -104,6 +104,13 @@ warm_w1() {  # trees...: a short W1 Qwen3-0.6B run in each, so that the timed ru
       --no-tqdm --num-requests 64 --output-len 20 40 > /dev/null 2>&1)
   done
 }
+w1_check() {  # this tree's W1 after a warm-up: Qwen3-0.6B, Llama-3-8B, Qwen3-0.6B again
+  warm_w1 .
+  for m in qwen3-0.6b llama3-8b qwen3-0.6b; do
+    python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --out "$OUT/w1" 2>&1 \
+      | grep -E "^pagoda |Error" | sed "s/^/W1 $m: /"
+  done
+}
 w2() {  # tree label model batches
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$3.json" --batch $4 \
     --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W2 $3 $2: /")
@@ -695,11 +702,7 @@ case "${1:-}" in
     # runner); embedding throughput of Qwen3-0.6B against HF's forward
     python3 -m pytest -q -p no:cacheprovider tests/test_pooling.py -k tiny 2>&1 | tail -2 | sed "s/^/pooling tests: /"
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -2 | sed "s/^/GPU tests: /"
-    warm_w1 .
-    for m in qwen3-0.6b llama3-8b qwen3-0.6b; do
-      python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --out "$OUT/w1" 2>&1 \
-        | grep -E "^pagoda |Error" | sed "s/^/W1 $m: /"
-    done
+    w1_check
     python3 benchmarks/embed.py --model-config $MA/qwen3-0.6b.json --hf --out "$OUT/embed" 2>&1 | tail -4
     ;;
   session21)
@@ -711,11 +714,7 @@ case "${1:-}" in
     python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kv_cache.py -k calculate 2>&1 | tail -2 | sed "s/^/kv scales test: /"
     python3 -m pytest -q -p no:cacheprovider tests/test_pooling.py -k tiny 2>&1 | tail -2 | sed "s/^/pooling tests: /"
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -2 | sed "s/^/GPU tests: /"
-    warm_w1 .
-    for m in qwen3-0.6b llama3-8b qwen3-0.6b; do
-      python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --out "$OUT/w1" 2>&1 \
-        | grep -E "^pagoda |Error" | sed "s/^/W1 $m: /"
-    done
+    w1_check
     ;;
   asc21)
     # Several API servers (--api-server-count) against one, interleaved: W3 MODELS (default

@@ -1,5 +1,6 @@
 """Request outputs, with vLLM's classes and field names."""
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -120,19 +121,6 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """An embedding (``LLM.embed``): the pooled vector as a list of floats."""
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-    @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)
-
-
-@dataclass
 class ClassificationOutput:
     probs: list[float]                       # one per class (the logits with use_activation=False)
 
@@ -142,16 +130,31 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
-    """A classification (``LLM.classify``): the classes' probabilities as a list of floats."""
+class _ListRequestOutput:
+    """A pooling request's result with its vector as a list of floats (``output_cls``'s field)."""
     request_id: str
-    outputs: ClassificationOutput
+    outputs: object
     prompt_token_ids: list[int]
     finished: bool = True
+    output_cls: ClassVar[type]
 
     @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)
+    def from_base(cls, out: PoolingRequestOutput):
+        return cls(out.request_id, cls.output_cls(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class EmbeddingRequestOutput(_ListRequestOutput):
+    """An embedding (``LLM.embed``): ``outputs.embedding``, the pooled vector."""
+    outputs: EmbeddingOutput
+    output_cls: ClassVar[type] = EmbeddingOutput
+
+
+@dataclass
+class ClassificationRequestOutput(_ListRequestOutput):
+    """A classification (``LLM.classify``): ``outputs.probs``, the classes' probabilities."""
+    outputs: ClassificationOutput
+    output_cls: ClassVar[type] = ClassificationOutput
 
 
 @dataclass
