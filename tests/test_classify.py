@@ -152,18 +152,10 @@ def test_classifier_over_parallel_ranks(tmp_path, hf_tok):
     """tp=2 (each rank has the whole head; rank 0 applies it), pp=2 (the last stage, which has
     no embedding though the config ties it, applies it and broadcasts the classes' logits) and
     dp=2 give one process's probabilities."""
+    from tests.test_pooling import assert_layouts_agree
     folder, _ = write_classifier(str(tmp_path / "cls"), hf_tok, "Qwen3ForSequenceClassification", tied=True)
-    got = {}
-    for layout in ({}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"data_parallel_size": 2}):
-        llm = LLM(folder, max_num_batched_tokens=16, device="cpu", **SMALL, **layout)
-        try:
-            got[str(layout)] = torch.tensor([o.outputs.probs for o in llm.classify(TEXTS, use_tqdm=False)])
-        finally:
-            del llm
-            gc.collect()
-    ref = got.pop("{}")
-    for probs in got.values():
-        torch.testing.assert_close(probs, ref, atol=1e-5, rtol=1e-5)
+    assert_layouts_agree(folder, dict(max_num_batched_tokens=16, device="cpu", **SMALL),
+                         lambda llm: torch.tensor([o.outputs.probs for o in llm.classify(TEXTS, use_tqdm=False)]))
 
 
 @pytest.fixture(scope="module")

@@ -105,17 +105,26 @@ def test_pooling_over_parallel_ranks(tmp_path, pooling_type):
     prompts = ids([[5, 6, 7, 8, 9], list(range(10, 70)), [300, 2, 41] + list(range(900, 940))])
     small = dict(runner="pooling", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24,
                  max_model_len=256, device="cpu", max_num_batched_tokens=32, pooler_config={"pooling_type": pooling_type})
+    assert_layouts_agree(folder, small, lambda llm: torch.stack([o.outputs.data for o in llm.encode(prompts,
+                                                                                                    use_tqdm=False)]))
+
+
+PARALLEL_LAYOUTS = ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"data_parallel_size": 2})
+
+
+def assert_layouts_agree(folder: str, engine_kwargs: dict, run) -> None:
+    """``run(llm)``'s tensor is one process's on tp=2, pp=2 and dp=2 (1e-5)."""
     got = {}
-    for layout in ({}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"data_parallel_size": 2}):
-        llm = LLM(folder, **small, **layout)
+    for layout in ({}, *PARALLEL_LAYOUTS):
+        llm = LLM(folder, **engine_kwargs, **layout)
         try:
-            got[str(layout)] = torch.stack([o.outputs.data for o in llm.encode(prompts, use_tqdm=False)])
+            got[str(layout)] = run(llm)
         finally:
             del llm
             gc.collect()
     ref = got.pop("{}")
-    for vectors in got.values():
-        torch.testing.assert_close(vectors, ref, atol=1e-5, rtol=1e-5)
+    for value in got.values():
+        torch.testing.assert_close(value, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
