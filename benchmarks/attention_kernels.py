@@ -212,6 +212,43 @@ def tune(dtype, gen, log, deadline):
     return results
 
 
+PREFILL_TILES = [  # (BLOCK_M, TILE_N, warps, stages); the first is the default
+    (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2),
+    (128, 64, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2)]
+
+
+def tune_prefill(dtype, gen, log):
+    """Prefill attention, TFLOP/s: fresh causal prefills (8 x 1,024, 2 x 4,096) against dense
+    SDPA on contiguous K/V, and a chunk of 512 queries over a 1,536-token cached prefix, for
+    the prefill tiles of PREFILL_TILES (the first is the default)."""
+    default_tiles = dict(ta.TILES)
+    log("Prefill attention, TFLOP/s (causal FLOPs); BLOCK_M,TILE_N,warps,stages")
+    try:
+        for model, heads in MODELS.items():
+            for batch, q_len, ctx in [(8, 1024, 1024), (2, 4096, 4096), (4, 512, 2048)]:
+                case = Case(batch, q_len, ctx, *heads, dtype, gen)
+                err = rel_err(case.triton(), case.reference(fp32=True))
+                line = f"{model:11s} {batch}x{q_len} ctx {ctx:5d} (err {err:.1e})"
+                if q_len == ctx:
+                    case.make_dense()
+                    line += f" sdpa {case.flops() / 1e12 / (bench(case.sdpa) / 1e3):6.1f} |"
+                    del case.k_dense, case.v_dense, case.q_dense
+                for block_m, tile_n, warps, stages in PREFILL_TILES:
+                    ta.TILES = {k: v for k, v in default_tiles.items() if k < block_m}
+                    ta.TILES[block_m] = dict(TILE_N=tile_n, num_warps=warps, num_stages=stages)
+                    try:
+                        rate = f"{case.flops() / 1e12 / (bench(case.triton) / 1e3):6.1f}"
+                    except Exception as e:  # noqa: BLE001  (e.g. out of shared memory)
+                        rate = type(e).__name__[:6]
+                    line += f" {block_m},{tile_n},{warps},{stages}: {rate}"
+                ta.TILES = dict(default_tiles)
+                log(line)
+                del case
+                torch.cuda.empty_cache()
+    finally:
+        ta.TILES = default_tiles
+
+
 def tune_split(dtype, gen, log):
     """Flash-decoding at small and medium batches: does splitting the context (more, shorter
     programs) beat one program per (request, KV head)? Timed in a CUDA graph."""
@@ -453,6 +490,8 @@ def main():
                         help="FP8 (E4M3) caches; with --decode-tiles, the FP8 tile candidates")
     parser.add_argument("--mixed", action="store_true",
                         help="only time a mixed step in one launch against decodes and prefills apart")
+    parser.add_argument("--prefill", action="store_true",
+                        help="only time prefill attention (fresh and over a cached prefix) over prefill tiles")
     args = parser.parse_args()
     assert DEVICE != "cuda" or torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     global KV_DTYPE
@@ -473,7 +512,7 @@ def main():
     bw = copy_bandwidth()
     only = {"tune_split": tune_split, "ragged": tune_ragged, "layout": tune_layout, "mixed": time_mixed,
             "decode_tiles": lambda d, g, lg: tune_decode_tiles(d, g, lg, candidates),
-            "split_ragged": tune_split_ragged}
+            "split_ragged": tune_split_ragged, "prefill": tune_prefill}
     chosen = [fn for flag, fn in only.items() if getattr(args, flag)]
     if chosen:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")

@@ -60,6 +60,8 @@
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh session21 # classifiers + calculate_kv_scales on CUDA (tests), GPU tests, W1 both models
 #   bash benchmarks/gpu_session.sh asc21     # W3 with --api-server-count 2 against 1, interleaved (carry the server's wheels)
+#   bash benchmarks/gpu_session.sh pdl22     # PDL into cuBLAS GEMMs: which kernels wait (probe), MLP micro
+#   BASE=dir bash benchmarks/gpu_session.sh prefill22  # attention tests; prefill tiles BASE vs tree; W1 Qwen3 A/B
 #   bash benchmarks/gpu_session.sh serve19   # W3: the engine in its own process against its thread, interleaved
 #   BASE=dir bash benchmarks/gpu_session.sh serve19ab  # W3: BASE's server against this tree's, interleaved
 #   bash benchmarks/gpu_session.sh serve19dp # two GPUs: data-parallel tests, W3 Llama-3-8B at dp 1 and 2
@@ -715,6 +717,37 @@ case "${1:-}" in
     python3 -m pytest -q -p no:cacheprovider tests/test_pooling.py -k tiny 2>&1 | tail -2 | sed "s/^/pooling tests: /"
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -2 | sed "s/^/GPU tests: /"
     w1_check
+    ;;
+  prefill22b)
+    # The prefill tiles of 128 tokens: the attention tests' prefills at full shapes; W1 and W2 of
+    # both models, BASE against this tree interleaved
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py -k "prefill or mixed" 2>&1 | tail -1 | sed "s/^/attention tests: /"
+    warm_w1 "$BASE" .
+    for m in qwen3-0.6b llama3-8b; do
+      w1 "$BASE" base $m
+      w1 . tree $m
+      w2 "$BASE" base $m "1 64"
+      w2 . tree $m "1 64"
+    done
+    ;;
+  pdl22)
+    # Programmatic edges into cuBLAS's GEMMs (pdl_gemm_probe.py): which GEMM kernels wait for their
+    # predecessor's writes, what PDL into them would gain on MLP halves. (Call 1: none waits.)
+    python3 benchmarks/pdl_gemm_probe.py --out "$OUT/pdl" 2>&1 | grep -v "^$"
+    ;;
+  prefill22)
+    # Prefill attention without masks below the causal diagonal: the attention tests at full
+    # shapes; prefill tiles, BASE against this tree; W1 Qwen3-0.6B BASE / tree interleaved
+    python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py 2>&1 | tail -2 | sed "s/^/attention tests: /"
+    for tree in "$BASE" .; do
+      PAGODA_ROOT=$tree python3 benchmarks/attention_kernels.py --prefill 2>&1 | grep -E "^(qwen|llama)|Error" \
+        | sed "s|^|$(basename $tree): |"
+    done
+    warm_w1 "$BASE" .
+    for round in 1 2; do
+      w1 "$BASE" base qwen3-0.6b
+      w1 . tree qwen3-0.6b
+    done
     ;;
   asc21)
     # Several API servers (--api-server-count) against one, interleaved: W3 MODELS (default

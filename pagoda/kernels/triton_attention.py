@@ -93,8 +93,12 @@ TILES = {  # BLOCK_M: dict(TILE_N, num_warps, num_stages[, maxnreg])
     16: dict(TILE_N=64, num_warps=4, num_stages=3, maxnreg=128),
     32: dict(TILE_N=64, num_warps=4, num_stages=3),
     64: dict(TILE_N=64, num_warps=4, num_stages=3),
-    128: dict(TILE_N=64, num_warps=8, num_stages=3),
+    # prefill: 128-token K/V tiles (the twenty-second session's sweep, BENCHMARKS.md)
+    128: dict(TILE_N=128, num_warps=8, num_stages=3),
 }
+# A K/V tile of TILE_N tokens holds at most this many elements (its stages must fit in shared
+# memory at head dims over 128)
+MAX_TILE_ELEMENTS = 128 * 128
 # Decode launches of many programs (W1's largest batches) in one-warp programs of 32-token tiles:
 # no cross-warp reductions in a tile, and up to 16 programs an SM. On the H200 (BENCHMARKS.md,
 # nineteenth session) batch 256 read 2-3% faster from a bf16 cache and 13-16% from an FP8 one,
@@ -452,7 +456,15 @@ def _paged_attention_kernel(
                                          m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d,
                                          d_valid, BLOCK_SIZE, TILE_N, DOT_PRECISION, True)
     else:
-        for t in tl.range(tile_mid, tile_hi, num_stages=LOOP_STAGES):
+        # The new tokens' tiles: those wholly at or before the tile's first query are before every
+        # query of the tile (causal) and before kv_end, so unmasked too; only the diagonal's are
+        # masked (one or two a program, where every tile was masked before).
+        tile_diag = tl.minimum(tl.maximum((context_len + local_tile * BLOCK_Q + 1) // TILE_N, tile_mid), tile_hi)
+        for t in tl.range(tile_mid, tile_diag, num_stages=LOOP_STAGES):
+            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i,
+                                         l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
+                                         BLOCK_SIZE, TILE_N, DOT_PRECISION, HEAD_DIM != HEAD_DIM_P)
+        for t in tl.range(tile_diag, tile_hi, num_stages=LOOP_STAGES):
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i,
                                          l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
                                          BLOCK_SIZE, TILE_N, DOT_PRECISION, True)
@@ -564,6 +576,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         return out
 
     block_m, tiles = _pick_tiles(max_query_len, group, query.dtype, query.device, num_seqs * num_kv_heads)
+    tiles["TILE_N"] = min(tiles["TILE_N"], max(16, MAX_TILE_ELEMENTS // triton.next_power_of_2(head_dim)))
     block_q = block_m // group
     decode = max_query_len == 1
     if num_segments is None:

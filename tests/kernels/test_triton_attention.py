@@ -21,6 +21,9 @@ DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32]  # the s
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 LONG = 4000 if ON_GPU else 300          # "long context" for decode
 PREFILL = 1024 if ON_GPU else 40        # prefill length
+# A prefill whose query tiles start past the first K/V tiles (which they attend unmasked) and
+# a chunk over a cached prefix that does the same: at least 2-3 KV tiles of 64 tokens
+LONG_PREFILL = 2048 + 21 if ON_GPU else 150
 # (num_heads, num_kv_heads): GQA ratios 1, 3 and 4
 HEADS = [(8, 8), (24, 8), (32, 8)] if ON_GPU else [(2, 2), (6, 2), (8, 2)]
 
@@ -72,6 +75,7 @@ CASES = {  # name: (q_lens, seq_lens)
     "decode_long": ([1, 1, 1], [LONG, 77, LONG - 7]),
     "prefill": ([PREFILL, 37], [PREFILL, 37]),
     "chunked_prefill": ([PREFILL // 2 + 3, 20], [PREFILL + 29, 20 + 45]),
+    "long_prefill": ([LONG_PREFILL, 100], [LONG_PREFILL, 70 + 100]),
     "mixed": ([1, 25, 1, 7, 1], [LONG // 2 + 1, 25, 40, 7 + 60, 1]),
 }
 
