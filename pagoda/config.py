@@ -65,6 +65,75 @@ class ArchConfig:
         )
 
 
+class HFConfigDict(dict):
+    """config.json as read: a dict whose entries are also attributes, so that an ``hf_overrides``
+    function written for transformers' PretrainedConfig (``config.x = ...``) works on it."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        self[name] = value
+
+
+def apply_hf_overrides(d: dict, overrides) -> dict:
+    """vLLM's ``hf_overrides``: config.json entries to set (a dict given for a dict entry is merged
+    into it), or a function that takes the config (``HFConfigDict``) and returns it. Then a causal
+    LM named a classifier with ``classifier_from_token`` gets its label count (see
+    ``classifier_from_tokens``)."""
+    if overrides is None:
+        return d
+    if callable(overrides):
+        d = overrides(HFConfigDict(d))
+        if not isinstance(d, dict):
+            raise TypeError(f"The hf_overrides function returned {type(d).__name__}, not the config.")
+        d = dict(d)
+    elif isinstance(overrides, dict):
+        d = {**d, **{k: {**d[k], **v} if isinstance(v, dict) and isinstance(d.get(k), dict) else v
+                     for k, v in overrides.items()}}
+    else:
+        raise TypeError(f"hf_overrides must be a dict of config entries or a function of the config, not "
+                        f"{type(overrides).__name__}.")
+    return _classifier_labels(d)
+
+
+# vLLM's conversions of a causal LM into a classifier whose score head is rows of its LM head
+# (hf_overrides' "method"): the rows of the classifier_from_token tokens as they are, or, for a
+# reranker that answers "no" / "yes" (Qwen3-Reranker: is_original_qwen3_reranker), the
+# difference yes - no as one label, whose sigmoid is the 2-way softmax's probability of "yes".
+CLASSIFIER_METHODS = ("no_post_processing", "from_2_way_softmax")
+
+
+def classifier_from_tokens(arch: "ArchConfig") -> tuple[list[str], bool] | None:
+    """(the tokens whose LM-head rows make the score head, whether as a 2-way softmax), or None
+    for a model that is not converted."""
+    tokens = arch.hf_config.get("classifier_from_token")
+    return None if tokens is None else (list(tokens), arch.hf_config["method"] == "from_2_way_softmax")
+
+
+def _classifier_labels(d: dict) -> dict:
+    tokens = d.get("classifier_from_token")
+    if tokens is None:
+        return d
+    if not (isinstance(tokens, (list, tuple)) and tokens and all(isinstance(t, str) for t in tokens)):
+        raise ValueError(f"classifier_from_token must be a list of token strings, got {tokens!r}.")
+    if not is_classifier((d.get("architectures") or [""])[0]):
+        raise ValueError("classifier_from_token makes a causal LM's LM-head rows a classifier's score head: set "
+                         "'architectures' to its *ForSequenceClassification too (e.g. "
+                         "['Qwen3ForSequenceClassification']).")
+    method = "from_2_way_softmax" if d.get("is_original_qwen3_reranker") else d.get("method", "no_post_processing")
+    if method not in CLASSIFIER_METHODS:
+        raise ValueError(f"Unknown method {method!r} for classifier_from_token; choose one of {CLASSIFIER_METHODS}.")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(f"A 2-way softmax classifier takes two tokens, [false, true] (e.g. ['no', 'yes']), "
+                         f"got {list(tokens)}.")
+    labels = tokens[1:] if method == "from_2_way_softmax" else tokens
+    return {**d, "method": method, "num_labels": len(labels), "id2label": {str(i): t for i, t in enumerate(labels)}}
+
+
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
@@ -97,6 +166,9 @@ class ModelConfig:
     generation_config: dict = field(default_factory=dict)
     runner: str = "generate"      # or "pooling" (vLLM's runner): LLM.embed / encode instead of generate
     pooler: PoolerConfig | None = None   # with the pooling runner
+    # A causal LM read as a classifier (classifier_from_tokens): its tokens' ids, whose LM-head
+    # rows make the score head at load
+    classifier_token_ids: tuple[int, ...] = ()
 
     @property
     def is_gguf(self) -> bool:

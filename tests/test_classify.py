@@ -3,6 +3,7 @@ random-weight *ForSequenceClassification folders written by HF transformers, wit
 tokenizer whose pair template differs from joining two texts, against HF's own outputs (on the
 default device: the GPU's kernels there); their layouts over ranks; their errors; the server."""
 import gc
+import json
 
 import pytest
 import torch
@@ -21,12 +22,16 @@ SMALL = dict(dtype="float32", kv_cache_memory_bytes=1 << 24, max_model_len=256)
 
 @pytest.fixture(scope="module")
 def hf_tok():
-    """Bytes for tokens; "<s> A" for one text, "<s> A </s> B" for a pair (as a BERT-style
-    cross-encoder joins them)."""
+    return byte_tokenizer()
+
+
+def byte_tokenizer(words=()):
+    """Bytes for tokens (and ``words``, tokens of the vocabulary too); "<s> A" for one text,
+    "<s> A </s> B" for a pair (as a BERT-style cross-encoder joins them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     specials = ["<pad>", "<s>", "</s>"]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))},
-                               merges=[]))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + alphabet + list(words))}, merges=[]))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     tok.add_special_tokens(specials)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A </s> $B:1",
@@ -37,13 +42,14 @@ def hf_tok():
 
 def write_classifier(folder, tok, arch="LlamaForSequenceClassification", labels=("neg", "neu", "pos"),
                      tied=False):
-    """A random HF classifier saved with the tokenizer; returns (folder, the HF model)."""
+    """A random HF classifier (or, ``labels=None``, a causal LM: a reranker's checkpoint, with an
+    LM head and no score head) saved with the tokenizer; returns (folder, the HF model)."""
     qwen3 = arch.startswith("Qwen3")
     config_cls = transformers.Qwen3Config if qwen3 else transformers.LlamaConfig
     config = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                         pad_token_id=tok.pad_token_id, tie_word_embeddings=tied, architectures=[arch],
-                        id2label=dict(enumerate(labels)))
+                        **({} if labels is None else {"id2label": dict(enumerate(labels))}))
     torch.manual_seed(0)
     model = getattr(transformers, arch)(config).eval()
     with torch.no_grad():     # (larger than HF's init: classes far from even)
@@ -148,6 +154,86 @@ def test_classifier_errors(tmp_path, hf_tok):
         gc.collect()
 
 
+# vLLM's conversion of a causal-LM reranker (Qwen3-Reranker), as its docs give it
+RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+            "is_original_qwen3_reranker": True}
+
+
+@pytest.fixture(scope="module")
+def word_tok():
+    return byte_tokenizer(["no", "yes", "maybe"])
+
+
+def to_reranker(config):
+    """RERANKER as a function of the config, written as for transformers' PretrainedConfig."""
+    config.architectures = ["Qwen3ForSequenceClassification"]
+    config.classifier_from_token = ["no", "yes"]
+    config.is_original_qwen3_reranker = True
+    return config
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_causal_lm_reranker_by_hf_overrides(tmp_path, word_tok, tied):
+    """hf_overrides turns a causal LM's checkpoint into a cross-encoder (Qwen3-Reranker): its
+    score is P("yes") of the 2-way softmax over the "no" / "yes" logits at the pair's last token;
+    as a function of the config too. Without is_original_qwen3_reranker the tokens' rows are the
+    classes."""
+    folder, hf = write_classifier(str(tmp_path / "lm"), word_tok, "Qwen3ForCausalLM", None, tied)
+    ids = {w: word_tok.convert_tokens_to_ids(w) for w in ("no", "yes", "maybe")}
+    results = {}
+    for name, overrides in [("dict", RERANKER), ("function", to_reranker)]:
+        llm = LLM(folder, runner="pooling", hf_overrides=overrides, max_num_batched_tokens=16, **SMALL)
+        try:
+            results[name] = [s.outputs.score for s in llm.score(QUERY, DOCS, use_tqdm=False)]
+            assert_no_leaks(llm)
+        finally:
+            del llm
+            gc.collect()
+    three = {**RERANKER, "classifier_from_token": ["no", "yes", "maybe"], "is_original_qwen3_reranker": False}
+    llm = LLM(folder, hf_overrides=three, **SMALL)
+    try:
+        classes = llm.classify(TEXTS, use_tqdm=False)
+    finally:
+        del llm
+        gc.collect()
+    for doc, score, by_function in zip(DOCS, results["dict"], results["function"]):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([word_tok(QUERY, text_pair=doc)["input_ids"]])).logits[0, -1]
+        assert score == pytest.approx(logits[[ids["no"], ids["yes"]]].softmax(-1)[1].item(), abs=1e-5)
+        assert by_function == score
+    for text, out in zip(TEXTS, classes):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([word_tok(text)["input_ids"]])).logits[0, -1]
+        torch.testing.assert_close(torch.tensor(out.outputs.probs),
+                                   logits[[ids["no"], ids["yes"], ids["maybe"]]].softmax(-1), atol=1e-5, rtol=0)
+
+
+def test_hf_overrides_errors(tmp_path, word_tok):
+    """A conversion that cannot be made fails by name before the model is built."""
+    folder, _ = write_classifier(str(tmp_path / "lm"), word_tok, "Qwen3ForCausalLM", None, tied=True)
+    cases = [({"classifier_from_token": ["no", "yes"]}, "set 'architectures' to its .ForSequenceClassification"),
+             ({**RERANKER, "classifier_from_token": ["no", "yes", "maybe"]}, "2-way softmax classifier takes two"),
+             ({**RERANKER, "classifier_from_token": ["no", "absolutely"]}, r"\['absolutely'\] are not tokens"),
+             ({**RERANKER, "classifier_from_token": "yes"}, "must be a list of token strings"),
+             ({**RERANKER, "is_original_qwen3_reranker": False, "method": "softmax"}, "Unknown method 'softmax'"),
+             ({"architectures": ["Qwen3ForSequenceClassification"]}, "lacks 1 weights, e.g. \\['score.weight'\\]")]
+    for overrides, message in cases:
+        with pytest.raises(ValueError, match=message):
+            LLM(folder, hf_overrides=overrides, **SMALL)
+    import argparse
+
+    from pagoda.entrypoints.cli import add_engine_args, engine_args_from
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_args_from(p.parse_args(["--hf-overrides", json.dumps(RERANKER)])).hf_overrides == RERANKER
+    with pytest.raises(SystemExit):   # (argparse: "expected a JSON object")
+        p.parse_args(["--hf-overrides", "[1]"])
+    with pytest.raises(TypeError, match="hf_overrides must be a dict"):
+        LLM(folder, hf_overrides=["architectures"], **SMALL)
+    with pytest.raises(TypeError, match="returned NoneType, not the config"):
+        LLM(folder, hf_overrides=lambda config: None, **SMALL)
+
+
 def test_classifier_over_parallel_ranks(tmp_path, hf_tok):
     """tp=2 (each rank has the whole head; rank 0 applies it), pp=2 (the last stage, which has
     no embedding though the config ties it, applies it and broadcasts the classes' logits) and
@@ -156,6 +242,16 @@ def test_classifier_over_parallel_ranks(tmp_path, hf_tok):
     folder, _ = write_classifier(str(tmp_path / "cls"), hf_tok, "Qwen3ForSequenceClassification", tied=True)
     assert_layouts_agree(folder, dict(max_num_batched_tokens=16, device="cpu", **SMALL),
                          lambda llm: torch.tensor([o.outputs.probs for o in llm.classify(TEXTS, use_tqdm=False)]))
+
+
+def test_causal_lm_reranker_over_parallel_ranks(tmp_path, word_tok):
+    """The score head made from a tied LM head on the last pipeline stage, which has no
+    embedding of its own (it reads the checkpoint's for the head alone), and on every
+    tensor-parallel rank (from the whole, unsharded rows), gives one process's scores."""
+    from tests.test_pooling import assert_layouts_agree
+    folder, _ = write_classifier(str(tmp_path / "lm"), word_tok, "Qwen3ForCausalLM", None, tied=True)
+    assert_layouts_agree(folder, dict(hf_overrides=RERANKER, max_num_batched_tokens=16, device="cpu", **SMALL),
+                         lambda llm: torch.tensor([o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]))
 
 
 @pytest.fixture(scope="module")

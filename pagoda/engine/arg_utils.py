@@ -1,11 +1,12 @@
 """EngineArgs: the keyword arguments of ``LLM(...)`` (vLLM's names), turned into EngineConfig."""
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 
-from pagoda.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, PoolerConfig,
-                           SchedulerConfig, is_classifier)
+from pagoda.config import (KV_CACHE_DTYPES, ArchConfig, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                           PoolerConfig, SchedulerConfig, classifier_from_tokens, is_classifier)
 from pagoda.model.hub import default_model_path, resolve_model_path
 from pagoda.model.loader import read_arch_config, read_generation_config, read_pooler_config, read_quant_config
 from pagoda.quant.base import check_quantization_name, resolve_quantization
@@ -66,6 +67,9 @@ class EngineArgs:
     task: str | None = None                    # vLLM's older name for it: "generate", "embed", "classify", "score"
     pooler_config: PoolerConfig | dict | None = None   # over the model folder's (sentence-transformers) pooling
     override_pooler_config: PoolerConfig | dict | None = None   # (vLLM's older name)
+    # config.json entries to set, or a function of the config (vLLM's; e.g. a causal LM read as a
+    # classifier: architectures + classifier_from_token, see config.apply_hf_overrides)
+    hf_overrides: dict | Callable | None = None
 
     def _runner(self, architecture: str) -> str:
         """"generate" or "pooling"; "auto" picks pooling for a classifier (as vLLM does)."""
@@ -109,6 +113,26 @@ class EngineArgs:
     def model_path(self) -> str:
         return resolve_model_path(self.model or default_model_path(), self.revision)
 
+    def arch_config(self, path: str) -> ArchConfig:
+        return read_arch_config(path, self.hf_overrides)
+
+    def _classifier_token_ids(self, arch: ArchConfig, path: str) -> tuple[int, ...]:
+        """The vocabulary ids of a converted classifier's classifier_from_token, else ()."""
+        conversion = classifier_from_tokens(arch)
+        if conversion is None:
+            return ()
+        from pagoda.engine.llm_engine import load_tokenizer    # (it imports this module)
+        tokenizer = load_tokenizer(self, path)
+        if tokenizer is None:
+            raise ValueError("classifier_from_token names tokens: it needs the tokenizer (skip_tokenizer_init=False).")
+        ids = [tokenizer.token_to_id(t) for t in conversion[0]]
+        unknown = [t for t, i in zip(conversion[0], ids) if i is None]
+        if unknown:
+            raise ValueError(f"classifier_from_token: {unknown} are not tokens of the model's vocabulary.")
+        if max(ids) >= arch.vocab_size:
+            raise ValueError(f"classifier_from_token: token ids {ids} are past the LM head's {arch.vocab_size} rows.")
+        return tuple(ids)
+
     def parallel_config(self, device: str, arch, ray_replicas: bool = False) -> ParallelConfig:
         """The parallel layout, checked against the model and the visible GPUs (no CUDA context).
         Only DPEngine (``ray_replicas``) can run the replicas as Ray actors: the server lays out
@@ -127,7 +151,7 @@ class EngineArgs:
         device = self.resolved_device()
         check_quantization_name(self.quantization)     # fail on a bad name before loading anything
         path = self.model_path()
-        arch = read_arch_config(path)
+        arch = self.arch_config(path)
         parallel = self.parallel_config(device, arch, ray_replicas=True)
         quantization, quant_config = resolve_quantization(self.quantization, read_quant_config(path, arch), path)
         dtype, compute_dtype = _resolve_dtype(self.dtype, arch.torch_dtype, device)
@@ -160,7 +184,8 @@ class EngineArgs:
             model=self.model or path, path=path, arch=arch, dtype=dtype, compute_dtype=compute_dtype,
             seed=self.seed, load_format=self.load_format,
             quantization=quantization, quant_config=quant_config, tokenizer=self.tokenizer, revision=self.revision,
-            generation_config=read_generation_config(path), runner=self._runner(arch.architecture))
+            generation_config=read_generation_config(path), runner=self._runner(arch.architecture),
+            classifier_token_ids=self._classifier_token_ids(arch, path))
         if model.runner == "pooling":
             model.pooler = self._pooler(path)
         cache = CacheConfig(

@@ -15,7 +15,6 @@ from pagoda.engine.dp_replica import replica_engine, replica_env
 from pagoda.engine.engine_core import CoreChannel, EngineCoreProc, EngineDeadError, EngineThread
 from pagoda.engine.llm_engine import LLMEngine, load_tokenizer
 from pagoda.engine.stats import EngineStats, sum_stats
-from pagoda.model.loader import read_arch_config
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -278,6 +277,6 @@ def engine_core_makers(args: EngineArgs) -> tuple[list, list | None]:
     # Only the layout here (the replicas make their engine configs: that queries the GPU,
     # which would start CUDA in the server's process).
     device = args.resolved_device()
-    parallel = args.parallel_config(device, read_arch_config(args.model_path()))
+    parallel = args.parallel_config(device, args.arch_config(args.model_path()))
     envs = [replica_env(d, dp, parallel.world_size) for d in range(dp)] if device == "cuda" else None
     return [partial(replica_engine, args, d, dp) for d in range(dp)], envs

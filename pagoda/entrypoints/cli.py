@@ -1,6 +1,7 @@
 """The ``pagoda`` command: ``pagoda generate`` (batch, offline), ``pagoda chat``
 (interactive, streaming) and ``pagoda serve`` (the OpenAI-compatible server)."""
 import argparse
+import json
 import sys
 import time
 from dataclasses import asdict
@@ -44,8 +45,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "/classify, /score, /rerank (auto: pooling for a *ForSequenceClassification model)")
     p.add_argument("--task", default=None, choices=["generate", "embed", "classify", "score"],
                    help="vLLM's older name for --runner")
+    p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help="config.json entries to set, as a JSON object, e.g. a causal LM reranker read as a "
+                        "classifier: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                        "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
     p.add_argument("--log-stats", action="store_true",
                    help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
+
+
+def _json_object(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +84,7 @@ def engine_args_from(args):
                       kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
                       scheduling_policy=args.scheduling_policy,
                       enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats,
-                      runner=args.runner, task=args.task)
+                      runner=args.runner, task=args.task, hf_overrides=args.hf_overrides)
 
 
 def _make_llm(args):

@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from pagoda.config import ArchConfig, ModelConfig
+from pagoda.config import ArchConfig, ModelConfig, apply_hf_overrides, classifier_from_tokens
 from pagoda.model.gguf_file import GGUFModel
 from pagoda.model.hub import read_json
 from pagoda.model.pipeline import missing_prefixes
@@ -17,11 +17,10 @@ from pagoda.model.registry import get_model_class
 from pagoda.quant.base import get_quant_method
 
 
-def read_arch_config(path: str) -> ArchConfig:
-    if path.endswith(".gguf"):
-        return ArchConfig.from_hf_dict(GGUFModel(path).hf_config)
-    config_file = Path(path) / "config.json"
-    return ArchConfig.from_hf_dict(read_json(config_file))
+def read_arch_config(path: str, hf_overrides=None) -> ArchConfig:
+    """The model's config.json (a GGUF's metadata rendered as one), with vLLM's ``hf_overrides``."""
+    d = GGUFModel(path).hf_config if path.endswith(".gguf") else read_json(Path(path) / "config.json")
+    return ArchConfig.from_hf_dict(apply_hf_overrides(d, hf_overrides))
 
 
 def read_quant_config(path: str, arch: ArchConfig) -> dict | None:
@@ -174,11 +173,39 @@ def _expected_names(model: nn.Module, mapping: dict) -> set[str]:
 
 def other_stages_weights(model: nn.Module) -> tuple[str, ...]:
     """Name prefixes of the checkpoint tensors that other pipeline stages hold, so this one
-    never reads them (but the embedding's, when this stage's LM head is tied to it)."""
+    never reads them (but the embedding's, when this stage's LM head, or the score head made
+    from it, is tied to it)."""
     skip = missing_prefixes(model)
-    if ties_lm_head(model) and "lm_head." not in skip:
+    converted = classifier_from_tokens(model.config) is not None
+    head = "score." if converted else "lm_head."
+    if converted and head in skip:
+        skip += ("lm_head.",)          # (the LM head the score head would be made from)
+    if model.config.tie_word_embeddings and (ties_lm_head(model) or converted) and head not in skip:
         skip = tuple(p for p in skip if p != "model.embed_tokens.")
     return skip
+
+
+def score_from_lm_head(weights: Iterator[tuple[str, torch.Tensor]], model: nn.Module,
+                       token_ids: tuple[int, ...]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A causal LM's checkpoint read as the classifier ``model`` (``config.classifier_from_tokens``):
+    its LM head (or the embedding it is tied to) is not loaded, but its rows of ``token_ids``
+    become ``score.weight``, or their difference true - false for a 2-way softmax."""
+    params = dict(model.named_parameters())
+    _, two_way = classifier_from_tokens(model.config)
+    head = None
+    for name, tensor in weights:
+        if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and model.config.tie_word_embeddings):
+            head = tensor
+            if name not in params:      # (an embedding read for the head alone: another stage's)
+                continue
+        yield name, tensor
+    if "score.weight" not in params:    # a pipeline stage before the last
+        return
+    if head is None:
+        raise ValueError("classifier_from_token reads the score head from the checkpoint's LM head, but it has no "
+                         "lm_head.weight (nor a tied embedding).")
+    rows = head[list(token_ids)].float()
+    yield "score.weight", ((rows[1] - rows[0])[None] if two_way else rows).to(head.dtype)
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
@@ -239,10 +266,12 @@ def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
         raise weights_do_not_fit(cls, config, device)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
-    elif config.is_gguf:
-        load_weights(model, GGUFModel(config.path).iter_weights(other_stages_weights(model)))
     else:
-        load_weights(model, iter_safetensors(config.path, other_stages_weights(model)))
+        skip = other_stages_weights(model)
+        weights = GGUFModel(config.path).iter_weights(skip) if config.is_gguf else iter_safetensors(config.path, skip)
+        if config.classifier_token_ids:
+            weights = score_from_lm_head(weights, model, config.classifier_token_ids)
+        load_weights(model, weights)
     for m in model.modules():
         qm = getattr(m, "quant_method", None)
         if qm is not None:
