@@ -54,12 +54,15 @@ class LLM:
 
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None, pooling_task: str | None = None,
                **_ignored) -> list[PoolingRequestOutput]:
         """Each prompt's pooled output (a tensor), with the pooling runner (``runner="pooling"``):
         the final hidden states pooled as the model's pooler config says (the last token's by
-        default), then normalized; a classifier's class probabilities."""
-        return self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, None)
+        default), then normalized; a classifier's class probabilities. ``pooling_task``
+        (vLLM's): "token_embed" for every prompt token's normalized hidden state, a
+        (tokens, hidden size) tensor; "token_classify" for a classifier's probabilities at
+        every token, (tokens, classes); or "embed" / "classify"."""
+        return self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task)
 
     def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pagoda.outputs import PoolingRequestOutput, ScoringRequestOutput
 
 
-POOLING_TASKS = ("embed", "classify", "score")
+POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
 
 
 @dataclass
@@ -20,6 +20,8 @@ class PoolingParams:
     use_activation: bool | None = None
     # What the caller expects ("embed", "classify", "score"; set by LLM's methods and the server's
     # routes): the engine refuses a model that does not give it. None: whatever the model gives.
+    # The token-level tasks ("token_embed", "token_classify", LLM.encode's pooling_task) give a
+    # row for every prompt token instead of one vector.
     task: str | None = None
 
     def __post_init__(self):
@@ -30,6 +32,10 @@ class PoolingParams:
             raise ValueError(f"truncate_prompt_tokens must be at least 1 (or -1), got {self.truncate_prompt_tokens}.")
         if self.task not in (None, *POOLING_TASKS):
             raise ValueError(f"Unknown pooling task {self.task!r}; choose one of {', '.join(POOLING_TASKS)}.")
+
+    @property
+    def is_token_task(self) -> bool:
+        return self.task in ("token_embed", "token_classify")
 
     def clone(self) -> "PoolingParams":
         return replace(self)

@@ -92,6 +92,31 @@ def test_classify_matches_hf(tmp_path, hf_tok, arch):
     torch.testing.assert_close(again[0].outputs.data, torch.tensor(outs[2].outputs.probs), atol=1e-5, rtol=0)
 
 
+def test_token_classify_matches_hf(tmp_path, hf_tok):
+    """pooling_task="token_classify": the head at every prompt token, softmaxed row by row (raw
+    with use_activation=False), over chunks; token_embed is refused by a classifier."""
+    folder, hf = write_classifier(str(tmp_path / "cls"), hf_tok, "Qwen3ForSequenceClassification", tied=True)
+    llm = LLM(folder, max_num_batched_tokens=16, **SMALL)
+    try:
+        outs = llm.encode(TEXTS, use_tqdm=False, pooling_task="token_classify")
+        raw = llm.encode(TEXTS[2:], PoolingParams(use_activation=False), use_tqdm=False, pooling_task="token_classify")
+        with pytest.raises(ValueError, match="gives no embeddings.*pooling_task='token_classify'"):
+            llm.encode(TEXTS, use_tqdm=False, pooling_task="token_embed")
+        assert_no_leaks(llm)
+    finally:
+        del llm
+        gc.collect()
+    def every_token(ids):     # HF's head on each token's final hidden state
+        with torch.no_grad():
+            return hf.score(hf.model(input_ids=torch.tensor([ids])).last_hidden_state[0])
+
+    for text, out in zip(TEXTS, outs):
+        ids = hf_tok(text)["input_ids"]
+        assert out.outputs.data.shape == (len(ids), 3)
+        torch.testing.assert_close(out.outputs.data, every_token(ids).softmax(-1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(raw[0].outputs.data, every_token(hf_tok(TEXTS[2])["input_ids"]), atol=1e-4, rtol=1e-4)
+
+
 def test_cross_encoder_scores_match_hf(tmp_path, hf_tok):
     """LLM.score with one label: the query and each document read together (the tokenizer's
     pair encoding, as transformers' text_pair), the sigmoid of the logit; token-id pairs joined."""

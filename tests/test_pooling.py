@@ -95,6 +95,33 @@ def test_mean_and_cls_pooling_over_chunks(smollm_path, hf_hidden, pooling_type):
         gc.collect()
 
 
+def test_token_embed_over_chunks(smollm_path, hf_hidden):
+    """pooling_task="token_embed": every prompt token's final hidden state, each row normalized
+    (or cut to its dimensions, raw), gathered over the prompt's chunks, with no cached prefix
+    (the second run computes every token again); beside last-token embeddings in one batch."""
+    llm = pooling_llm(smollm_path, max_num_batched_tokens=16, async_scheduling=True)
+    try:
+        for _ in range(2):
+            outs = llm.encode(ids(PROMPTS), use_tqdm=False, pooling_task="token_embed")
+            for out, hidden in zip(outs, hf_hidden):
+                assert out.outputs.data.shape == hidden.shape
+                torch.testing.assert_close(out.outputs.data, F.normalize(hidden, dim=-1), atol=1e-4, rtol=1e-4)
+        raw = llm.encode(ids(PROMPTS), [PoolingParams(dimensions=8, normalize=False, task="token_embed"),
+                                        PoolingParams(), PoolingParams(task="token_embed")], use_tqdm=False)
+        torch.testing.assert_close(raw[0].outputs.data, hf_hidden[0][:, :8], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(raw[1].outputs.data, F.normalize(hf_hidden[1][-1], dim=-1), atol=1e-4, rtol=1e-4)
+        assert raw[2].outputs.data.shape == hf_hidden[2].shape
+        assert llm.get_stats().prefix_cache_hits == 0
+        with pytest.raises(ValueError, match="needs a sequence classification model .* pooling_task='token_embed'"):
+            llm.encode(ids(PROMPTS), use_tqdm=False, pooling_task="token_classify")
+        with pytest.raises(ValueError, match="Unknown pooling task 'tokens'"):
+            llm.encode(ids(PROMPTS), use_tqdm=False, pooling_task="tokens")
+        assert_no_leaks(llm)
+    finally:
+        del llm
+        gc.collect()
+
+
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
 def test_pooling_over_parallel_ranks(tmp_path, pooling_type):
     """tp=2 (rank 0 pools the replicated final hidden states), pp=2 (the last stage pools and
@@ -107,6 +134,9 @@ def test_pooling_over_parallel_ranks(tmp_path, pooling_type):
                  max_model_len=256, device="cpu", max_num_batched_tokens=32, pooler_config={"pooling_type": pooling_type})
     assert_layouts_agree(folder, small, lambda llm: torch.stack([o.outputs.data for o in llm.encode(prompts,
                                                                                                     use_tqdm=False)]))
+    if pooling_type == "LAST":   # token_embed's rows of every prompt token, one tensor for all prompts
+        assert_layouts_agree(folder, small, lambda llm: torch.cat([o.outputs.data for o in llm.encode(
+            prompts, use_tqdm=False, pooling_task="token_embed")]))
 
 
 PARALLEL_LAYOUTS = ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"data_parallel_size": 2})

@@ -134,8 +134,9 @@ class LLMEngine:
         self.output_processor.add(parent, children)
         if pooling is not None:
             children[0].pooling_params = pooling
-            # Mean / CLS pooling need every token's hidden state: no cached prefix.
-            children[0].skip_prefix_cache |= self.config.model.pooler.pooling_type != "LAST"
+            # Mean / CLS pooling and the token-level tasks need every token's hidden state: no
+            # cached prefix.
+            children[0].skip_prefix_cache |= pooling.is_token_task or self.config.model.pooler.pooling_type != "LAST"
         for req in children:
             if grammar is not None:
                 req.matcher = self.structured.matcher(grammar)
@@ -345,17 +346,19 @@ def _check_pooling_task(params: PoolingParams, model) -> None:
     arch = model.arch.architecture
     if model.pooling_task == "classify":
         labels = len(class_labels(model.arch))
-        if params.task == "embed":
-            raise ValueError(f"This model ({arch}) classifies; it gives no embeddings: use LLM.classify or LLM.score.")
+        if params.task in ("embed", "token_embed"):
+            raise ValueError(f"This model ({arch}) classifies; it gives no embeddings: use LLM.classify or LLM.score "
+                             "(or pooling_task='token_classify').")
         if params.task == "score" and labels != 1:
             raise ValueError(f"Scoring pairs with a classifier needs a cross-encoder (one label); {arch} has "
                              f"{labels}: use LLM.classify.")
         if params.dimensions is not None:
             raise ValueError("dimensions is for embeddings; this model classifies.")
         return
-    if params.task == "classify":
+    if params.task in ("classify", "token_classify"):
         raise ValueError(f"Classification needs a sequence classification model (an architecture "
-                         f"*ForSequenceClassification); this one ({arch}) gives embeddings: use LLM.embed.")
+                         f"*ForSequenceClassification); this one ({arch}) gives embeddings: use LLM.embed "
+                         "(or pooling_task='token_embed').")
     hidden = model.arch.hidden_size
     if params.dimensions is not None and params.dimensions > hidden:
         raise ValueError(f"dimensions={params.dimensions} is more than the model's hidden size ({hidden}).")

@@ -73,6 +73,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     pooling: PoolingParams | None = None      # a pooling request: pooled at its prompt's end, never sampled
     pooled_sum: torch.Tensor | None = None    # MEAN / CLS pooling: what its chunks so far contribute
+    pooled_rows: list | None = None           # token-level tasks: its chunks' hidden states so far
     # allowed_token_ids and each bad word's tokens but its last, on the device: copied once
     allowed_ids: torch.Tensor | None = None
     bad_word_prefixes: list | None = None
@@ -114,10 +115,10 @@ class AsyncRunnerOutput:
 
     def get_output(self) -> ModelRunnerOutput:
         if self.pooled is not None:
-            ids, params, (vectors,), wait = self.pooled
+            ids, params, counts, (vectors,), wait = self.pooled
             wait()
             if self.runner.rank == 0:
-                self.runner._deliver_pooled(self.out, ids, params, vectors)
+                self.runner._deliver_pooled(self.out, ids, params, vectors.cpu().split(counts))
             self.pooled = None
         if self.host is not None:
             self.wait_host()
@@ -441,15 +442,16 @@ class ModelRunner:
                                  self.num_sampling_steps, s_rows, arrivals, pooled)
 
     def _pool(self, hidden, req_ids, states, computed, q_lens, cu, known):
-        """The pooling requests' vectors, from the final hidden states of their tokens in this
-        step: the last token's once the prompt is computed, or the mean (the first token's)
-        gathered over its chunks, on the rank that samples. They reach rank 0's host as the
-        sampled tokens do, without waiting (a copy behind the step; with pipeline parallelism a
-        broadcast from the last stage): (request ids, params, [vectors], what to wait for) is
+        """The pooling requests' outputs, from the final hidden states of their tokens in this
+        step, on the rank that samples: the last token's once the prompt is computed, or the mean
+        (the first token's) gathered over its chunks; for a token-level task (``token_embed``,
+        ``token_classify``) every token's, gathered over its chunks. They reach rank 0's host as
+        the sampled tokens do, without waiting (a copy behind the step; with pipeline
+        parallelism a broadcast from the last stage), as one tensor of their rows (one a request,
+        or one a prompt token): (request ids, params, row counts, [rows], what to wait for) is
         returned for get_output, which hands them out."""
-        kind = self.pooler.pooling_type
         done: list[int] = []
-        vectors: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
         for i, s in enumerate(states):
             if s.pooling is None:
                 continue
@@ -458,48 +460,55 @@ class ModelRunner:
                 done.append(i)
             if self.rank != self.driver:        # (the final hidden states' rank pools)
                 continue
+            kind = "ALL" if s.pooling.is_token_task else self.pooler.pooling_type
             start, end = int(cu[i] - q_lens[i]), int(cu[i])
             if kind == "MEAN":
                 part = hidden[start:end].float().sum(0)
                 s.pooled_sum = part if s.pooled_sum is None else s.pooled_sum + part
-            elif kind == "CLS" and computed[i] == 0:      # (a copy: a graph's output is overwritten)
+            elif kind == "CLS" and computed[i] == 0:      # (copies: a graph's output is overwritten)
                 s.pooled_sum = hidden[start].float().clone()
+            elif kind == "ALL":
+                s.pooled_rows = (s.pooled_rows or []) + [hidden[start:end].to(torch.float32, copy=True)]
             if not ends:
                 continue
             if kind == "LAST":
-                vectors.append(hidden[end - 1].float())
+                rows.append(hidden[end - 1:end].float())
+            elif kind == "ALL":
+                rows.append(torch.cat(s.pooled_rows))
             else:
-                vectors.append(s.pooled_sum / int(known[i]) if kind == "MEAN" else s.pooled_sum)
+                rows.append((s.pooled_sum / int(known[i]) if kind == "MEAN" else s.pooled_sum)[None])
         if not done:
             return None
         ids, params = [req_ids[i] for i in done], [states[i].pooling for i in done]
+        counts = [int(known[i]) if states[i].pooling.is_token_task else 1 for i in done]
         if self.pp.world_size == 1 and self.rank != 0:
             return None
         if self.rank == self.driver:
-            stacked = torch.stack(vectors)
+            stacked = torch.cat(rows)
             if self.classifies:
                 stacked = self.model.compute_logits(stacked)
         else:
-            stacked = torch.empty(len(done), self.pooled_width, dtype=torch.float32, device=self.device)
+            stacked = torch.empty(sum(counts), self.pooled_width, dtype=torch.float32, device=self.device)
         # To the host behind the step, as the sampled tokens go: the engine queues the next step
         # meanwhile (async scheduling)
         works = [broadcast_output(stacked, src=self.driver)] if self.pp.world_size > 1 else []
-        return ids, params, *on_their_way([stacked], works)
+        return ids, params, counts, *on_their_way([stacked], works)
 
-    def _deliver_pooled(self, out: ModelRunnerOutput, ids: list[str], params: list, vectors: torch.Tensor) -> None:
-        """Each request's output into ``out``, after its activation: an embedding cut to its
-        ``dimensions`` and L2-normalized; a classifier's logits as probabilities (softmax, or the
-        sigmoid of a single label's: a cross-encoder's score)."""
-        for req_id, p, vec in zip(ids, params, vectors.cpu()):
+    def _deliver_pooled(self, out: ModelRunnerOutput, ids: list[str], params: list, outputs: list) -> None:
+        """Each request's output (its rows) into ``out``, after its activation, row by row: an
+        embedding cut to its ``dimensions`` and L2-normalized; a classifier's logits as
+        probabilities (softmax, or the sigmoid of a single label's: a cross-encoder's score). One
+        row a request is returned as a vector."""
+        for req_id, p, vec in zip(ids, params, outputs):
             if self.classifies:
                 if p.use_activation is not False:
-                    vec = vec.sigmoid() if vec.numel() == 1 else vec.softmax(-1)
+                    vec = vec.sigmoid() if vec.shape[-1] == 1 else vec.softmax(-1)
             else:
-                vec = vec[:p.dimensions]
+                vec = vec[:, :p.dimensions]
                 normalize = next(x for x in (p.use_activation, p.normalize, self.pooler.normalize) if x is not None)
                 if normalize:
                     vec = F.normalize(vec, dim=-1)
-            out.pooler_output[req_id] = vec
+            out.pooler_output[req_id] = vec if p.is_token_task else vec[0]
 
     def _sample_on_driver(self, logits, states, rows, t) -> tuple[SamplerOutput, list]:
         """The driver's sampled tokens on every rank, which need them as the next step's input
