@@ -62,6 +62,8 @@
 #   bash benchmarks/gpu_session.sh asc21     # W3 with --api-server-count 2 against 1, interleaved (carry the server's wheels)
 #   bash benchmarks/gpu_session.sh pdl22     # PDL into cuBLAS GEMMs: which kernels wait (probe), MLP micro
 #   BASE=dir bash benchmarks/gpu_session.sh prefill22  # attention tests; prefill tiles BASE vs tree; W1 Qwen3 A/B
+#   BASE=dir bash benchmarks/gpu_session.sh prefill22b # 128-token prefill tiles: tests; W1 + W2 both models A/B
+#   BASE=dir bash benchmarks/gpu_session.sh final22    # GPU tests (classify, rerankers, token pooling); long-prompt TTFT A/B
 #   bash benchmarks/gpu_session.sh serve19   # W3: the engine in its own process against its thread, interleaved
 #   BASE=dir bash benchmarks/gpu_session.sh serve19ab  # W3: BASE's server against this tree's, interleaved
 #   bash benchmarks/gpu_session.sh serve19dp # two GPUs: data-parallel tests, W3 Llama-3-8B at dp 1 and 2
@@ -728,6 +730,19 @@ case "${1:-}" in
       w1 . tree $m
       w2 "$BASE" base $m "1 64"
       w2 . tree $m "1 64"
+    done
+    ;;
+  final22)
+    # The final tree's GPU tests (classifiers, rerankers by hf_overrides, token-level pooling,
+    # the engine); time to first token of a long prompt (7,680 tokens, batch 1), BASE against
+    # this tree (prefill attention without masks below the diagonal, 128-token tiles)
+    python3 -m pytest -q -p no:cacheprovider tests/test_classify.py -k "not parallel_ranks" 2>&1 | tail -1 | sed "s/^/classify tests: /"
+    python3 -m pytest -q -p no:cacheprovider tests/test_pooling.py -k tiny tests/test_gpu.py 2>&1 | tail -1 | sed "s/^/pooling + GPU tests: /"
+    for m in qwen3-0.6b llama3-8b; do
+      for tree in "$BASE" .; do
+        (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$m.json" --batch 1 \
+          --prompt-len 7680 --output-len 16 --out "$OUT/long" 2>&1 | grep "^pagoda " | sed "s|^|long prompt $m $(basename $tree): |")
+      done
     done
     ;;
   pdl22)
