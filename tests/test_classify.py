@@ -339,6 +339,43 @@ def test_server_classify_score_rerank_equal_llm(classifier_server):
         wait_until_idle(engines[k])
 
 
+def test_server_pooling_route(classifier_server):
+    """/pooling (vLLM's): LLM.encode's output for the request's task: token_classify's last row
+    is the classifier's /classify probabilities, token_embed's last row the /v1/embeddings
+    vector (every row normalized); base64 holds the float32 rows."""
+    import base64
+
+    import numpy as np
+
+    from tests.test_server import wait_until_idle
+    clients, engines, _ = classifier_server
+    probs = [d["probs"] for d in clients["cls"].post("/classify", json={"input": TEXTS}).json()["data"]]
+    body = clients["cls"].post("/pooling", json={"model": "m", "input": TEXTS, "task": "token_classify"}).json()
+    assert body["id"].startswith("pool-") and body["usage"]["prompt_tokens"] > 0
+    for d, want in zip(body["data"], probs):
+        rows = torch.tensor(d["data"])
+        assert d["object"] == "pooling" and rows.shape[1] == 3 and rows.shape[0] > 1
+        torch.testing.assert_close(rows.sum(-1), torch.ones(rows.shape[0]))
+        assert rows[-1].tolist() == pytest.approx(want, abs=1e-6)
+    [vector] = clients["cls"].post("/pooling", json={"input": TEXTS[0]}).json()["data"]
+    assert vector["data"] == pytest.approx(probs[0], abs=1e-6)       # (the model's own task: classify)
+    ids = [5, 6, 7, 8, 9, 10]
+    [emb] = clients["emb"].post("/v1/embeddings", json={"input": ids}).json()["data"]
+    [tok] = clients["emb"].post("/pooling", json={"input": ids, "task": "token_embed",
+                                                  "encoding_format": "base64"}).json()["data"]
+    rows = torch.from_numpy(np.frombuffer(base64.b64decode(tok["data"]), dtype="<f4").copy()).view(len(ids), -1)
+    torch.testing.assert_close(rows.norm(dim=-1), torch.ones(len(ids)))
+    assert rows[-1].tolist() == pytest.approx(emb["embedding"], abs=1e-6)
+    for client, body, status, message in [
+            (clients["cls"], {"input": "Hi", "task": "token_embed"}, 400, "gives no embeddings"),
+            (clients["emb"], {"input": [5, 6], "task": "tokens"}, 400, "Unknown pooling task 'tokens'"),
+            (clients["cls"], {"input": "Hi", "model": "other"}, 404, "does not exist")]:
+        r = client.post("/pooling", json=body)
+        assert r.status_code == status and message in r.json()["error"]["message"], r.json()
+    for engine in engines.values():
+        wait_until_idle(engine)
+
+
 def test_server_classifier_errors(classifier_server):
     from tests.test_server import wait_until_idle
     clients, engines, _ = classifier_server

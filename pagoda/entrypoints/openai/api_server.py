@@ -5,7 +5,7 @@
 
 Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-tool-choice
 --tool-call-parser hermes, llama3_json, mistral or pythonic), /v1/embeddings, /classify,
-/v1/score and /rerank (with --runner pooling), /v1/models, /health, /version, /metrics."""
+/v1/score, /rerank and /pooling (with --runner pooling), /v1/models, /health, /version, /metrics."""
 import argparse
 import asyncio
 import logging
@@ -27,7 +27,7 @@ from pagoda.engine.engine_core import EngineCoreProc
 from pagoda.engine.llm_engine import load_tokenizer
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest,
-                                               EmbeddingRequest, RerankRequest, ScoreRequest)
+                                               EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest)
 from pagoda.entrypoints.openai.serving import error_response
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -106,6 +106,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/v2/rerank")
     async def rerank(body: RerankRequest, raw: Request):
         return await _until_disconnected(raw, pooling.rerank(body))
+
+    @app.post("/pooling")
+    async def pooling_route(body: PoolingRequest, raw: Request):
+        return await _until_disconnected(raw, pooling.pool(body))
 
     return app
 

@@ -186,6 +186,27 @@ class ClassificationRequest(BaseModel):
                              task="classify")
 
 
+class PoolingRequest(BaseModel):
+    """POST /pooling (vLLM's): each input's output of the pooling ``task`` ("embed", "classify",
+    "token_embed", "token_classify"; default: the model's), as LLM.encode gives it."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    task: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+    priority: int = 0
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(dimensions=self.dimensions, normalize=self.normalize, use_activation=self.use_activation,
+                             truncate_prompt_tokens=self.truncate_prompt_tokens, task=self.task)
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     """OpenAI's error shape, which its client reads the message from."""
     kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "InternalServerError")

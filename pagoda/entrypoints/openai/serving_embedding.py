@@ -2,7 +2,7 @@
 vLLM's: POST /v1/embeddings (OpenAI's Embeddings API), /classify (a classifier's class
 probabilities), /v1/score (also /score) and /rerank (also /v1/rerank, /v2/rerank): pairs of
 texts scored as LLM.score scores them (a cross-encoder's output, or the cosine of two
-embeddings)."""
+embeddings); /pooling, LLM.encode's output for a task (the token-level ones too)."""
 import base64
 import time
 import uuid
@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.config import class_labels
-from pagoda.entrypoints.openai.protocol import ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest
+from pagoda.entrypoints.openai.protocol import (ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest,
+                                               ScoreRequest)
 from pagoda.entrypoints.openai.serving import error_response, input_prompts, start
 from pagoda.outputs import PoolingRequestOutput, ScoringRequestOutput
 from pagoda.pooling_params import PoolingParams, pair_scores, score_pairs, score_prompts
@@ -23,66 +24,74 @@ class OpenAIServingPooling:
         self.served_model_names = served_model_names
 
     async def embed(self, request: EmbeddingRequest):
-        request_id, outputs = await self._encode_input(request, "embd")
-        if isinstance(outputs, JSONResponse):
-            return outputs
-        data = [{"index": i, "object": "embedding", "embedding": _encoded(out.outputs.data, request.encoding_format)}
-                for i, out in enumerate(outputs)]
-        return self._response(request, request_id, data, outputs)
+        return await self._vectors(request, "embd", "embedding", "embedding")
 
     async def classify(self, request: ClassificationRequest):
-        request_id, outputs = await self._encode_input(request, "classify")
-        if isinstance(outputs, JSONResponse):
-            return outputs
-        labels = class_labels(self.engine.model_config.arch)
-        data = [{"index": i, "label": labels[int(out.outputs.data.argmax())], "probs": out.outputs.data.tolist(),
-                 "num_classes": len(labels)} for i, out in enumerate(outputs)]
-        return self._response(request, request_id, data, outputs)
+        async def respond(request_id):
+            outputs = await self._encode_input(request, request_id)
+            labels = class_labels(self.engine.model_config.arch)
+            data = [{"index": i, "label": labels[int(out.outputs.data.argmax())], "probs": out.outputs.data.tolist(),
+                     "num_classes": len(labels)} for i, out in enumerate(outputs)]
+            return self._response(request, request_id, data, outputs)
+        return await self._answer(request, "classify", respond)
 
-    async def _encode_input(self, request, prefix: str) -> tuple[str | None, list | JSONResponse]:
-        """(the request's id, the outputs of its ``input`` prompts), or the response that refuses
-        it: an unknown model, the wrong runner, a bad parameter or prompt."""
-        if (refusal := self._refusal(request)) is not None:
-            return None, refusal
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        try:
-            return request_id, await self._encode(input_prompts(request.input, "input"), request.pooling_params(),
-                                                  request_id, request.priority)
-        except ValueError as e:
-            return request_id, error_response(str(e), 400)
+    async def pool(self, request: PoolingRequest):
+        """vLLM's /pooling: each input's output of the pooling ``task`` as it comes (a vector, or a
+        row for every prompt token: nested lists, or base64 of the float32 values)."""
+        return await self._vectors(request, "pool", "pooling", "data")
+
+    async def _vectors(self, request, prefix: str, kind: str, field: str):
+        """Each input's output under ``field`` of an object ``kind``: floats, or base64
+        (``encoding_format``)."""
+        async def respond(request_id):
+            outputs = await self._encode_input(request, request_id)
+            data = [{"index": i, "object": kind, field: _encoded(out.outputs.data, request.encoding_format)}
+                    for i, out in enumerate(outputs)]
+            return self._response(request, request_id, data, outputs)
+        return await self._answer(request, prefix, respond)
 
     async def score(self, request: ScoreRequest):
-        if (refusal := self._refusal(request)) is not None:
-            return refusal
-        request_id = f"score-{uuid.uuid4().hex}"
-        try:
+        async def respond(request_id):
             first, second = score_pairs(input_prompts(request.text_1, "text_1"), input_prompts(request.text_2, "text_2"),
                                         ("text_1", "text_2"))
             scores, outputs = await self._scores(first, second, request, request_id)
-        except ValueError as e:
-            return error_response(str(e), 400)
-        data = [{"index": i, "object": "score", "score": s.outputs.score} for i, s in enumerate(scores)]
-        return self._response(request, request_id, data, outputs)
+            data = [{"index": i, "object": "score", "score": s.outputs.score} for i, s in enumerate(scores)]
+            return self._response(request, request_id, data, outputs)
+        return await self._answer(request, "score", respond)
 
     async def rerank(self, request: RerankRequest):
-        if (refusal := self._refusal(request)) is not None:
-            return refusal
-        request_id = f"rerank-{uuid.uuid4().hex}"
-        try:
+        async def respond(request_id):
             if not request.documents:
                 raise ValueError("documents must not be empty.")
             if request.top_n < 0:
                 raise ValueError(f"top_n must be at least 0 (0: all), got {request.top_n}.")
             scores, outputs = await self._scores([request.query] * len(request.documents), request.documents,
                                                  request, request_id)
+            results = sorted(({"index": i, "document": {"text": doc}, "relevance_score": s.outputs.score}
+                              for i, (doc, s) in enumerate(zip(request.documents, scores))),
+                             key=lambda r: -r["relevance_score"])
+            tokens = sum(len(out.prompt_token_ids) for out in outputs)
+            return JSONResponse({"id": request_id, "model": request.model or self.served_model_names[0],
+                                 "usage": {"total_tokens": tokens}, "results": results[:request.top_n or None]})
+        return await self._answer(request, "rerank", respond)
+
+    async def _answer(self, request, prefix: str, respond) -> JSONResponse:
+        """What ``respond(request_id)`` answers, or the response that refuses the request: an
+        unknown model, the wrong runner, a bad parameter or prompt (its ValueError: 400)."""
+        if request.model is not None and request.model not in self.served_model_names:
+            return error_response(f"The model `{request.model}` does not exist.", 404, "model")
+        if self.engine.model_config.runner != "pooling":
+            return error_response("This model does not serve embeddings, classes or scores: start the server "
+                                  "with --runner pooling.", 400)
+        try:
+            return await respond(f"{prefix}-{uuid.uuid4().hex}")
         except ValueError as e:
             return error_response(str(e), 400)
-        results = sorted(({"index": i, "document": {"text": doc}, "relevance_score": s.outputs.score}
-                          for i, (doc, s) in enumerate(zip(request.documents, scores))),
-                         key=lambda r: -r["relevance_score"])
-        tokens = sum(len(out.prompt_token_ids) for out in outputs)
-        return JSONResponse({"id": request_id, "model": request.model or self.served_model_names[0],
-                             "usage": {"total_tokens": tokens}, "results": results[:request.top_n or None]})
+
+    async def _encode_input(self, request, request_id: str) -> list[PoolingRequestOutput]:
+        """The outputs of the request's ``input`` prompts, with its PoolingParams."""
+        return await self._encode(input_prompts(request.input, "input"), request.pooling_params(), request_id,
+                                  request.priority)
 
     async def _scores(self, first: list, second: list, request,
                       request_id: str) -> tuple[list[ScoringRequestOutput], list[PoolingRequestOutput]]:
@@ -91,14 +100,6 @@ class OpenAIServingPooling:
         params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens, task="score")
         outputs = await self._encode(prompts, params, request_id, request.priority)
         return pair_scores(outputs, len(first)), outputs
-
-    def _refusal(self, request) -> JSONResponse | None:
-        if request.model is not None and request.model not in self.served_model_names:
-            return error_response(f"The model `{request.model}` does not exist.", 404, "model")
-        if self.engine.model_config.runner != "pooling":
-            return error_response("This model does not serve embeddings, classes or scores: start the server "
-                                  "with --runner pooling.", 400)
-        return None
 
     async def _encode(self, prompts: list, params: PoolingParams, request_id: str,
                       priority: int) -> list[PoolingRequestOutput]:
