@@ -82,10 +82,10 @@ class HFConfigDict(dict):
 def apply_hf_overrides(d: dict, overrides) -> dict:
     """vLLM's ``hf_overrides``: config.json entries to set (a dict given for a dict entry is merged
     into it), or a function that takes the config (``HFConfigDict``) and returns it. Then a causal
-    LM named a classifier with ``classifier_from_token`` gets its label count (see
-    ``classifier_from_tokens``)."""
+    LM named a classifier with ``classifier_from_token`` (by the overrides, or by its config.json
+    itself) gets its label count (see ``classifier_from_tokens``)."""
     if overrides is None:
-        return d
+        return _classifier_labels(d)
     if callable(overrides):
         d = overrides(HFConfigDict(d))
         if not isinstance(d, dict):

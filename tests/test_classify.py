@@ -4,6 +4,8 @@ tokenizer whose pair template differs from joining two texts, against HF's own o
 default device: the GPU's kernels there); their layouts over ranks; their errors; the server."""
 import gc
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -206,8 +208,14 @@ def test_causal_lm_reranker_by_hf_overrides(tmp_path, word_tok, tied):
     folder, hf = write_classifier(str(tmp_path / "lm"), word_tok, "Qwen3ForCausalLM", None, tied)
     ids = {w: word_tok.convert_tokens_to_ids(w) for w in ("no", "yes", "maybe")}
     results = {}
-    for name, overrides in [("dict", RERANKER), ("function", to_reranker)]:
-        llm = LLM(folder, runner="pooling", hf_overrides=overrides, max_num_batched_tokens=16, **SMALL)
+    converted = shutil.copytree(folder, str(tmp_path / "converted"))      # (the entries in config.json)
+    with open(os.path.join(converted, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(converted, "config.json"), "w") as f:
+        json.dump({**config, **RERANKER}, f)
+    for name, where, overrides in [("dict", folder, RERANKER), ("function", folder, to_reranker),
+                                   ("config", converted, None)]:
+        llm = LLM(where, runner="pooling", hf_overrides=overrides, max_num_batched_tokens=16, **SMALL)
         try:
             results[name] = [s.outputs.score for s in llm.score(QUERY, DOCS, use_tqdm=False)]
             assert_no_leaks(llm)
@@ -221,6 +229,7 @@ def test_causal_lm_reranker_by_hf_overrides(tmp_path, word_tok, tied):
     finally:
         del llm
         gc.collect()
+    assert results["config"] == results["dict"]
     for doc, score, by_function in zip(DOCS, results["dict"], results["function"]):
         with torch.no_grad():
             logits = hf(input_ids=torch.tensor([word_tok(QUERY, text_pair=doc)["input_ids"]])).logits[0, -1]
