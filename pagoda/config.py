@@ -134,6 +134,18 @@ def _classifier_labels(d: dict) -> dict:
     return {**d, "method": method, "num_labels": len(labels), "id2label": {str(i): t for i, t in enumerate(labels)}}
 
 
+# The sampling fields of a generation_config.json that become the model's default SamplingParams
+# (vLLM's generation_config="auto"), by their SamplingParams names
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """The SamplingParams fields a generation config sets (those it has, renamed)."""
+    return {ours: generation_config[key] for key, ours in GENERATION_CONFIG_FIELDS.items()
+            if generation_config.get(key) is not None}
+
+
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
@@ -163,7 +175,10 @@ class ModelConfig:
     quant_config: dict | None = None   # the checkpoint's quantization config
     tokenizer: str | None = None
     revision: str | None = None
-    generation_config: dict = field(default_factory=dict)
+    generation_config: dict = field(default_factory=dict)     # the model's own (its eos_token_id is a stop token)
+    # The sampling fields of the generation config in use (EngineArgs.generation_config) that
+    # requests take where they do not set them: LLM.get_default_sampling_params, the server
+    sampling_defaults: dict = field(default_factory=dict)
     runner: str = "generate"      # or "pooling" (vLLM's runner): LLM.embed / encode instead of generate
     pooler: PoolerConfig | None = None   # with the pooling runner
     # A causal LM read as a classifier (classifier_from_tokens): its tokens' ids, whose LM-head

@@ -27,6 +27,13 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat sample with when given no SamplingParams (vLLM's): the sampling
+        fields of the model's generation_config.json (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens), see ``generation_config``; else
+        SamplingParams()."""
+        return SamplingParams(**self.llm_engine.config.model.sampling_defaults)
+
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None, **_ignored) -> list[RequestOutput]:
@@ -34,7 +41,7 @@ class LLM:
         ``prompt`` / ``prompt_token_ids``). Returns outputs in input order. ``priority``: one a
         prompt, with scheduling_policy="priority" (lower first)."""
         prompts = self._as_list(prompts)
-        params = self._params_list(sampling_params, len(prompts))
+        params = self._params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts.")
         return self._run(prompts, params, use_tqdm, priority)
@@ -50,7 +57,8 @@ class LLM:
                                    tools=tools, chat_template=chat_template,
                                    continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
                    for conv in conversations]
-        return self._run(prompts, self._params_list(sampling_params, len(prompts)), use_tqdm)
+        return self._run(prompts, self._params_list(sampling_params or self.get_default_sampling_params(), len(prompts)),
+                         use_tqdm)
 
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,

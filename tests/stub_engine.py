@@ -22,8 +22,9 @@ class StubEngine:
         self.last_step_time: float | None = None
         self.latencies: list[float] = []       # inter-token latencies not taken yet
         self.tokenizer = tokenizer
-        self.config = types.SimpleNamespace(model=types.SimpleNamespace(model="stub", path="stub"),
-                                            scheduler=types.SimpleNamespace(max_model_len=max_model_len))
+        self.config = types.SimpleNamespace(
+            model=types.SimpleNamespace(model="stub", path="stub", sampling_defaults={}),
+            scheduler=types.SimpleNamespace(max_model_len=max_model_len))
 
     @property
     def stats(self) -> EngineStats:

@@ -1,7 +1,12 @@
-"""Defaults a vLLM user would get: the batch budget by device (vLLM's offline defaults), and
-the batch sizes captured as CUDA graphs (decode and mixed steps)."""
+"""Defaults a vLLM user would get: the batch budget by device (vLLM's offline defaults), the
+batch sizes captured as CUDA graphs (decode and mixed steps), and the sampling fields of the
+model's generation_config.json as the requests' defaults."""
+import gc
+import json
+import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from pagoda.engine import arg_utils
@@ -47,3 +52,64 @@ def test_mixed_step_sizes_and_which_steps_take_a_graph(monkeypatch):
     # room for as many requests as a step of that size can hold, up to MAX_MIXED_REQS
     assert len(graphs._metadata(("mixed", 128)).seq_lens) == 128
     assert len(graphs._metadata(("mixed", 2048)).seq_lens) == MAX_MIXED_REQS
+
+
+GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.3, "top_p": 0.8,
+                     "top_k": 7, "repetition_penalty": 1.1, "max_new_tokens": 5}
+
+
+def test_generation_config_gives_the_default_sampling_params(tmp_path):
+    """vLLM's generation_config="auto": generate / chat without SamplingParams sample with the
+    model's generation_config.json fields (get_default_sampling_params); override_generation_config
+    over them; "vllm" and a folder without the file; the server's requests take them for the
+    fields they leave unset."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from tests.test_tensor_parallel import write_tiny_llama
+    folder = write_tiny_llama(str(tmp_path / "tiny"))
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump(GENERATION_CONFIG, f)
+    small = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
+    llm = LLM(folder, override_generation_config={"temperature": 0.0}, **small)
+    try:
+        p = llm.get_default_sampling_params()
+        assert (p.repetition_penalty, p.max_tokens) == (1.1, 5) and p.greedy
+        want = llm.generate(prompts, SamplingParams(temperature=0.0, repetition_penalty=1.1, max_tokens=5),
+                            use_tqdm=False)
+        got = llm.generate(prompts, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert all(len(o.outputs[0].token_ids) <= 5 for o in got)
+    finally:
+        del llm
+        gc.collect()
+    llm = LLM(folder, **small)
+    try:
+        p = llm.get_default_sampling_params()
+        assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (0.3, 0.8, 7, 1.1, 5)
+    finally:
+        del llm
+        gc.collect()
+    llm = LLM(folder, generation_config="vllm", **small)
+    try:
+        assert llm.get_default_sampling_params() == SamplingParams()
+    finally:
+        del llm
+        gc.collect()
+    with pytest.raises(ValueError, match="that folder has none"):
+        LLM(folder, generation_config=str(tmp_path), **small)
+    import argparse
+
+    from pagoda.entrypoints.cli import add_engine_args, engine_args_from
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args_from(parser.parse_args(["--generation-config", "vllm", "--override-generation-config",
+                                               '{"temperature": 0.5}']))
+    assert (args.generation_config, args.override_generation_config) == ("vllm", {"temperature": 0.5})
+    defaults = {"temperature": 0.3, "top_k": 7, "max_tokens": 5}
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], top_p=0.5).sampling_params(defaults)
+    assert (chat.temperature, chat.top_p, chat.top_k, chat.max_tokens) == (0.3, 0.5, 7, 5)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], temperature=1.0,
+                                 max_tokens=9).sampling_params(defaults)
+    assert (chat.temperature, chat.max_tokens) == (1.0, 9)
+    assert CompletionRequest(prompt="Hi").sampling_params(defaults).max_tokens == 16     # (its own default)

@@ -1,12 +1,13 @@
 """EngineArgs: the keyword arguments of ``LLM(...)`` (vLLM's names), turned into EngineConfig."""
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 
 from pagoda.config import (KV_CACHE_DTYPES, ArchConfig, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                           PoolerConfig, SchedulerConfig, classifier_from_tokens, is_classifier)
+                           PoolerConfig, SchedulerConfig, classifier_from_tokens, is_classifier, sampling_defaults)
 from pagoda.model.hub import default_model_path, resolve_model_path
 from pagoda.model.loader import read_arch_config, read_generation_config, read_pooler_config, read_quant_config
 from pagoda.quant.base import check_quantization_name, resolve_quantization
@@ -70,6 +71,11 @@ class EngineArgs:
     # config.json entries to set, or a function of the config (vLLM's; e.g. a causal LM read as a
     # classifier: architectures + classifier_from_token, see config.apply_hf_overrides)
     hf_overrides: dict | Callable | None = None
+    # Where requests' default sampling fields come from (vLLM's): "auto" the model's
+    # generation_config.json, "vllm" none (SamplingParams' own), or a folder holding one; then
+    # override_generation_config's entries over them
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
 
     def _runner(self, architecture: str) -> str:
         """"generate" or "pooling"; "auto" picks pooling for a classifier (as vLLM does)."""
@@ -86,6 +92,23 @@ class EngineArgs:
                                  "(runner='pooling', the default for it): LLM.classify / LLM.score.")
             return "pooling"
         return "generate" if runner == "auto" else runner
+
+    def _sampling_defaults(self, path: str) -> dict:
+        """The sampling fields requests take by default (ModelConfig.sampling_defaults)."""
+        source = self.generation_config
+        if source == "auto":
+            found = read_generation_config(path)
+        elif source == "vllm":
+            found = {}
+        elif os.path.isfile(os.path.join(source, "generation_config.json")):
+            found = read_generation_config(source)
+        else:
+            raise ValueError(f"generation_config={source!r}: 'auto' (the model's), 'vllm' (no defaults), or a "
+                             "folder with a generation_config.json; that folder has none.")
+        defaults = sampling_defaults({**found, **(self.override_generation_config or {})})
+        if defaults:
+            logger.info("Requests' default sampling fields from the generation config: %s", defaults)
+        return defaults
 
     def _pooler(self, path: str) -> PoolerConfig:
         """The model folder's pooling (a sentence-transformers one), else vLLM's default for a
@@ -185,7 +208,7 @@ class EngineArgs:
             seed=self.seed, load_format=self.load_format,
             quantization=quantization, quant_config=quant_config, tokenizer=self.tokenizer, revision=self.revision,
             generation_config=read_generation_config(path), runner=self._runner(arch.architecture),
-            classifier_token_ids=self._classifier_token_ids(arch, path))
+            classifier_token_ids=self._classifier_token_ids(arch, path), sampling_defaults=self._sampling_defaults(path))
         if model.runner == "pooling":
             model.pooler = self._pooler(path)
         cache = CacheConfig(

@@ -49,6 +49,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="config.json entries to set, as a JSON object, e.g. a causal LM reranker read as a "
                         "classifier: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
                         "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
+    p.add_argument("--generation-config", default="auto",
+                   help="the requests' default sampling fields (the server's fields a request leaves unset): auto "
+                        "(the model's generation_config.json), vllm (none), or a folder holding a generation_config.json")
+    p.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                   help="entries over the generation config's, e.g. '{\"temperature\": 0.5}'")
     p.add_argument("--log-stats", action="store_true",
                    help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
 
@@ -84,7 +89,9 @@ def engine_args_from(args):
                       kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
                       scheduling_policy=args.scheduling_policy,
                       enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats,
-                      runner=args.runner, task=args.task, hf_overrides=args.hf_overrides)
+                      runner=args.runner, task=args.task, hf_overrides=args.hf_overrides,
+                      generation_config=args.generation_config,
+                      override_generation_config=args.override_generation_config)
 
 
 def _make_llm(args):

@@ -52,18 +52,21 @@ class SamplingRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (an HTTP 400) on values SamplingParams refuses."""
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+        """Raises ValueError (an HTTP 400) on values SamplingParams refuses. ``defaults``: the
+        model's (ModelConfig.sampling_defaults), for the sampling fields the request leaves unset."""
+        def given(name, fallback):
+            value = getattr(self, name) if name != "max_tokens" else max_tokens
+            return value if value is not None else defaults.get(name, fallback)
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            n=self.n, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0), seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=given("repetition_penalty", 1.0),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, max_tokens=given("max_tokens", None), min_tokens=self.min_tokens, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
@@ -97,8 +100,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
 
-    def sampling_params(self) -> SamplingParams:
-        return self.to_sampling_params(self.max_tokens, self.logprobs)
+    def sampling_params(self, defaults: dict) -> SamplingParams:
+        return self.to_sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
 class ChatMessage(BaseModel):
@@ -121,11 +124,11 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None    # "none", "auto" (the default with tools), ...
     parallel_tool_calls: bool = True
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true.")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.to_sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.to_sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
 
 class EmbeddingRequest(BaseModel):

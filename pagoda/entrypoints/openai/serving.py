@@ -32,7 +32,7 @@ class OpenAIServing:
         raise NotImplementedError
 
     def sampling_params(self, request):
-        return request.sampling_params()
+        return request.sampling_params(self.engine.model_config.sampling_defaults)
 
     def choice(self, request, out: RequestOutput, c: CompletionOutput, index: int, state: dict) -> dict | None:
         """One choice of the response, or of one stream chunk (``state`` is the choice's own,

@@ -31,7 +31,7 @@ class OpenAIServingChat(OpenAIServing):
         tools come without one) needs a parser; "required" and a named function hold the answer
         to a JSON schema (a list of {"name", "parameters"}, or the function's parameters), whatever
         the model's own tool-call format."""
-        params = request.sampling_params()
+        params = super().sampling_params(request)
         choice = _tool_choice(request)
         if choice == "auto" and self.tool_parser is None:
             raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
