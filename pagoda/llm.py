@@ -1,4 +1,5 @@
 """The offline API, vLLM-compatible: ``LLM(model=...).generate(prompts, sampling_params)``."""
+import functools
 import time
 from collections.abc import Sequence
 
@@ -104,6 +105,23 @@ class LLM:
         returns the best ``params.beam_width`` sequences of each, best first."""
         return beam_search(self, self._as_list(prompts), params, use_tqdm)
 
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's: ``method`` run on every rank's worker, the results in rank order (with data
+        parallelism, replica by replica). ``method``: a function whose first argument is the
+        worker (its ``runner``, whose ``model`` is the rank's shard; its ``rank``), or a worker
+        method's name. Spawned ranks (tensor / pipeline parallelism, data-parallel replicas)
+        receive it pickled: a module-level function, not a lambda. An error in it raises a
+        RuntimeError with each failing rank's traceback and leaves the engine running."""
+        if timeout is not None:
+            raise ValueError("collective_rpc's timeout is not supported: the call waits for every rank "
+                             "(pass timeout=None).")
+        return self.llm_engine.collective_rpc(method, tuple(args), kwargs)
+
+    def apply_model(self, func) -> list:
+        """vLLM's: ``func(model)`` on every rank's model (its shard), the results in rank order."""
+        return self.collective_rpc(functools.partial(_apply_model, func))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block. Returns False (and keeps them) while requests run."""
         return self.llm_engine.reset_prefix_cache()
@@ -179,3 +197,7 @@ class LLM:
                     bar.update(1)
         bar.close()
         return finished
+
+
+def _apply_model(func, worker):
+    return func(worker.runner.model)

@@ -25,6 +25,14 @@ SPAWN_HINT = (" It died before it started: workers are spawned processes that im
 ERROR_GRACE_S = 5.0
 
 
+def run_call(target, method, args: tuple = (), kwargs: dict | None = None):
+    """A call sent to a child (or run in place): ``method`` a method name of ``target`` (a worker,
+    an engine), or a function taking it first."""
+    if callable(method):
+        return method(target, *args, **(kwargs or {}))
+    return getattr(target, method)(*args, **(kwargs or {}))
+
+
 def _shutdown(procs: list, conns: list, num_threads: int) -> None:
     """Stop the children (politely, then by force), leave the process group and give this process
     back the threads it gave up. A plain function over plain values: the finalizer that calls it

@@ -1,16 +1,23 @@
 """Executors run the model runner on every rank: in this process alone (tensor_parallel_size
 1), or over worker processes on this node (multiproc_executor.py) or Ray actors on a cluster's
-nodes (ray_executor.py). All answer the same three calls."""
+nodes (ray_executor.py). All answer the same calls; ``collective_rpc`` runs a function (or a
+worker method) on every rank, each rank's worker (its ``runner``, its ``rank``) its first argument."""
 from dataclasses import replace
 
 from pagoda.config import EngineConfig
 from pagoda.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagoda.distributed.child_procs import run_call
 from pagoda.runner.model_runner import ModelRunner
 
 
 class UniProcExecutor:
+    rank = 0     # (the one rank's worker, as collective_rpc's functions see it)
+
     def __init__(self, config: EngineConfig):
         self.runner = ModelRunner(config)
+
+    def collective_rpc(self, method, args: tuple = ()) -> list:
+        return [run_call(self, method, args)]
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()

@@ -9,6 +9,7 @@ from collections import deque
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.distributed.child_procs import run_call
 from pagoda.distributed.parallel_state import building_parallel_model, destroy_distributed, init_distributed
 from pagoda.runner.model_runner import ModelRunner
 
@@ -45,7 +46,7 @@ class Worker:
 
     def call(self, method, args: tuple = ()):
         """``method``: a Worker method's name, or a function taking the worker first."""
-        return method(self, *args) if callable(method) else getattr(self, method)(*args)
+        return run_call(self, method, args)
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()

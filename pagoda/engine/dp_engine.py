@@ -39,6 +39,10 @@ def _eos_token_id(engine) -> int | None:
     return engine.eos_token_id
 
 
+def _collective_rpc(engine, method, args: tuple, kwargs: dict | None) -> list:
+    return engine.collective_rpc(method, args, kwargs)
+
+
 class Replicas(Protocol):
     """The front's way to its replicas, started with their engines built (a replica's error at
     start-up raises from the constructor, every replica stopped). A replica answers its calls
@@ -204,6 +208,10 @@ class DPEngine:
 
     def reset_prefix_cache(self) -> bool:
         return all(self._call_all("reset_prefix_cache"))
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """LLMEngine.collective_rpc on every replica: their ranks' results, replica by replica."""
+        return [r for replica in self._call_all(_collective_rpc, method, args, kwargs) for r in replica]
 
     @property
     def stats(self) -> EngineStats:

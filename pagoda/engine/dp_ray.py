@@ -13,10 +13,10 @@ from collections import deque
 import ray
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.child_procs import ERROR_GRACE_S, StopsOnFailure, WorkerFailed, picklable
+from pagoda.distributed.child_procs import ERROR_GRACE_S, StopsOnFailure, WorkerFailed, picklable, run_call
 from pagoda.distributed.ray_executor import _connect, _get_in_time, _plain, check_cluster_has
 from pagoda.engine.arg_utils import EngineArgs
-from pagoda.engine.dp_replica import replica_engine, run_call
+from pagoda.engine.dp_replica import replica_engine
 
 
 @ray.remote(max_restarts=0)

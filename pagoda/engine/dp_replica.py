@@ -4,7 +4,7 @@ actor: engine/dp_ray.py)."""
 import os
 from dataclasses import replace
 
-from pagoda.distributed.child_procs import picklable
+from pagoda.distributed.child_procs import picklable, run_call
 from pagoda.engine.arg_utils import EngineArgs
 
 
@@ -37,11 +37,6 @@ def replica_engine(args: EngineArgs, dp_rank: int, dp_size: int):
     _claim_cores(dp_rank, dp_size)
     from pagoda.engine.llm_engine import LLMEngine
     return LLMEngine.from_engine_args(replace(args, data_parallel_size=1))
-
-
-def run_call(engine, method, args: tuple):
-    """A front's call: an engine method's name, or a function taking the engine first."""
-    return method(engine, *args) if callable(method) else getattr(engine, method)(*args)
 
 
 def replica_main(args: EngineArgs, dp_rank: int, dp_size: int, conn) -> None:

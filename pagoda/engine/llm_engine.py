@@ -1,10 +1,12 @@
 """The engine: add requests, then step until done. One step = schedule, execute, update,
 detokenize; with async scheduling the update and detokenization of step N run while the device
 runs step N+1."""
+import functools
 import gc
 import itertools
 import logging
 import time
+import traceback
 from collections import deque
 from dataclasses import asdict
 
@@ -12,6 +14,7 @@ from pagoda.config import EngineConfig, class_labels
 from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
+from pagoda.distributed.child_procs import run_call
 from pagoda.distributed.executor import get_executor
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.output_processor import OutputProcessor, ParentState
@@ -227,6 +230,16 @@ class LLMEngine:
         return len(self.output_processor.parents)
 
     # ------------------------------------------------------------------ one step
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """``method`` (a function taking a rank's worker first, or a worker method's name) run on
+        every rank, the results in rank order. An error in it raises here, naming the ranks, and
+        leaves the engine running (a worker that raised on its own would end)."""
+        results = self.executor.collective_rpc(functools.partial(_caught, method, kwargs or {}), args)
+        failed = [f"rank {rank}: {text}" for rank, (ok, text) in enumerate(results) if not ok]
+        if failed:
+            raise RuntimeError("collective_rpc failed on " + "\n".join(failed))
+        return [value for _, value in results]
+
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
@@ -330,6 +343,14 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_kv_blocks=pool.num_usable_blocks, kv_blocks_in_use=pool.num_usable_blocks - pool.num_free_blocks,
             kv_blocks_cached=pool.num_cached_blocks, kv_blocks_free=pool.num_free_blocks)
+
+
+def _caught(method, kwargs: dict, worker, *args) -> tuple[bool, object]:
+    """A collective_rpc call on one rank: (True, its result), or (False, its traceback)."""
+    try:
+        return True, run_call(worker, method, args, kwargs)
+    except Exception:      # noqa: BLE001 - the user's function: told back, the rank goes on
+        return False, traceback.format_exc()
 
 
 def load_tokenizer(args: EngineArgs, model_path: str) -> Tokenizer | None:
