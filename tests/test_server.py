@@ -244,6 +244,30 @@ def test_models_health_version(client):
     assert client.get("/version").json()["version"]
 
 
+def test_tokenize_and_detokenize(client, engine):
+    """/tokenize (vLLM's): a prompt as the tokenizer encodes it, or messages rendered as a chat
+    completion renders them (the prompt LLM.chat runs), with the tokens' strings on request;
+    /detokenize reads them back; bad bodies answer 400 / 404."""
+    tok = engine.tokenizer
+    body = client.post("/tokenize", json={"model": MODEL, "prompt": PROMPTS[0], "return_token_strs": True}).json()
+    assert body["tokens"] == tok.encode(PROMPTS[0]) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 2048 and body["token_strs"] == [tok.id_to_token(i) for i in body["tokens"]]
+    plain = client.post("/tokenize", json={"prompt": PROMPTS[0], "add_special_tokens": False}).json()
+    assert plain["tokens"] == tok.encode(PROMPTS[0], add_special_tokens=False) and plain["token_strs"] is None
+    chat = client.post("/tokenize", json={"messages": CHAT}).json()
+    assert chat["tokens"] == tok.chat_prompt(CHAT, add_generation_prompt=True)["prompt_token_ids"]
+    text = client.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert text == tok.decode(chat["tokens"], skip_special_tokens=False) and "Name three fruits." in text
+    for route, body, status, message in [
+            ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "Give a prompt or messages"),
+            ("/tokenize", {}, 400, "Give a prompt or messages"),
+            ("/tokenize", {"prompt": "a", "model": "other"}, 404, "does not exist"),
+            ("/detokenize", {"tokens": [1, -3]}, 400, "Token ids must be in"),
+            ("/detokenize", {"tokens": [1], "model": "other"}, 404, "does not exist")]:
+        r = client.post(route, json=body)
+        assert r.status_code == status and message in r.json()["error"]["message"], r.json()
+
+
 def test_api_key(engine):
     with TestClient(build_app(engine, [MODEL], api_key="sekrit")) as c:
         assert c.get("/v1/models").status_code == 401

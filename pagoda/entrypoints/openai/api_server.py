@@ -5,7 +5,8 @@
 
 Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-tool-choice
 --tool-call-parser hermes, llama3_json, mistral or pythonic), /v1/embeddings, /classify,
-/v1/score, /rerank and /pooling (with --runner pooling), /v1/models, /health, /version, /metrics."""
+/v1/score, /rerank and /pooling (with --runner pooling), /tokenize, /detokenize, /v1/models, /health,
+/version, /metrics."""
 import argparse
 import asyncio
 import logging
@@ -27,11 +28,13 @@ from pagoda.engine.engine_core import EngineCoreProc
 from pagoda.engine.llm_engine import load_tokenizer
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest,
-                                               EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest)
+                                               DetokenizeRequest, EmbeddingRequest, PoolingRequest, RerankRequest,
+                                               ScoreRequest, TokenizeRequest)
 from pagoda.entrypoints.openai.serving import error_response
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingPooling
+from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagoda.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, check_tool_call_parser
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     chat = OpenAIServingChat(engine, served_model_names, enable_auto_tool_choice=enable_auto_tool_choice,
                              tool_call_parser=tool_call_parser)
     pooling = OpenAIServingPooling(engine, served_model_names)
+    tokenization = OpenAIServingTokenization(engine, served_model_names)
     created = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -110,6 +114,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/pooling")
     async def pooling_route(body: PoolingRequest, raw: Request):
         return await _until_disconnected(raw, pooling.pool(body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return tokenization.detokenize(body)
 
     return app
 

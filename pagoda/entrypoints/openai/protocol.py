@@ -189,6 +189,30 @@ class ClassificationRequest(BaseModel):
                              task="classify")
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a ``prompt``, or chat ``messages`` rendered as a chat completion's."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None     # None: True for a prompt, False for messages (the template has them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text, special tokens kept."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class PoolingRequest(BaseModel):
     """POST /pooling (vLLM's): each input's output of the pooling ``task`` ("embed", "classify",
     "token_embed", "token_classify"; default: the model's), as LLM.encode gives it."""

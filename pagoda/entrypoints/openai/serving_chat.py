@@ -10,6 +10,16 @@ from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import StructuredOutputsParams
 
 
+def render_chat(tokenizer, request) -> dict:
+    """A request's messages (and tools) rendered with the chat template as an engine prompt (a
+    chat completion's, or /tokenize's with messages): the text holds the special tokens already."""
+    messages = [_plain(m.model_dump(exclude_none=True)) for m in request.messages]
+    return tokenizer.chat_prompt(
+        messages, add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
+        continue_final_message=request.continue_final_message, chat_template=request.chat_template,
+        tools=request.tools, **(request.chat_template_kwargs or {}))
+
+
 class OpenAIServingChat(OpenAIServing):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -20,11 +30,7 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser = get_tool_parser(tool_call_parser) if enable_auto_tool_choice else None
 
     def engine_prompts(self, request: ChatCompletionRequest) -> list:
-        messages = [_plain(m.model_dump(exclude_none=True)) for m in request.messages]
-        return [self.engine.tokenizer.chat_prompt(
-            messages, add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
-            continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-            tools=request.tools, **(request.chat_template_kwargs or {}))]
+        return [render_chat(self.engine.tokenizer, request)]
 
     def sampling_params(self, request: ChatCompletionRequest):
         """As vLLM: tools are rendered into the prompt whatever the choice. "auto" (the choice when
