@@ -122,6 +122,15 @@ class LLM:
         """vLLM's: ``func(model)`` on every rank's model (its shard), the results in rank order."""
         return self.collective_rpc(functools.partial(_apply_model, func))
 
+    def start_profile(self) -> None:
+        """vLLM's: the torch profiler on every rank, until stop_profile writes its traces (one a
+        rank) into $PAGODA_TORCH_PROFILER_DIR (or vLLM's $VLLM_TORCH_PROFILER_DIR), which must be
+        set."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> None:
+        self.llm_engine.stop_profile()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block. Returns False (and keeps them) while requests run."""
         return self.llm_engine.reset_prefix_cache()

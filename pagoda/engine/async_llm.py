@@ -14,6 +14,7 @@ from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.dp_replica import replica_engine, replica_env
 from pagoda.engine.engine_core import CoreChannel, EngineCoreProc, EngineDeadError, EngineThread
 from pagoda.engine.llm_engine import LLMEngine, load_tokenizer
+from pagoda.engine.profiler import profiler_dir
 from pagoda.engine.stats import EngineStats, sum_stats
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
@@ -190,6 +191,17 @@ class AsyncLLM:
         """Each prompt's token ids as the engine reads them (tokenized by the engine)."""
         return await self._call("prompt_token_ids", prompts)
 
+    async def start_profile(self) -> None:
+        """The torch profiler on every engine core's ranks ($PAGODA_TORCH_PROFILER_DIR, as this
+        process sees it), until stop_profile writes the traces."""
+        directory = profiler_dir()
+        for core in range(len(self._cores)):
+            await self._call("start_profile", directory, core=core)
+
+    async def stop_profile(self) -> None:
+        for core in range(len(self._cores)):
+            await self._call("stop_profile", core=core)
+
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None and self.dead is None:     # (else it has finished or failed)
@@ -203,13 +215,14 @@ class AsyncLLM:
         if self.dead is not None:
             raise self.dead
 
-    async def _call(self, name: str, *args):
+    async def _call(self, name: str, *args, core: int = 0):
+        """engine_core.CALLS[name] on an engine core (the first: what any of them answers)."""
         self._check_alive()
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            self._cores[0].send(("call", call_id, name, args))
+            self._cores[core].send(("call", call_id, name, args))
             return await fut
         finally:
             self._calls.pop(call_id, None)

@@ -16,6 +16,7 @@ from pagoda.config import EngineConfig
 from pagoda.distributed.child_procs import SPAWN_HINT, ChildProcs
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.dp_replica import replica_env, replica_main
+from pagoda.engine.profiler import profiler_dir
 from pagoda.engine.stats import EngineStats, sum_stats
 from pagoda.outputs import RequestOutput
 from pagoda.pooling_params import PoolingParams
@@ -208,6 +209,12 @@ class DPEngine:
 
     def reset_prefix_cache(self) -> bool:
         return all(self._call_all("reset_prefix_cache"))
+
+    def start_profile(self, directory: str | None = None) -> None:
+        self._call_all("start_profile", directory or profiler_dir())
+
+    def stop_profile(self) -> None:
+        self._call_all("stop_profile")
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
         """LLMEngine.collective_rpc on every replica: their ranks' results, replica by replica."""

@@ -41,7 +41,9 @@ class EngineDeadError(RuntimeError):
 
 
 # What a "call" command may run on the engine.
-CALLS = {"prompt_token_ids": lambda engine, prompts: [engine.prompt_token_ids(p) for p in prompts]}
+CALLS = {"prompt_token_ids": lambda engine, prompts: [engine.prompt_token_ids(p) for p in prompts],
+         "start_profile": lambda engine, directory: engine.start_profile(directory),
+         "stop_profile": lambda engine: engine.stop_profile()}
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pagoda.core.scheduler import Scheduler
 from pagoda.distributed.child_procs import run_call
 from pagoda.distributed.executor import get_executor
 from pagoda.engine.arg_utils import EngineArgs
+from pagoda.engine import profiler
 from pagoda.engine.output_processor import OutputProcessor, ParentState
 from pagoda.engine.stats import EngineStats, StatLogger
 from pagoda.engine.structured_output import StructuredOutputs
@@ -239,6 +240,14 @@ class LLMEngine:
         if failed:
             raise RuntimeError("collective_rpc failed on " + "\n".join(failed))
         return [value for _, value in results]
+
+    def start_profile(self, directory: str | None = None) -> None:
+        """The torch profiler on every rank (engine/profiler.py), its traces into ``directory``
+        (default: $PAGODA_TORCH_PROFILER_DIR) when stop_profile stops it."""
+        self.collective_rpc(profiler.start, (directory or profiler.profiler_dir(),))
+
+    def stop_profile(self) -> None:
+        self.collective_rpc(profiler.stop)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -6,7 +6,7 @@
 Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-tool-choice
 --tool-call-parser hermes, llama3_json, mistral or pythonic), /v1/embeddings, /classify,
 /v1/score, /rerank and /pooling (with --runner pooling), /tokenize, /detokenize, /v1/models, /health,
-/version, /metrics."""
+/version, /metrics, /start_profile and /stop_profile."""
 import argparse
 import asyncio
 import logging
@@ -114,6 +114,16 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/pooling")
     async def pooling_route(body: PoolingRequest, raw: Request):
         return await _until_disconnected(raw, pooling.pool(body))
+
+    @app.post("/start_profile")
+    @app.post("/stop_profile")
+    async def profile(raw: Request):
+        """vLLM's: the torch profiler on the engine's ranks, with $PAGODA_TORCH_PROFILER_DIR set."""
+        try:
+            await (engine.start_profile() if raw.url.path == "/start_profile" else engine.stop_profile())
+        except RuntimeError as e:
+            return error_response(str(e), 400)
+        return Response(status_code=200)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
