@@ -331,3 +331,4 @@ class EngineConfig:
     device: str = "cpu"
     enforce_eager: bool = False
     log_stats: bool = False
+    enable_sleep_mode: bool = False

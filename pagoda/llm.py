@@ -122,6 +122,20 @@ class LLM:
         """vLLM's: ``func(model)`` on every rank's model (its shard), the results in rank order."""
         return self.collective_rpc(functools.partial(_apply_model, func))
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (``enable_sleep_mode=True``), between uses of an idle engine (in RL,
+        while the trainer takes the GPU): every rank frees its KV cache and CUDA graphs and
+        moves its weights to the host (level 1) or drops them (level 2: load new ones after
+        ``wake_up(["weights"])``, e.g. through collective_rpc); the prefix cache is emptied."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Back from sleep: "weights" then "kv_cache" (its CUDA graphs captured again), or both."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
     def start_profile(self) -> None:
         """vLLM's: the torch profiler on every rank, until stop_profile writes its traces (one a
         rank) into $PAGODA_TORCH_PROFILER_DIR (or vLLM's $VLLM_TORCH_PROFILER_DIR), which must be

@@ -75,6 +75,7 @@ class EngineArgs:
     # generation_config.json, "vllm" none (SamplingParams' own), or a folder holding one; then
     # override_generation_config's entries over them
     generation_config: str = "auto"
+    enable_sleep_mode: bool = False            # vLLM's: LLM.sleep / wake_up (to free the GPU between uses)
     override_generation_config: dict | None = None
 
     def _runner(self, architecture: str) -> str:
@@ -225,7 +226,7 @@ class EngineArgs:
                                 policy=self.scheduling_policy,
                                 max_concurrent_batches=parallel.pipeline_parallel_size)
         return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager,
-                             log_stats=not self.disable_log_stats)
+                             log_stats=not self.disable_log_stats, enable_sleep_mode=self.enable_sleep_mode)
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, device: str) -> None:

@@ -210,6 +210,15 @@ class DPEngine:
     def reset_prefix_cache(self) -> bool:
         return all(self._call_all("reset_prefix_cache"))
 
+    def sleep(self, level: int = 1) -> None:
+        self._call_all("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call_all("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return any(self._call_all("is_sleeping"))
+
     def start_profile(self, directory: str | None = None) -> None:
         self._call_all("start_profile", directory or profiler_dir())
 

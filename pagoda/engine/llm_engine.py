@@ -35,6 +35,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.executor = get_executor(config)
+        self.enable_sleep_mode = config.enable_sleep_mode
+        self.sleeping: set[str] = set()      # what sleeps (sleep mode): "weights", "kv_cache"
         num_blocks = self.executor.determine_num_blocks()
         self._check_kv_cache_fits(num_blocks)
         self.executor.initialize_kv_cache(num_blocks)
@@ -95,6 +97,8 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError on bad input, leaving the engine
         untouched. ``priority``: with scheduling_policy="priority", lower values are served first.
         PoolingParams make a pooling request (the pooling runner's): its prompt's vector."""
+        if self.sleeping:
+            raise RuntimeError("The engine is asleep: wake_up() first.")
         params, pooling = self._pooling(params or SamplingParams())
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise ValueError(f"Got priority {priority}, but priority scheduling is not enabled: start the engine "
@@ -241,6 +245,37 @@ class LLMEngine:
             raise RuntimeError("collective_rpc failed on " + "\n".join(failed))
         return [value for _, value in results]
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode, for an idle engine: every rank frees its KV cache and CUDA graphs
+        and moves its weights to the host (level 1) or drops them (level 2); the prefix cache is
+        emptied. Requests are refused until wake_up."""
+        if not self.enable_sleep_mode:
+            raise RuntimeError("Sleep mode is off: start the engine with enable_sleep_mode=True.")
+        if level not in (1, 2):
+            raise ValueError(f"Sleep level must be 1 (weights to the host) or 2 (weights dropped), got {level}.")
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"The engine sleeps only when idle; {self.get_num_unfinished_requests()} requests "
+                               "are unfinished.")
+        if self.sleeping:
+            raise RuntimeError("The engine is asleep already.")
+        self.scheduler.reset_prefix_cache()
+        self.collective_rpc(_on_runner, ("sleep", level))
+        self.sleeping = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Back from sleep (vLLM's): ``tags`` "weights" (to load new weights into, after level 2,
+        before the KV cache takes its memory) and "kv_cache" (its CUDA graphs captured again);
+        both by default."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"Unknown wake_up tags {sorted(unknown)}; known: weights, kv_cache.")
+        self.collective_rpc(_on_runner, ("wake_up", tags))
+        self.sleeping -= set(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping)
+
     def start_profile(self, directory: str | None = None) -> None:
         """The torch profiler on every rank (engine/profiler.py), its traces into ``directory``
         (default: $PAGODA_TORCH_PROFILER_DIR) when stop_profile stops it."""
@@ -352,6 +387,11 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_kv_blocks=pool.num_usable_blocks, kv_blocks_in_use=pool.num_usable_blocks - pool.num_free_blocks,
             kv_blocks_cached=pool.num_cached_blocks, kv_blocks_free=pool.num_free_blocks)
+
+
+def _on_runner(worker, name: str, *args):
+    """collective_rpc's function for a ModelRunner method on every rank."""
+    return getattr(worker.runner, name)(*args)
 
 
 def _caught(method, kwargs: dict, worker, *args) -> tuple[bool, object]:

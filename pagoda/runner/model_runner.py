@@ -3,6 +3,7 @@ samples. Per-request state lives in preallocated rows (token ids, block table, s
 parameters), so building a step's inputs is a handful of vectorized numpy gathers: the Python
 work per step is O(requests), not O(tokens)."""
 import functools
+import gc
 import logging
 import time
 from collections import deque
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagoda.config import EngineConfig, class_labels, kv_cache_torch_dtype
 from pagoda.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -194,6 +196,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CUDAGraphRunner | None = None
+        self.asleep: list | None = None     # sleep mode: (weight, its host copy or None, its shape)
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
@@ -275,6 +278,40 @@ class ModelRunner:
             self._capture_graphs()
         if self.device.type == "cuda":
             self._compile_kernels()
+
+    # ------------------------------------------------------------------ sleep mode
+    def sleep(self, level: int) -> None:
+        """vLLM's sleep mode (an idle engine): the KV cache and the CUDA graphs freed, the weights
+        moved to the host (level 1) or dropped (level 2: the caller loads new ones after waking
+        them), the buffers (the rotary table) moved to the host."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.release()
+            self.cuda_graphs = None
+        for layer in self.model.model.local_layers:
+            layer.self_attn.attn.kv_cache = torch.tensor([])
+        self.kv_caches = []
+        self.asleep = [(t, t.data.to("cpu") if level == 1 or not isinstance(t, nn.Parameter) else None, t.shape)
+                       for t in [*self.model.parameters(), *self.model.buffers()]]
+        for t, _, _ in self.asleep:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)     # (its memory freed)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Back from sleep: the weights (``"weights"``: level 1's from the host, level 2's
+        allocated, their values the caller's to load), then the KV cache and the graphs
+        (``"kv_cache"``, which needs the weights: the graphs are captured again)."""
+        if "weights" in tags and self.asleep is not None:
+            for t, host, shape in self.asleep:
+                t.data = host.to(self.device) if host is not None else torch.empty(shape, dtype=t.dtype,
+                                                                                   device=self.device)
+            self.asleep = None
+        if "kv_cache" in tags and not self.kv_caches:
+            if self.asleep is not None:
+                raise RuntimeError("The KV cache wakes after the weights (wake_up(['weights']) first): its "
+                                   "CUDA graphs are captured over them.")
+            self.initialize_kv_cache(len(self.block_used))
 
     def _capture_graphs(self) -> None:
         """The decode and mixed-step CUDA graphs (on CUDA, unless enforce_eager)."""

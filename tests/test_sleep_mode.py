@@ -1,0 +1,96 @@
+"""vLLM's sleep mode (LLM.sleep / wake_up, enable_sleep_mode=True): an idle engine frees its KV
+cache and moves its weights to the host (level 1) or drops them (level 2, new ones loaded after
+waking them, as an RL trainer does); after wake_up it generates what it did before. In one
+process (on the default device: the GPU's CUDA graphs freed and captured again there) and over
+tensor-parallel ranks and data-parallel replicas (CPU)."""
+import gc
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.model.loader import iter_safetensors, load_weights
+from tests.test_tensor_parallel import write_tiny_llama
+
+SMALL = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128,
+             enable_sleep_mode=True)
+# (the second fills two blocks: the prefix cache would hold them but for sleep's reset)
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": list(range(9, 45))}]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+def kv_cache_and_weight_sizes(worker) -> tuple[int, int]:
+    runner = worker.runner
+    return len(runner.kv_caches), sum(p.numel() for p in runner.model.parameters())
+
+
+def reload_weights(worker, folder):
+    """An RL trainer's weight update, on each rank (the loaders shard them)."""
+    load_weights(worker.runner.model, iter_safetensors(folder))
+
+
+def greedy(llm) -> list:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2, "device": "cpu"},
+                                    {"data_parallel_size": 2, "device": "cpu"}])
+def test_sleep_and_wake_up(tmp_path, layout):
+    folder = write_tiny_llama(str(tmp_path / "tiny"))
+    llm = LLM(folder, **SMALL, **layout)
+    try:
+        want = greedy(llm)
+        awake = llm.collective_rpc(kv_cache_and_weight_sizes)
+        assert all(n == 2 and size > 0 for n, size in awake)
+        llm.sleep(level=1)
+        assert llm.is_sleeping() and all(s == (0, 0) for s in llm.collective_rpc(kv_cache_and_weight_sizes))
+        with pytest.raises(RuntimeError, match="asleep"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm.wake_up()
+        assert not llm.is_sleeping() and llm.collective_rpc(kv_cache_and_weight_sizes) == awake
+        assert greedy(llm) == want and llm.get_stats().prefix_cache_hits == 0
+        llm.sleep(level=2)                              # the weights dropped: new ones loaded
+        llm.wake_up(["weights"])
+        llm.collective_rpc(reload_weights, args=(folder,))
+        llm.wake_up(["kv_cache"])
+        assert greedy(llm) == want and llm.get_stats().prefix_cache_hits == 0
+        assert greedy(llm) == want and llm.get_stats().prefix_cache_hits > 0     # (awake, the cache works)
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_sleep_mode_errors(tmp_path):
+    folder = write_tiny_llama(str(tmp_path / "tiny"))
+    llm = LLM(folder, **{**SMALL, "enable_sleep_mode": False, "device": "cpu"})
+    try:
+        with pytest.raises(RuntimeError, match="enable_sleep_mode=True"):
+            llm.sleep()
+    finally:
+        del llm
+        gc.collect()
+    llm = LLM(folder, device="cpu", **SMALL)
+    try:
+        want = greedy(llm)
+        with pytest.raises(ValueError, match="level must be 1"):
+            llm.sleep(level=3)
+        llm.llm_engine.add_request("r", PROMPTS[0], GREEDY)
+        with pytest.raises(RuntimeError, match="only when idle; 1 requests"):
+            llm.sleep()
+        while llm.llm_engine.has_unfinished_requests():
+            llm.llm_engine.step()
+        llm.sleep(level=2)
+        with pytest.raises(RuntimeError, match="asleep already"):
+            llm.sleep()
+        with pytest.raises(RuntimeError, match="wakes after the weights"):
+            llm.wake_up(["kv_cache"])
+        with pytest.raises(ValueError, match="Unknown wake_up tags"):
+            llm.wake_up(["cache"])
+        llm.wake_up(["weights"])
+        llm.collective_rpc(reload_weights, args=(folder,))
+        llm.wake_up()
+        assert greedy(llm) == want
+        assert torch.is_tensor(llm.llm_engine.executor.runner.kv_caches[0])
+    finally:
+        del llm
+        gc.collect()
