@@ -94,3 +94,26 @@ def test_sleep_mode_errors(tmp_path):
     finally:
         del llm
         gc.collect()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's memory: CUDA only")
+def test_sleep_frees_gpu_memory(tmp_path):
+    """Asleep, the KV cache (256 MiB here), the weights and the graphs' memory are given back
+    (what stays is the runner's input buffers); awake, as much is taken again, and the outputs
+    are the same."""
+    folder = write_tiny_llama(str(tmp_path / "tiny"), hidden=256, intermediate=512, vocab=4093)
+    llm = LLM(folder, **{**SMALL, "kv_cache_memory_bytes": 256 << 20})
+    try:
+        want = greedy(llm)
+        weights = sum(4 * size for _, size in llm.collective_rpc(kv_cache_and_weight_sizes))
+        torch.cuda.synchronize()
+        awake = torch.cuda.memory_allocated()
+        llm.sleep()
+        asleep = torch.cuda.memory_allocated()
+        assert awake - asleep >= (256 << 20) + weights, (awake, asleep, weights)
+        llm.wake_up()
+        assert abs(torch.cuda.memory_allocated() - awake) < 32 << 20
+        assert greedy(llm) == want
+    finally:
+        del llm
+        gc.collect()
