@@ -58,8 +58,8 @@ class LLM:
                                    tools=tools, chat_template=chat_template,
                                    continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
                    for conv in conversations]
-        return self._run(prompts, self._params_list(sampling_params or self.get_default_sampling_params(), len(prompts)),
-                         use_tqdm)
+        params = self._params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
+        return self._run(prompts, params, use_tqdm)
 
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,

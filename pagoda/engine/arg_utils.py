@@ -209,7 +209,8 @@ class EngineArgs:
             seed=self.seed, load_format=self.load_format,
             quantization=quantization, quant_config=quant_config, tokenizer=self.tokenizer, revision=self.revision,
             generation_config=read_generation_config(path), runner=self._runner(arch.architecture),
-            classifier_token_ids=self._classifier_token_ids(arch, path), sampling_defaults=self._sampling_defaults(path))
+            classifier_token_ids=self._classifier_token_ids(arch, path),
+            sampling_defaults=self._sampling_defaults(path))
         if model.runner == "pooling":
             model.pooler = self._pooler(path)
         cache = CacheConfig(

@@ -16,8 +16,8 @@ from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.distributed.child_procs import run_call
 from pagoda.distributed.executor import get_executor
-from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine import profiler
+from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.output_processor import OutputProcessor, ParentState
 from pagoda.engine.stats import EngineStats, StatLogger
 from pagoda.engine.structured_output import StructuredOutputs
@@ -234,7 +234,7 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents)
 
-    # ------------------------------------------------------------------ one step
+    # ------------------------------------------------------------------ every rank's
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
         """``method`` (a function taking a rank's worker first, or a worker method's name) run on
         every rank, the results in rank order. An error in it raises here, naming the ranks, and
@@ -284,6 +284,7 @@ class LLMEngine:
     def stop_profile(self) -> None:
         self.collective_rpc(profiler.stop)
 
+    # ------------------------------------------------------------------ one step
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 

@@ -50,8 +50,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "classifier: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
                         "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
     p.add_argument("--generation-config", default="auto",
-                   help="the requests' default sampling fields (the server's fields a request leaves unset): auto "
-                        "(the model's generation_config.json), vllm (none), or a folder holding a generation_config.json")
+                   help="the requests' default sampling fields (the server's fields a request leaves unset): "
+                        "auto (the model's generation_config.json), vllm (none), or a folder holding one")
     p.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
                    help="entries over the generation config's, e.g. '{\"temperature\": 0.5}'")
     p.add_argument("--log-stats", action="store_true",

@@ -66,7 +66,8 @@ class SamplingRequest(BaseModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            ignore_eos=self.ignore_eos, max_tokens=given("max_tokens", None), min_tokens=self.min_tokens, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, max_tokens=given("max_tokens", None), min_tokens=self.min_tokens,
+            logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)

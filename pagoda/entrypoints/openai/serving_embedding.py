@@ -52,8 +52,8 @@ class OpenAIServingPooling:
 
     async def score(self, request: ScoreRequest):
         async def respond(request_id):
-            first, second = score_pairs(input_prompts(request.text_1, "text_1"), input_prompts(request.text_2, "text_2"),
-                                        ("text_1", "text_2"))
+            first, second = score_pairs(input_prompts(request.text_1, "text_1"),
+                                        input_prompts(request.text_2, "text_2"), ("text_1", "text_2"))
             scores, outputs = await self._scores(first, second, request, request_id)
             data = [{"index": i, "object": "score", "score": s.outputs.score} for i, s in enumerate(scores)]
             return self._response(request, request_id, data, outputs)
