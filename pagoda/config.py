@@ -332,3 +332,4 @@ class EngineConfig:
     enforce_eager: bool = False
     log_stats: bool = False
     enable_sleep_mode: bool = False
+    worker_extension_cls: str | None = None     # vLLM's: "module.Class" whose methods every rank's worker gets

@@ -2,6 +2,7 @@
 1), or over worker processes on this node (multiproc_executor.py) or Ray actors on a cluster's
 nodes (ray_executor.py). All answer the same calls; ``collective_rpc`` runs a function (or a
 worker method) on every rank, each rank's worker (its ``runner``, its ``rank``) its first argument."""
+import importlib
 from dataclasses import replace
 
 from pagoda.config import EngineConfig
@@ -10,11 +11,33 @@ from pagoda.distributed.child_procs import run_call
 from pagoda.runner.model_runner import ModelRunner
 
 
-class UniProcExecutor:
+class RankWorker:
+    """What collective_rpc's functions get of a rank: its ``runner`` (also ``model_runner``, vLLM's
+    name) and ``rank``; with ``worker_extension_cls`` (vLLM's), that class's methods too, which
+    collective_rpc calls by name."""
+    runner: ModelRunner
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self.runner
+
+    def extend(self, worker_extension_cls: str | None) -> None:
+        if worker_extension_cls:
+            module, _, name = worker_extension_cls.rpartition(".")
+            try:
+                extension = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise ValueError(f"worker_extension_cls={worker_extension_cls!r} is not an importable class "
+                                 f"(module.Class): {e}") from None
+            self.__class__ = type(type(self).__name__, (type(self), extension), {})
+
+
+class UniProcExecutor(RankWorker):
     rank = 0     # (the one rank's worker, as collective_rpc's functions see it)
 
     def __init__(self, config: EngineConfig):
         self.runner = ModelRunner(config)
+        self.extend(config.worker_extension_cls)
 
     def collective_rpc(self, method, args: tuple = ()) -> list:
         return [run_call(self, method, args)]

@@ -10,6 +10,7 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.child_procs import run_call
+from pagoda.distributed.executor import RankWorker
 from pagoda.distributed.parallel_state import building_parallel_model, destroy_distributed, init_distributed
 from pagoda.runner.model_runner import ModelRunner
 
@@ -18,7 +19,7 @@ from pagoda.runner.model_runner import ModelRunner
 COLLECTIVE_TIMEOUT_S = 600
 
 
-class Worker:
+class Worker(RankWorker):
     def __init__(self, config: EngineConfig, rank: int, port: int, host: str = "127.0.0.1",
                  local_rank: int | None = None):
         """Join the group at ``host:port`` (rank 0's node) as ``rank``. On CUDA the rank's GPU
@@ -40,6 +41,7 @@ class Worker:
         try:
             with building_parallel_model(tp, rank % tp, pc.pipeline_parallel_size, rank // tp):
                 self.runner = ModelRunner(config)
+            self.extend(config.worker_extension_cls)
         except BaseException:
             destroy_distributed()
             raise

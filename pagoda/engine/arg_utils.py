@@ -76,6 +76,7 @@ class EngineArgs:
     # override_generation_config's entries over them
     generation_config: str = "auto"
     enable_sleep_mode: bool = False            # vLLM's: LLM.sleep / wake_up (to free the GPU between uses)
+    worker_extension_cls: str | None = None    # vLLM's: "module.Class" whose methods each rank's worker gets
     override_generation_config: dict | None = None
 
     def _runner(self, architecture: str) -> str:
@@ -227,7 +228,8 @@ class EngineArgs:
                                 policy=self.scheduling_policy,
                                 max_concurrent_batches=parallel.pipeline_parallel_size)
         return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager,
-                             log_stats=not self.disable_log_stats, enable_sleep_mode=self.enable_sleep_mode)
+                             log_stats=not self.disable_log_stats, enable_sleep_mode=self.enable_sleep_mode,
+                             worker_extension_cls=self.worker_extension_cls)
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, device: str) -> None:

@@ -125,6 +125,13 @@ class _LlamaDecoder(nn.Module):
         for the next stage."""
         return self.model(input_ids, positions, intermediate_tensors)
 
+    def load_weights(self, weights) -> set[str]:
+        """vLLM's model API for weight updates (RL): (name, tensor) pairs by the checkpoint's
+        names, any subset, into this rank's shard; the others keep their values. Returns the
+        parameters loaded. (Unquantized weights: a quantized layer's are repacked at load.)"""
+        from pagoda.model.loader import load_weights
+        return load_weights(self, iter(weights), strict=False)
+
 
 class LlamaForCausalLM(_LlamaDecoder):
     def __init__(self, cfg: ArchConfig, quant: QuantMethod | None = None):

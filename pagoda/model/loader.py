@@ -114,8 +114,13 @@ def _load_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tenso
     return False
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+    """The checkpoint's (name, tensor) pairs into ``model`` (this rank's shard: the parameters'
+    loaders cut theirs). ``strict``: every weight must come (a whole checkpoint); else any of
+    them may (a weight update), and those of other pipeline stages are passed over. Returns the
+    names loaded."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    others = () if strict else missing_prefixes(model)
     modules = dict(model.named_modules())
     mapping = getattr(model, "packed_modules_mapping", {})
     tied = ties_lm_head(model)
@@ -134,6 +139,8 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
                 name, shard_id = name.replace(f".{ckpt_name}.", f".{fused}."), sid
                 break
         param = params.get(name)
+        if param is None and others and name.startswith(others):
+            continue
         if param is None:
             raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(model).__name__}.")
         loader = getattr(param, "weight_loader", None)
@@ -144,10 +151,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         else:
             loader(param, tensor, shard_id)
         loaded.add(name if shard_id is None else f"{name}:{shard_id}")
-    expected = _expected_names(model, mapping)
-    missing = sorted(expected - loaded)
-    if missing:
+    missing = sorted(_expected_names(model, mapping) - loaded)
+    if missing and strict:
         raise ValueError(f"The checkpoint lacks {len(missing)} weights, e.g. {missing[:4]}.")
+    return loaded
 
 
 def ties_lm_head(model: nn.Module) -> bool:
