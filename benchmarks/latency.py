@@ -69,6 +69,9 @@ def main():
                    help="GPUs the model is split over (the floor then counts each GPU's share)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
+    p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                   help="n-gram drafts, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (ms per step "
+                        "is then ms per output token; random weights make the acceptance meaningless, not the cost)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, the host's hot spots at the first batch size (cProfile)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
@@ -85,8 +88,9 @@ def main():
     llm = LLM(dummy_model_dir(args.model_config, args.quantization), load_format="dummy", dtype="bfloat16",
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
               async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config)
     tag = "async" if llm.llm_engine.async_scheduling else "sync"
+    name += "-ngram" if args.speculative_config else ""
     llm.generate({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=1), use_tqdm=False)
     startup = time.perf_counter() - t0
     rows = []
@@ -96,6 +100,10 @@ def main():
                  floor_ms=floor_ms(cfg, b, args.prompt_len + args.output_len // 2, ceilings,
                                    1 if args.kv_cache_dtype.startswith("fp8") else 2) / args.tensor_parallel_size)
         rows.append(r)
+    if args.speculative_config:
+        s = llm.llm_engine.stats
+        print(f"drafts: {s.num_draft_tokens} tokens in {s.num_drafts} steps of a request, "
+              f"{s.num_accepted_tokens} kept ({100 * s.num_accepted_tokens / max(1, s.num_draft_tokens):.1f}%)")
     if args.profile:
         host_profile(llm, [{"prompt_token_ids": p} for p in prompts_for(args.batch[0], args.prompt_len,
                                                                           cfg["vocab_size"])],

@@ -1,6 +1,6 @@
 """Engine configuration as plain dataclasses. `engine/arg_utils.py` builds them from the user's
 `LLM(...)` keyword arguments; everything else only reads them."""
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -323,6 +323,45 @@ class ParallelConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """vLLM's speculative_config, n-gram drafts (prompt lookup): each decode step proposes up to
+    ``num_speculative_tokens`` tokens by finding the sequence's last n tokens (n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in its prompt or output and
+    copying what followed them; one forward checks them all. With neither bound given both are
+    5; with one, the other equals it (vLLM's rule). ``disable_by_batch_size``: no drafts while
+    that many requests or more are in the engine (running or waiting), whose batch already keeps
+    the GPU busy."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self):
+        if self.method != "ngram":
+            raise ValueError(f"Unknown speculative method {self.method!r}: this engine proposes drafts by n-gram "
+                             "lookup only ('ngram'); draft models, EAGLE and Medusa are not supported.")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config needs num_speculative_tokens >= 1 (the most draft tokens a step "
+                             f"checks), got {self.num_speculative_tokens}.")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+        if not 1 <= lo <= hi:
+            raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}.")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+    @classmethod
+    def from_dict(cls, d: "dict | SpeculativeConfig") -> "SpeculativeConfig":
+        if isinstance(d, SpeculativeConfig):
+            return d
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"Unknown speculative_config keys {sorted(unknown)}; known: {sorted(known)}.")
+        return cls(**d)
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -333,3 +372,4 @@ class EngineConfig:
     log_stats: bool = False
     enable_sleep_mode: bool = False
     worker_extension_cls: str | None = None     # vLLM's: "module.Class" whose methods every rank's worker gets
+    speculative: SpeculativeConfig | None = None

@@ -242,3 +242,25 @@ def test_weights_too_large_for_the_gpu_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="LlamaForCausalLM .*B parameters.* do not fit in the .* GiB free on cuda"):
         LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
     assert torch.cuda.memory_allocated() == before
+
+
+def test_speculative_decoding_keeps_greedy_and_seeded_outputs():
+    """n-gram drafts on the GPU (their verification steps in the mixed-step CUDA graphs): greedy
+    and seeded samples (the one-kernel sampler, Philox keyed by seed and position, with and
+    without top-p) the same tokens as without drafts, float32, on SmolLM2 answers that copy."""
+    from tests.test_spec_decode import CHATS, NGRAM
+    params = [SamplingParams(temperature=0, max_tokens=64), SamplingParams(temperature=0.8, seed=7, max_tokens=64),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=64)]
+    outputs = []
+    for spec in (None, NGRAM):
+        llm = LLM(smollm(), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3,
+                  speculative_config=spec)
+        prompts = [llm.get_tokenizer().apply_chat_template(c, add_generation_prompt=True) for c in CHATS]
+        outs = llm.generate([p for p in prompts for _ in params], params * len(prompts), use_tqdm=False)
+        outputs.append([o.outputs[0].token_ids for o in outs])
+        stats = llm.llm_engine.stats
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert outputs[0] == outputs[1]
+    assert stats.num_accepted_tokens > 0

@@ -47,6 +47,8 @@ class Request:
         self.num_computed_tokens = 0
         # Tokens sampled by a step still on the device (async scheduling): counted, not yet known.
         self.num_output_placeholders = 0
+        # Speculative decoding: draft tokens scheduled after the last one in the step in flight.
+        self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -37,6 +37,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Structured outputs: req_id -> the tokens its next sample may take, a bit each (int32 words).
     grammar_bitmasks: dict = field(default_factory=dict)
+    # Speculative decoding: req_id -> the draft tokens scheduled after its last token.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -45,8 +47,11 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    # Requests that reached the end of their known tokens and sampled one more.
+    # Requests that reached the end of their known tokens and sampled one more (after the
+    # drafts kept, if any).
     sampled_token_ids: dict[str, int]
+    # Speculative decoding: req_id -> how many of its drafts were kept (0 when absent).
+    num_accepted_drafts: dict[str, int] = field(default_factory=dict)
     # req_id -> (token ids (k+1 each), logprobs, rank of the sampled token) for the sampled token
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
     cumulative: dict[str, float] = field(default_factory=dict)     # logprob of the sampled token (same rows)

@@ -14,14 +14,20 @@ host. A request that samples in step N carries one output placeholder until then
 scheduled as if that token were known (the runner feeds it from the device), and never past
 max_tokens / max_model_len. With several steps in flight (pipeline parallelism: one a stage),
 such a request waits for its token instead, and each step takes its share of the running
-requests, so that the others fill the next step."""
+requests, so that the others fill the next step.
+
+With speculative decoding (n-gram drafts), a decoding request may be scheduled with draft
+tokens after its last one: the step computes them all, and the runner keeps the longest run of
+drafts the model itself would have sampled, plus the token it sampled after them. The drafts it
+rejects are taken back from num_computed_tokens (their KV slots are written again later)."""
 import bisect
 import time
 from collections import deque
 from dataclasses import dataclass
 
-from pagoda.config import SchedulerConfig
+from pagoda.config import SchedulerConfig, SpeculativeConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, PrefixHit
+from pagoda.core.ngram_proposer import NgramProposer
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                       SchedulerOutput)
@@ -34,12 +40,19 @@ class SchedulerStats:
     prefix_cache_hits: int = 0           # of which were found there
     num_forked_tokens: int = 0           # prompt tokens parallel samples took from their parent
     num_prompt_tokens_computed: int = 0  # prompt positions the model actually ran on
+    num_generation_tokens: int = 0       # tokens appended to requests' outputs
+    num_drafts: int = 0                  # speculative decoding: steps of a request with drafts
+    num_draft_tokens: int = 0            # draft tokens checked
+    num_accepted_tokens: int = 0         # of which were kept
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 speculative: SpeculativeConfig | None = None):
         self.config = config
         self.kv = kv_cache_manager
+        self.proposer = NgramProposer(speculative) if speculative else None
+        self.draft_batch_limit = (speculative and speculative.disable_by_batch_size) or float("inf")
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -82,11 +95,14 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)
+        if self.proposer:
+            self.proposer.forget(req.request_id)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -124,7 +140,13 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
+            if self.proposer and n == 1 and len(self.running) + len(self.waiting) < self.draft_batch_limit:
+                req.spec_token_ids = self._drafts(req, budget - 1)
+                n += len(req.spec_token_ids)
             new_block_ids = self.kv.allocate_slots(req, n)
+            if new_block_ids is None and req.spec_token_ids:   # drafts never preempt anyone
+                req.spec_token_ids, n = [], 1
+                new_block_ids = self.kv.allocate_slots(req, n)
             while new_block_ids is None:
                 victim = self._victim()
                 if victim.request_id in num_scheduled:     # (priority: one scheduled already this step)
@@ -183,9 +205,27 @@ class Scheduler:
             if start < req.num_prompt_tokens:
                 self.stats.num_prompt_tokens_computed += min(start + n, req.num_prompt_tokens) - start
             req.num_computed_tokens = start + n
+            if req.spec_token_ids:
+                out.spec_token_ids[req.request_id] = req.spec_token_ids
+                n -= len(req.spec_token_ids)
             if start + n == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1       # this step samples its next token
         return out
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens to check after a decoding request's last token, for requests whose
+        sampling the runner checks them under: plain sampling (temperature, top-k / top-p /
+        min-p, seeds), no logprobs, per-token extras or grammar. Never past max_tokens or
+        max_model_len, nor the step's token budget. (Not with async scheduling: the last token
+        must be known.)"""
+        p = req.sampling_params
+        if (req.num_output_placeholders or req.matcher is not None or req.pooling_params is not None
+                or p.logprobs is not None or p.needs_penalties or p.logit_bias or p.allowed_token_ids
+                or p.bad_words_token_ids or req.num_output_tokens < p.min_tokens):
+            return []
+        room = min(budget, req.max_tokens - req.num_output_tokens - 1,
+                   self.config.max_model_len - req.num_tokens - 1)
+        return self.proposer.propose(req.request_id, req.all_token_ids, room)
 
     def _last_token_in_flight(self, req: Request) -> bool:
         """The token still on the device will end the request by length: schedule nothing more."""
@@ -226,11 +266,17 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue          # it finished while this step ran (async): the token is dropped
             req.num_output_placeholders -= 1
-            req.append_output_token(token)
+            tokens = [token]
+            if req.spec_token_ids:
+                tokens = self._take_drafts(req, out.num_accepted_drafts.get(req_id, 0)) + tokens
             queue = self.running if req.status == RequestStatus.RUNNING else self.waiting  # preempted
-            if self._check_stop(req, token):
-                queue.remove(req)
-                self._free(req)
+            for t in tokens:
+                req.append_output_token(t)
+                self.stats.num_generation_tokens += 1
+                if self._check_stop(req, t):
+                    queue.remove(req)
+                    self._free(req)
+                    break
             updated.append(req)
         for req_id in out.pooler_output:        # pooling requests: their one output, then done
             req = self.requests.get(req_id)
@@ -242,6 +288,15 @@ class Scheduler:
             self._free(req)
             updated.append(req)
         return updated
+
+    def _take_drafts(self, req: Request, accepted: int) -> list[int]:
+        """The drafts the runner kept; the rejected ones are computed no longer."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        req.num_computed_tokens -= len(drafts) - accepted
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += len(drafts)
+        self.stats.num_accepted_tokens += accepted
+        return drafts[:accepted]
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params

@@ -70,6 +70,10 @@ class Worker(RankWorker):
                 self.in_flight.popleft().get_output()
             self.in_flight.append(self.runner.execute_model(sched))
             return
+        if self.last is not None and self.last.drafts is not None:
+            # Speculative decoding: the drafts kept decide where this step's inputs go.
+            self.last.get_output()
+            self.last = None
         out = self.runner.execute_model(sched)
         if self.last is not None:
             self.last.get_output()

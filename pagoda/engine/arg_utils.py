@@ -7,7 +7,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from pagoda.config import (KV_CACHE_DTYPES, ArchConfig, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                           PoolerConfig, SchedulerConfig, classifier_from_tokens, is_classifier, sampling_defaults)
+                           PoolerConfig, SchedulerConfig, SpeculativeConfig, classifier_from_tokens, is_classifier,
+                           sampling_defaults)
 from pagoda.model.hub import default_model_path, resolve_model_path
 from pagoda.model.loader import read_arch_config, read_generation_config, read_pooler_config, read_quant_config
 from pagoda.quant.base import check_quantization_name, resolve_quantization
@@ -78,6 +79,8 @@ class EngineArgs:
     enable_sleep_mode: bool = False            # vLLM's: LLM.sleep / wake_up (to free the GPU between uses)
     worker_extension_cls: str | None = None    # vLLM's: "module.Class" whose methods each rank's worker gets
     override_generation_config: dict | None = None
+    # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def _runner(self, architecture: str) -> str:
         """"generate" or "pooling"; "auto" picks pooling for a classifier (as vLLM does)."""
@@ -220,16 +223,33 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization, cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales,
             enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching)
+        speculative = self._speculative(model, parallel)
         sched = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked,
                                 # On the CPU the forward runs as it is called: nothing to overlap.
-                                async_scheduling=(device == "cuda" if self.async_scheduling is None
-                                                  else self.async_scheduling),
+                                # Drafts follow the last token, which must be on the host.
+                                async_scheduling=(device == "cuda" and speculative is None
+                                                  if self.async_scheduling is None else self.async_scheduling),
                                 policy=self.scheduling_policy,
                                 max_concurrent_batches=parallel.pipeline_parallel_size)
         return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager,
                              log_stats=not self.disable_log_stats, enable_sleep_mode=self.enable_sleep_mode,
-                             worker_extension_cls=self.worker_extension_cls)
+                             worker_extension_cls=self.worker_extension_cls, speculative=speculative)
+
+    def _speculative(self, model: ModelConfig, parallel: ParallelConfig) -> SpeculativeConfig | None:
+        """speculative_config, checked against what it runs with."""
+        if not self.speculative_config:
+            return None
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if model.runner == "pooling":
+            raise ValueError("speculative_config speeds up generation: the pooling runner generates nothing.")
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config does not run with pipeline_parallel_size > 1 yet: use tensor "
+                             "parallelism, or no drafts.")
+        if self.async_scheduling:
+            raise ValueError("speculative_config needs async_scheduling off: a step's drafts follow the tokens "
+                             "of the step before, which must have reached the host.")
+        return spec
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, device: str) -> None:

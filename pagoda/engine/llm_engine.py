@@ -43,9 +43,9 @@ class LLMEngine:
         config.cache.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.speculative)
         self.output_processor = OutputProcessor(tokenizer)
-        self.num_steps = self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.num_steps = self.num_prompt_tokens = 0
         self.stat_logger = StatLogger() if config.log_stats else None
         self._ids = itertools.count()
         self.eos_token_id = self._eos_token_id()
@@ -366,10 +366,6 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.num_steps += 1
-        generated = len(updated)
-        if runner_out.pooler_output:     # (a pooled vector is no generated token)
-            generated -= sum(r.pooling_params is not None for r in updated)
-        self.num_generation_tokens += generated
         if self.stat_logger is not None:
             self.stat_logger.maybe_log(self.stats)
         return outputs
@@ -384,7 +380,7 @@ class LLMEngine:
         pool = self.kv_cache_manager.pool
         return EngineStats(
             num_steps=self.num_steps, num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens, **asdict(self.scheduler.stats),
+            **asdict(self.scheduler.stats),
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_kv_blocks=pool.num_usable_blocks, kv_blocks_in_use=pool.num_usable_blocks - pool.num_free_blocks,
             kv_blocks_cached=pool.num_cached_blocks, kv_blocks_free=pool.num_free_blocks)

@@ -114,23 +114,17 @@ class OutputProcessor:
                                                     PoolingOutput(runner_out.pooler_output[req.request_id]),
                                                     state.parent.prompt_token_ids, True, req.num_cached_tokens))
                 continue
-            token = req.all_token_ids[-1]
-            state.token_ids.append(token)
+            # One token a step, or with speculative decoding the drafts kept and one more.
+            tokens = req.all_token_ids[req.num_prompt_tokens + len(state.token_ids):]
             if state.logprobs is not None:
                 state.cumulative_logprob += runner_out.cumulative[req.request_id]
                 state.logprobs.append(self._logprob_dict(*runner_out.logprobs[req.request_id]))
             finished = req.is_finished
             if finished:
                 state.finish_reason, state.stop_reason = req.status.finish_reason, req.stop_reason
-            if state.detok is not None:
-                delta = state.detok.push([token])
-                if finished:            # nothing follows: emit any held-back bytes too
-                    delta += state.detok.flush()
-                state.text += delta
-                if delta and state.max_stop_len:
-                    if self._check_stop_strings(state, len(delta)):
-                        stopped.append(req.request_id)
-                        finished = True
+            if self._append(state, tokens, finished):
+                stopped.append(req.request_id)
+                finished = True
             parent = state.parent
             m = parent.metrics
             if m.last_token_time is not None and parent.request_id not in touched:
@@ -148,6 +142,23 @@ class OutputProcessor:
             elif parent.params.output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(parent.output())
         return outputs, stopped
+
+    def _append(self, state: RequestState, tokens: list[int], finished: bool) -> bool:
+        """The step's new tokens into the output, and their text, a token at a time: with
+        speculative decoding a step brings several, and those after a stop string are dropped.
+        True when a stop string ended the sequence."""
+        if state.detok is None:
+            state.token_ids += tokens
+            return False
+        for i, token in enumerate(tokens):
+            state.token_ids.append(token)
+            delta = state.detok.push([token])
+            if finished and i == len(tokens) - 1:      # nothing follows: emit any held-back bytes too
+                delta += state.detok.flush()
+            state.text += delta
+            if delta and state.max_stop_len and self._check_stop_strings(state, len(delta)):
+                return True
+        return False
 
     def _check_stop_strings(self, state: RequestState, delta_len: int) -> bool:
         params = state.req.sampling_params

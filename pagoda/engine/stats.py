@@ -18,6 +18,9 @@ class EngineStats:
     prefix_cache_hits: int = 0           # of which were found there
     num_forked_tokens: int = 0           # prompt tokens parallel samples shared with their first
     num_preemptions: int = 0
+    num_drafts: int = 0                  # speculative decoding: a request's steps with drafts
+    num_draft_tokens: int = 0            # draft tokens checked
+    num_accepted_tokens: int = 0         # of which were kept
     # Gauges, now.
     num_running: int = 0
     num_waiting: int = 0
@@ -65,4 +68,10 @@ class StatLogger:
             (stats.num_generation_tokens - last.num_generation_tokens) / dt,
             stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, stats.kv_blocks_in_use,
             stats.kv_blocks_cached, stats.kv_blocks_free, 100 * hits / queries if queries else 0.0)
+        drafts = stats.num_draft_tokens - last.num_draft_tokens
+        if drafts:
+            logger.info("Speculative decoding: %d draft tokens, %.1f%% accepted, %.2f tokens a step with drafts",
+                        drafts, 100 * (stats.num_accepted_tokens - last.num_accepted_tokens) / drafts,
+                        1 + (stats.num_accepted_tokens - last.num_accepted_tokens)
+                        / max(1, stats.num_drafts - last.num_drafts))
         self.last_time, self.last = now, stats

@@ -54,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "auto (the model's generation_config.json), vllm (none), or a folder holding one")
     p.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
                    help="entries over the generation config's, e.g. '{\"temperature\": 0.5}'")
+    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help="speculative decoding with n-gram drafts, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
     p.add_argument("--log-stats", action="store_true",
                    help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
 
@@ -91,7 +94,8 @@ def engine_args_from(args):
                       enable_prefix_caching=not args.no_prefix_caching, disable_log_stats=not args.log_stats,
                       runner=args.runner, task=args.task, hf_overrides=args.hf_overrides,
                       generation_config=args.generation_config,
-                      override_generation_config=args.override_generation_config)
+                      override_generation_config=args.override_generation_config,
+                      speculative_config=args.speculative_config)
 
 
 def _make_llm(args):

@@ -105,8 +105,10 @@ class AsyncRunnerOutput:
 
     def __init__(self, runner: "ModelRunner", out: ModelRunnerOutput, req_ids: list[str] = (),
                  states: list[CachedRequestState] = (), result: SamplerOutput | None = None,
-                 step_id: int = -1, rows: np.ndarray | None = None, arrivals: list = (), pooled=None):
+                 step_id: int = -1, rows: np.ndarray | None = None, arrivals: list = (), pooled=None,
+                 drafts: list | None = None):
         self.runner, self.out, self.req_ids, self.states = runner, out, list(req_ids), list(states)
+        self.drafts = drafts       # speculative decoding: each sampling request's drafts (or None)
         self.pooled = pooled       # (request ids, params, [vectors], their wait) on their way to rank 0
         self.positions = [s.num_tokens - 1 for s in self.states]     # where each sampled token goes
         self.step_id, self.rows = step_id, rows
@@ -433,19 +435,25 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         rows = np.array([s.row for s in states], dtype=np.int64)
         known = np.array([s.num_tokens for s in states], dtype=np.int64)
+        num_drafts = self._write_drafts(sched.spec_token_ids, req_ids, states)
         cu = np.cumsum(q_lens)
         batch = self._prepare_inputs(rows, q_lens, computed)
         arrays = {k: batch[k] for k in INPUT_NAMES}
         pending = self._pending_input_ids(rows, computed, cu - q_lens, known)
         if pending is not None:
             arrays["pending_dst"], arrays["pending_src"] = pending
-        sampling = np.nonzero(computed + q_lens == known)[0]     # reached their last token
+        # Reached their last token (or their last draft): they sample.
+        sampling = np.nonzero(computed + q_lens == known + num_drafts)[0]
         if self.num_pooling_reqs:        # (pooling requests reach it too, and are pooled instead)
             sampling = sampling[[states[i].pooling is None for i in sampling]]
         s_states, s_rows = [states[i] for i in sampling], rows[sampling]
+        # The logits rows: one a request, or with drafts one a draft and one after them.
+        per_req = num_drafts[sampling] + 1
+        logit_reqs = np.repeat(sampling, per_req)
+        offsets = np.arange(len(logit_reqs)) - np.repeat(np.cumsum(per_req) - per_req, per_req)
         if len(sampling):
-            arrays["logits_idx"] = cu[sampling] - 1
-            arrays.update(self._sampling_arrays(s_states, s_rows))
+            arrays["logits_idx"] = cu[logit_reqs] - per_req.repeat(per_req) + offsets
+            arrays.update(self._sampling_arrays([states[i] for i in logit_reqs], rows[logit_reqs], offsets))
         t = self._upload(arrays)
         calibrating = self.kv_scales_pending
         if calibrating:
@@ -463,20 +471,38 @@ class ModelRunner:
             return AsyncRunnerOutput(self, out, pooled=pooled)
         logits = None if hidden is None else self.model.compute_logits(hidden[t["logits_idx"]])
         if sched.grammar_bitmasks and logits is not None:
-            apply_grammar_bitmasks(logits, [req_ids[i] for i in sampling], sched.grammar_bitmasks)
+            apply_grammar_bitmasks(logits, [req_ids[i] for i in logit_reqs], sched.grammar_bitmasks)
         arrivals = []
+        d_states, d_rows = [states[i] for i in logit_reqs], rows[logit_reqs]
         if self.single_rank:
-            result = sample(logits, self._sampling_metadata(s_states, s_rows, t))
+            result = sample(logits, self._sampling_metadata(d_states, d_rows, t))
         else:
-            result, arrivals = self._sample_on_driver(logits, s_states, s_rows, t)
+            result, arrivals = self._sample_on_driver(logits, d_states, d_rows, t)
         for s in s_states:
             s.num_tokens += 1
         self.num_sampling_steps += 1
-        self.pending_idx[s_rows] = np.arange(len(sampling))
+        self.pending_idx[s_rows] = np.cumsum(per_req) - 1     # (a step with drafts is taken in first)
         self.pending_step[s_rows] = self.num_sampling_steps
         self.last_sampled = result.token_ids
+        drafts = [sched.spec_token_ids.get(req_ids[i], ()) for i in sampling] if sched.spec_token_ids else None
         return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result,
-                                 self.num_sampling_steps, s_rows, arrivals, pooled)
+                                 self.num_sampling_steps, s_rows, arrivals, pooled, drafts)
+
+    def _write_drafts(self, spec_token_ids: dict[str, list[int]], req_ids: list[str],
+                      states: list[CachedRequestState]) -> np.ndarray:
+        """Speculative decoding: each request's drafts into its row after its known tokens (the
+        step's inputs; those kept stay, the others are written over later). Returns the number
+        of drafts of each request of the batch."""
+        num_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        if not spec_token_ids:
+            return num_drafts
+        for i, req_id in enumerate(req_ids):
+            drafts = spec_token_ids.get(req_id)
+            if drafts:
+                s = states[i]
+                self.token_ids[s.row, s.num_tokens:s.num_tokens + len(drafts)] = drafts
+                num_drafts[i] = len(drafts)
+        return num_drafts
 
     def _pool(self, hidden, req_ids, states, computed, q_lens, cu, known):
         """The pooling requests' outputs, from the final hidden states of their tokens in this
@@ -584,6 +610,8 @@ class ModelRunner:
         rows = step.rows
         self.pending_idx[rows[self.pending_step[rows] == step.step_id]] = -1
         logprobs = token_lp is not None
+        if step.drafts is not None:
+            tokens = self._accept_drafts(step, tokens)
         for j, (req_id, s) in enumerate(zip(step.req_ids, step.states)):
             out.sampled_token_ids[req_id] = tokens[j]
             # A request preempted or aborted since has left (its row may serve another now).
@@ -593,6 +621,31 @@ class ModelRunner:
             if logprobs and k is not None:
                 out.cumulative[req_id] = token_lp[j]
                 out.logprobs[req_id] = ([tokens[j]] + topk_ids[j][:k], [token_lp[j]] + topk_lp[j][:k], ranks[j])
+
+    def _accept_drafts(self, step: AsyncRunnerOutput, tokens: list[int]) -> list[int]:
+        """Speculative decoding's check, for drafts that are single tokens (n-gram lookup):
+        each position sampled as without drafts, then the drafts kept while they equal what was
+        sampled, and the sample after them kept too. A draft is thus kept with the probability
+        the model gives it, and when it is not, the token sampled in its place is distributed as
+        the model's distribution without it: the output is distributed as without drafts (and
+        greedy output is the same). Returns each request's last sampled token; the kept drafts
+        go into its row and ``num_accepted_drafts``."""
+        last, i = [], 0
+        for j, (req_id, s, drafts) in enumerate(zip(step.req_ids, step.states, step.drafts)):
+            sampled = tokens[i:i + len(drafts) + 1]
+            i += len(drafts) + 1
+            kept = 0
+            while kept < len(drafts) and sampled[kept] == drafts[kept]:
+                kept += 1
+            last.append(sampled[kept])
+            if not kept:
+                continue
+            step.out.num_accepted_drafts[req_id] = kept
+            step.positions[j] += kept
+            if self.requests.get(req_id) is s:
+                self.token_ids[s.row, step.positions[j] - kept:step.positions[j]] = drafts[:kept]
+                s.num_tokens += kept
+        return last
 
     def _pending_input_ids(self, rows, computed, starts, known) -> tuple[np.ndarray, np.ndarray] | None:
         """(positions in the flat batch, indices in last_sampled) of the inputs that the last
@@ -712,7 +765,8 @@ class ModelRunner:
                 work.wait()
         return None
 
-    def _sampling_arrays(self, states: list[CachedRequestState], rows: np.ndarray) -> dict[str, np.ndarray]:
+    def _sampling_arrays(self, states: list[CachedRequestState], rows: np.ndarray,
+                         offsets: np.ndarray) -> dict[str, np.ndarray]:
         """The sampling rows' parameters for the device: only those some row uses, plus Philox
         seeds when the batch can take the one-kernel GPU sampler (no logprobs or per-request
         extras: penalties, logit bias, allowed token ids, bad words, min_tokens), which then takes
@@ -728,7 +782,7 @@ class ModelRunner:
             a["min_p"] = min_p
         if (self.one_kernel_sampler and not (temp == 0).all()
                 and (self.num_logprobs[rows] == NO_LOGPROBS).all() and not self._special_rows(states, rows)):
-            a["seeds"] = self._philox_seeds(states, rows)
+            a["seeds"] = self._philox_seeds(states, rows, offsets)
             if a.keys() & {"top_k", "top_p", "min_p"}:
                 a.update(top_k=top_k, top_p=top_p, min_p=min_p)
         return a
@@ -761,14 +815,15 @@ class ModelRunner:
             self._add_special_sampling(md, states, rows, special)
         return md
 
-    def _philox_seeds(self, states: list[CachedRequestState], rows: np.ndarray) -> np.ndarray:
+    def _philox_seeds(self, states: list[CachedRequestState], rows: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Per-row seeds of the one-kernel GPU sampler: fresh ones from the engine's stream,
         except for seeded requests, whose seed and output position alone fix the draw (so the
-        output does not depend on the rest of the batch)."""
+        output depends neither on the rest of the batch nor on speculative decoding: a row
+        ``offsets`` drafts ahead draws for its position)."""
         seeds = self.rng.integers(0, 2**63 - 1, len(states), dtype=np.int64)
         for i in np.nonzero(self.seeded[rows])[0].tolist():
             s = states[i]
-            seeds[i] = (s.params.seed * 0x9E3779B97F4A7C15 + s.num_tokens) % (2**63 - 1)
+            seeds[i] = (s.params.seed * 0x9E3779B97F4A7C15 + s.num_tokens + int(offsets[i])) % (2**63 - 1)
         return seeds
 
     def _add_special_sampling(self, md, states, rows, special) -> None:

@@ -24,6 +24,9 @@ _COUNTERS = [
     ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
     ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("vllm:num_preemptions", "Preemptions (requests recomputed for lack of KV blocks).", "num_preemptions"),
+    ("vllm:spec_decode_num_drafts", "Speculative decoding: a request's steps with drafts.", "num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens checked.", "num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens kept.", "num_accepted_tokens"),
 ]
 
 
