@@ -58,6 +58,11 @@
 #   bash benchmarks/gpu_session.sh serve17   # W3 with the asyncio client, both models; the server stack over a stand-in engine
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
+#   bash benchmarks/gpu_session.sh spec24a   # (then spec24b, warm) W1 Qwen3; GPU tests, n-gram drafts on SmolLM2,
+#                                            # W2 Llama-3-8B batch 1 sync / async / with drafts
+#   bash benchmarks/gpu_session.sh spec25a   # (then spec25b, warm) W1 Llama-3-8B; GPU tests, n-gram drafts on
+#                                            # SmolLM2 in bf16 and float32
+#   bash benchmarks/gpu_session.sh spec25c   # (then spec25d, warm) cProfile of SmolLM2 steps with drafts
 #   bash benchmarks/gpu_session.sh session21 # classifiers + calculate_kv_scales on CUDA (tests), GPU tests, W1 both models
 #   bash benchmarks/gpu_session.sh asc21     # W3 with --api-server-count 2 against 1, interleaved (carry the server's wheels)
 #   bash benchmarks/gpu_session.sh pdl22     # PDL into cuBLAS GEMMs: which kernels wait (probe), MLP micro
@@ -98,6 +103,14 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 M=../shared/models; [ -d "$M" ] || M=shared/models; [ -d "$M" ] || M=benchmarks/models
 MA=$(realpath "$M")
 # A/B helpers: W1 / W2 of one model run from a checkout (BASE or .), results under $OUT/label
+# SmolLM2's GGUF (98 MB) comes in two calls, a half each (the carry limit is 64 MiB): the first
+# call keeps its half on the warm machine, the next joins them into /tmp/smollm2.gguf.
+keep_smollm2_half() { [ -f .gpu_model/smollm2.part00 ] && cp .gpu_model/smollm2.part00 /root/; }
+join_smollm2() {
+  if [ -f /root/smollm2.part00 ] && [ -f .gpu_model/smollm2.part01 ]; then
+    cat /root/smollm2.part00 .gpu_model/smollm2.part01 > /tmp/smollm2.gguf && export SMOLLM2_GGUF=/tmp/smollm2.gguf
+  fi
+}
 w1() {  # tree label model
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/throughput.py --model-config "$MA/$3.json" --no-tqdm \
     --out "$OUT/$2" 2>&1 | grep -E "^pagoda |compiled|variant:|^roofline of this" | sed "s/^/W1 $3 $2: /")
@@ -134,22 +147,19 @@ run() {  # label benchmark args...: the benchmark's result line, labelled
 case "${1:-}" in
   kernels)
     # SmolLM2's GGUF is over one call's 64 MiB: its first half rides with this call.
-    [ -f .gpu_model/smollm2.part00 ] && cp .gpu_model/smollm2.part00 /root/
+    keep_smollm2_half
     python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -15 | tee "$OUT/kernel_tests.txt"
     python3 benchmarks/attention_kernels.py 2>&1 | tail -40
     ;;
   ops)
-    [ -f .gpu_model/smollm2.part00 ] && cp .gpu_model/smollm2.part00 /root/
+    keep_smollm2_half
     python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -4 | tee "$OUT/kernel_tests.txt"
     python3 benchmarks/ops_kernels.py 2>&1 | tail -30
     python3 benchmarks/step_overhead.py --model-config $M/qwen3-0.6b.json --num-requests 256 2>&1 | tail -9
     python3 benchmarks/latency.py --model-config $M/qwen3-0.6b.json --batch 1 8 64 --hf 2>&1 | tail -8
     ;;
   engine)
-    if [ -f /root/smollm2.part00 ] && [ -f .gpu_model/smollm2.part01 ]; then
-      cat /root/smollm2.part00 .gpu_model/smollm2.part01 > /tmp/smollm2.gguf && export SMOLLM2_GGUF=/tmp/smollm2.gguf
-      md5sum /tmp/smollm2.gguf
-    fi
+    join_smollm2
     python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.txt"
     python3 benchmarks/throughput.py --model-config $M/qwen3-0.6b.json --hf --no-tqdm 2>&1 | tail -6
     python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 64 --hf 2>&1 | tail -8
@@ -959,6 +969,55 @@ case "${1:-}" in
       | tee "$OUT/next11_tests.txt"
     [ -d .ab/tl ] && (cd .ab/tl && PYTHONPATH=$PWD:/tmp/site OUT=$OUT python3 benchmarks/attention_timeline.py 2>&1 \
       | grep -v Warn | tail -18)
+    ;;
+  spec24a)
+    # Twenty-fourth session, call 1: SmolLM2's first half rides along; W1 Qwen3-0.6B after a warm-up
+    keep_smollm2_half
+    warm_w1 .
+    w1 . main qwen3-0.6b
+    ;;
+  spec24b)
+    # Call 2 (within the warm window): SmolLM2 whole again; the GPU tests (speculative decoding's
+    # included); n-gram drafts on SmolLM2 chats, bf16; W2 Llama-3-8B batch 1 sync / async / with
+    # drafts (random weights: the cost of a step that checks k drafts, whatever is kept)
+    join_smollm2
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+    timeout 240 python3 benchmarks/spec_decode.py --model /tmp/smollm2.gguf --dtype bfloat16 2>&1 | tail -21
+    for a in off on; do
+      python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 --async-scheduling $a 2>&1 \
+        | grep "^pagoda " | sed "s/^/W2 llama3-8b async $a: /"
+    done
+    for k in 2 4 8; do
+      python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 \
+        --speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": $k}" 2>&1 \
+        | grep -E "^pagoda |^drafts" | sed "s/^/W2 llama3-8b ngram k=$k: /"
+    done
+    ;;
+  spec25a)
+    # Twenty-fifth session, call 1: SmolLM2's first half rides along; W1 Llama-3-8B after a warm-up
+    keep_smollm2_half
+    warm_w1 .
+    w1 . main llama3-8b
+    ;;
+  spec25b)
+    # Call 2 (within the warm window): the GPU tests; n-gram drafts on SmolLM2 chats in bf16 and
+    # in float32 (where verifying k drafts in one forward must not change a greedy token)
+    join_smollm2
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+    for dtype in bfloat16 float32; do
+      mkdir -p "$OUT/$dtype"
+      timeout 200 python3 benchmarks/spec_decode.py --model /tmp/smollm2.gguf --dtype $dtype --out "$OUT/$dtype" 2>&1 \
+        | tail -21 | tee "$OUT/$dtype/table.txt"
+    done
+    ;;
+  spec25c)
+    # Call 3: SmolLM2's first half only (for spec25d, within the warm window)
+    keep_smollm2_half
+    ;;
+  spec25d)
+    # Call 4: where a step with drafts spends its time (cProfile of one chat at k = 0, 2, 8, bf16)
+    join_smollm2
+    timeout 300 python3 benchmarks/spec_decode.py --model /tmp/smollm2.gguf --dtype bfloat16 --profile --k 0 2 8
     ;;
   closing8)
     # The session's GPU tests (sampling kernel with its filters, attention, the engine), the

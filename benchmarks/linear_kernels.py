@@ -10,6 +10,7 @@ only), bf16.
   python3 benchmarks/linear_kernels.py           # cuBLAS against the kernel, 1-4 rows
   python3 benchmarks/linear_kernels.py --sweep   # the kernel's slab size and warps, one row
   python3 benchmarks/linear_kernels.py --blas    # cuBLAS against cuBLASLt at 16-256 rows
+  python3 benchmarks/linear_kernels.py --inductor  # cuBLAS against inductor's max-autotune at 64-256 rows
 """
 import sys
 
@@ -61,6 +62,21 @@ def sweep(dev, dtype):
         triton_linear.SLAB_ELEMENTS, triton_linear.SLAB_WARPS = default
 
 
+def layer_gemms(dev, dtype, batch_rows):
+    """(matrix name, rows, input, copies of the weight) for each layer matrix of both models at
+    each batch size: enough copies (512 MB) that a timed graph reads its weights from memory,
+    not from the L2 cache."""
+    for name, (n, k) in SHAPES.items():
+        if "lm_head" in name:
+            continue
+        copies = max(8, (512 << 20) // (n * k * 2))
+        weights = [torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for _ in range(copies)]
+        for m in batch_rows:
+            yield name, m, torch.randn(m, k, device=dev, dtype=dtype), weights
+        del weights
+        torch.cuda.empty_cache()
+
+
 def blas_libraries(dev, dtype):
     """The decode GEMMs at W1's batch sizes through each BLAS library torch can call (cuBLAS,
     cuBLASLt): at Qwen3-0.6B's small matrices a GEMM takes 5-6 us in the engine where its
@@ -69,23 +85,46 @@ def blas_libraries(dev, dtype):
     names = ["cublas", "cublaslt"]
     print(f"{'shape':14s} {'M':>4s} " + " ".join(f"{n + ' us':>12s}" for n in names))
     try:
-        for name, (n, k) in SHAPES.items():
-            if "lm_head" in name:
-                continue
-            nbytes = n * k * 2
-            copies = max(8, (512 << 20) // nbytes)
-            weights = [torch.randn(n, k, device=dev, dtype=dtype) * k ** -0.5 for _ in range(copies)]
-            for m in (16, 64, 256):
-                x = torch.randn(m, k, device=dev, dtype=dtype)
-                times = []
-                for lib in names:
-                    torch.backends.cuda.preferred_blas_library(lib)
-                    times.append(graph_time_us(lambda: [F.linear(x, w) for w in weights], copies))
-                print(f"{name:14s} {m:4d} " + " ".join(f"{t:12.2f}" for t in times), flush=True)
-            del weights
-            torch.cuda.empty_cache()
+        for name, m, x, weights in layer_gemms(dev, dtype, (16, 64, 256)):
+            times = []
+            for lib in names:
+                torch.backends.cuda.preferred_blas_library(lib)
+                times.append(graph_time_us(lambda: [F.linear(x, w) for w in weights], len(weights)))
+            print(f"{name:14s} {m:4d} " + " ".join(f"{t:12.2f}" for t in times), flush=True)
     finally:
         torch.backends.cuda.preferred_blas_library(default)
+
+
+def inductor_autotune(dev, dtype):
+    """The decode GEMMs at W1's batch sizes: cuBLAS against whatever torch.compile's max-autotune
+    picks among its Triton templates (persistent TMA ones included) and cuBLAS itself. A
+    template that beats cuBLAS is a GEMM that could also wait under programmatic dependent
+    launch, which cuBLAS's kernels do not (``pdl_gemm_probe.py``)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    inductor_config.max_autotune_gemm_backends = "ATEN,TRITON"
+    inductor_config.triton.enable_persistent_tma_matmul = True
+    rows = []
+    for name, m, x, weights in layer_gemms(dev, dtype, (64, 128, 256)):
+        torch._dynamo.reset()
+        compiled = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+        out, code = run_and_get_code(compiled, x, weights[0])
+        # every module imports extern_kernels; only a call of its mm means cuBLAS won
+        picked = "cuBLAS" if "extern_kernels.mm(" in "".join(code) else "Triton"
+        err = ((out.float() - F.linear(x.float(), weights[0].float())).norm()
+               / F.linear(x.float(), weights[0].float()).norm()).item()
+        assert err < 1e-2, (name, m, err)
+        t_cublas = graph_time_us(lambda: [F.linear(x, w) for w in weights], len(weights))
+        t_ind = graph_time_us(lambda: [compiled(x, w) for w in weights], len(weights))
+        rows.append((name, m, t_cublas, t_ind, picked))
+        print(f"{name:14s} {m:4d} cuBLAS {t_cublas:8.2f} us  inductor {t_ind:8.2f} us ({picked})", flush=True)
+    print(f"\n{'shape':14s} {'M':>4s} {'cuBLAS us':>9s} {'inductor us':>11s} {'picked':>7s} {'speed-up':>8s}")
+    for name, m, tc, ti, picked in rows:
+        print(f"{name:14s} {m:4d} {tc:9.2f} {ti:11.2f} {picked:>7s} {tc / ti:7.2f}x")
+    for m in (64, 128, 256):
+        tc = sum(r[2] for r in rows if r[1] == m)
+        ti = sum(r[3] for r in rows if r[1] == m)
+        print(f"{'all eight':14s} {m:4d} {tc:9.2f} {ti:11.2f} {'':>7s} {tc / ti:7.2f}x")
 
 
 def main():
@@ -94,6 +133,8 @@ def main():
         return sweep(dev, dtype)
     if "--blas" in sys.argv:
         return blas_libraries(dev, dtype)
+    if "--inductor" in sys.argv:
+        return inductor_autotune(dev, dtype)
     print(f"{'shape':14s} {'M':>3s} {'cuBLAS us':>9s} {'GB/s':>6s} {'Triton us':>9s} {'GB/s':>6s} {'speed-up':>8s}")
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
