@@ -10,6 +10,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.model.loader import iter_safetensors, load_weights
+from tests.conftest import TEST_KV_BYTES
 from tests.test_tensor_parallel import write_tiny_llama
 
 SMALL = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128,
@@ -117,3 +118,53 @@ def test_sleep_frees_gpu_memory(tmp_path):
     finally:
         del llm
         gc.collect()
+
+
+def test_server_dev_routes(smollm_path, monkeypatch):
+    """vLLM's /sleep, /wake_up, /is_sleeping and /reset_prefix_cache, only with
+    VLLM_SERVER_DEV_MODE=1; a request while asleep answers 503 and the engine goes on."""
+    pytest.importorskip("fastapi", reason="the server's extra (fastapi) is not installed")
+    from fastapi.testclient import TestClient
+
+    from pagoda.engine.arg_utils import EngineArgs
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.entrypoints.openai.api_server import build_app
+    args = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256)
+    body = {"prompt": "Paris is the capital of France. " * 6, "max_tokens": 6, "temperature": 0}   # (3 blocks)
+    engine = AsyncLLM.from_engine_args(EngineArgs(smollm_path, enable_sleep_mode=True, **args))
+    try:
+        monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+        monkeypatch.delenv("PAGODA_SERVER_DEV_MODE", raising=False)
+        with TestClient(build_app(engine, ["m"])) as client:
+            assert client.post("/sleep").status_code == 404         # not without the dev mode
+        monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+        with TestClient(build_app(engine, ["m"])) as client:
+            want = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            assert len(want) > 5
+            assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+            for query, message in [("?level=3", "level must be 1"), ("?level=one", "level must be 1")]:
+                r = client.post("/sleep" + query)
+                assert r.status_code == 400 and message in r.json()["error"]["message"]
+            assert client.post("/sleep?level=1").status_code == 200
+            assert client.get("/is_sleeping").json() == {"is_sleeping": True}
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 503 and "asleep" in r.json()["error"]["message"]
+            r = client.post("/sleep")
+            assert r.status_code == 400 and "asleep already" in r.json()["error"]["message"]
+            r = client.post("/wake_up?tags=cache")
+            assert r.status_code == 400 and "Unknown wake_up tags" in r.json()["error"]["message"]
+            assert client.post("/wake_up?tags=weights&tags=kv_cache").status_code == 200
+            assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+            assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+            assert engine.stats.kv_blocks_cached > 0
+            assert client.post("/reset_prefix_cache").status_code == 200
+            assert engine.stats.kv_blocks_cached == 0
+        no_sleep = AsyncLLM.from_engine_args(EngineArgs(smollm_path, **args))
+        try:
+            with TestClient(build_app(no_sleep, ["m"])) as client:
+                r = client.post("/sleep")
+                assert r.status_code == 400 and "enable_sleep_mode=True" in r.json()["error"]["message"]
+        finally:
+            no_sleep.shutdown()
+    finally:
+        engine.shutdown()

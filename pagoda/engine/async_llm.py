@@ -194,13 +194,23 @@ class AsyncLLM:
     async def start_profile(self) -> None:
         """The torch profiler on every engine core's ranks ($PAGODA_TORCH_PROFILER_DIR, as this
         process sees it), until stop_profile writes the traces."""
-        directory = profiler_dir()
-        for core in range(len(self._cores)):
-            await self._call("start_profile", directory, core=core)
+        await self._call_all("start_profile", profiler_dir())
 
     async def stop_profile(self) -> None:
-        for core in range(len(self._cores)):
-            await self._call("stop_profile", core=core)
+        await self._call_all("stop_profile")
+
+    async def sleep(self, level: int = 1) -> None:
+        """LLMEngine.sleep on every engine core (each must be idle)."""
+        await self._call_all("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call_all("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return any(await self._call_all("is_sleeping"))
+
+    async def reset_prefix_cache(self) -> bool:
+        return all(await self._call_all("reset_prefix_cache"))
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -214,6 +224,10 @@ class AsyncLLM:
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise self.dead
+
+    async def _call_all(self, name: str, *args) -> list:
+        """engine_core.CALLS[name] on every engine core in turn, their results in order."""
+        return [await self._call(name, *args, core=core) for core in range(len(self._cores))]
 
     async def _call(self, name: str, *args, core: int = 0):
         """engine_core.CALLS[name] on an engine core (the first: what any of them answers)."""

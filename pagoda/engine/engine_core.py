@@ -43,7 +43,11 @@ class EngineDeadError(RuntimeError):
 # What a "call" command may run on the engine.
 CALLS = {"prompt_token_ids": lambda engine, prompts: [engine.prompt_token_ids(p) for p in prompts],
          "start_profile": lambda engine, directory: engine.start_profile(directory),
-         "stop_profile": lambda engine: engine.stop_profile()}
+         "stop_profile": lambda engine: engine.stop_profile(),
+         "sleep": lambda engine, level: engine.sleep(level),
+         "wake_up": lambda engine, tags: engine.wake_up(tags),
+         "is_sleeping": lambda engine: engine.is_sleeping(),
+         "reset_prefix_cache": lambda engine: engine.reset_prefix_cache()}
 
 
 @dataclass

@@ -29,6 +29,10 @@ from pagoda.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+class EngineAsleepError(RuntimeError):
+    """A request for an engine in sleep mode (the server answers 503)."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None):
         t0 = time.time()
@@ -98,7 +102,7 @@ class LLMEngine:
         untouched. ``priority``: with scheduling_policy="priority", lower values are served first.
         PoolingParams make a pooling request (the pooling runner's): its prompt's vector."""
         if self.sleeping:
-            raise RuntimeError("The engine is asleep: wake_up() first.")
+            raise EngineAsleepError("The engine is asleep: wake_up() first.")
         params, pooling = self._pooling(params or SamplingParams())
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise ValueError(f"Got priority {priority}, but priority scheduling is not enabled: start the engine "

@@ -57,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help="speculative decoding with n-gram drafts, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="LLM.sleep / wake_up (the server's /sleep, /wake_up and /is_sleeping with "
+                        "VLLM_SERVER_DEV_MODE=1): free the GPU between uses")
     p.add_argument("--log-stats", action="store_true",
                    help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
 
@@ -95,7 +98,7 @@ def engine_args_from(args):
                       runner=args.runner, task=args.task, hf_overrides=args.hf_overrides,
                       generation_config=args.generation_config,
                       override_generation_config=args.override_generation_config,
-                      speculative_config=args.speculative_config)
+                      speculative_config=args.speculative_config, enable_sleep_mode=args.enable_sleep_mode)
 
 
 def _make_llm(args):

@@ -6,7 +6,8 @@
 Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-tool-choice
 --tool-call-parser hermes, llama3_json, mistral or pythonic), /v1/embeddings, /classify,
 /v1/score, /rerank and /pooling (with --runner pooling), /tokenize, /detokenize, /v1/models, /health,
-/version, /metrics, /start_profile and /stop_profile."""
+/version, /metrics, /start_profile and /stop_profile; with VLLM_SERVER_DEV_MODE=1 (as vLLM) also
+/sleep, /wake_up, /is_sleeping and /reset_prefix_cache."""
 import argparse
 import asyncio
 import logging
@@ -25,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import pagoda
 from pagoda.engine.async_llm import AsyncLLM, engine_core_makers
 from pagoda.engine.engine_core import EngineCoreProc
-from pagoda.engine.llm_engine import load_tokenizer
+from pagoda.engine.llm_engine import EngineAsleepError, load_tokenizer
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest,
                                                DetokenizeRequest, EmbeddingRequest, PoolingRequest, RerankRequest,
@@ -56,6 +57,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         # OpenAI (and vLLM) answer a malformed body with 400, not FastAPI's 422.
         errors = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
         return error_response(errors, 400)
+
+    @app.exception_handler(EngineAsleepError)
+    async def asleep(_: Request, exc: EngineAsleepError):
+        return error_response("The engine is asleep: POST /wake_up first.", 503)
 
     if api_key:
         @app.middleware("http")
@@ -125,6 +130,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             return error_response(str(e), 400)
         return Response(status_code=200)
 
+    if os.environ.get("VLLM_SERVER_DEV_MODE", os.environ.get("PAGODA_SERVER_DEV_MODE", "0")) not in ("", "0"):
+        add_dev_routes(app, engine)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         return tokenization.tokenize(body)
@@ -134,6 +142,43 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         return tokenization.detokenize(body)
 
     return app
+
+
+def add_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
+    """vLLM's development routes (sleep mode and the prefix cache), which any client could use
+    to stop the service: only with VLLM_SERVER_DEV_MODE=1 (or PAGODA_SERVER_DEV_MODE=1).
+    ``POST /sleep?level=1``, ``POST /wake_up`` (``?tags=weights&tags=kv_cache``: some; all by
+    default), ``GET /is_sleeping``, ``POST /reset_prefix_cache``. Refused calls (sleep mode off,
+    requests running, a bad level or tag) answer 400 and say why."""
+
+    async def answer(call) -> Response:
+        try:
+            await call
+        except (ValueError, RuntimeError) as e:
+            return error_response(str(e), 400)
+        return Response(status_code=200)
+
+    @app.post("/sleep")
+    async def sleep(raw: Request):
+        level = raw.query_params.get("level", "1")
+        if not level.isdigit():
+            return error_response(f"level must be 1 or 2, got {level!r}.", 400, "level")
+        return await answer(engine.sleep(int(level)))
+
+    @app.post("/wake_up")
+    async def wake_up(raw: Request):
+        return await answer(engine.wake_up(raw.query_params.getlist("tags") or None))
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return {"is_sleeping": await engine.is_sleeping()}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        async def reset():
+            if not await engine.reset_prefix_cache():
+                raise RuntimeError("The prefix cache was not reset: it resets only when no request holds blocks.")
+        return await answer(reset())
 
 
 async def _until_disconnected(raw: Request, handler):
