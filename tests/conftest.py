@@ -50,3 +50,7 @@ def assert_no_leaks(llm) -> None:
     assert not kv.req_to_blocks, f"blocks still held by {list(kv.req_to_blocks)}"
     assert kv.num_free_blocks == kv.pool.num_usable_blocks
     assert not engine.output_processor.parents and not engine.output_processor.states
+    # The runner drops a finished request's row with the next step it runs.
+    runner = getattr(engine.executor, "runner", None) or engine.executor.worker.runner
+    held = set(runner.requests) - engine.scheduler.finished_req_ids
+    assert not held, f"the runner still holds the rows of {sorted(held)}"

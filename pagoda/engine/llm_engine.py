@@ -302,7 +302,7 @@ class LLMEngine:
         finished before step N+1 is scheduled."""
         if self.batch_queue_size > 1:
             return self._step_with_batch_queue()
-        outputs = []
+        outputs, sched = [], None
         try:
             if self._in_flight is not None and self._structured_running():
                 outputs, self._in_flight = self._finish_step(*self._in_flight), None
@@ -311,7 +311,7 @@ class LLMEngine:
             if self._in_flight is not None:
                 outputs += self._finish_step(*self._in_flight)
         except BaseException:
-            self._drop_steps_in_flight()
+            self._drop_steps_in_flight(sched)
             raise
         self._in_flight = sched, launched
         if not self.async_scheduling or not self.scheduler.has_unfinished_requests():
@@ -325,7 +325,7 @@ class LLMEngine:
         so that every stage has a batch to run; then finish the oldest step once the queue is
         full or nothing else can be scheduled. A step's tokens thus come back while the first
         stage already runs the next batch."""
-        queue = self._batch_queue
+        queue, sched = self._batch_queue, None
         try:
             if len(queue) < self.batch_queue_size:
                 sched = self._schedule()
@@ -338,14 +338,18 @@ class LLMEngine:
                 while queue:
                     outputs += self._finish_step(*queue.popleft())
         except BaseException:
-            self._drop_steps_in_flight()
+            self._drop_steps_in_flight(sched)
             raise
         return outputs
 
-    def _drop_steps_in_flight(self) -> None:
+    def _drop_steps_in_flight(self, failed) -> None:
         """After a failed step (the caller aborts the requests): no step stays in flight, in either
         step path. The blocks the failed steps were to fill are already indexed: forget the
-        index, so no later request reads what was never written."""
+        index, so no later request reads what was never written. The requests that finished
+        before the last step scheduled (``failed``, if it was scheduled) go to the runner with
+        the next step instead: the failed one may not have dropped their rows."""
+        if failed is not None:
+            self.scheduler.finished_req_ids |= failed.finished_req_ids
         self._in_flight = None
         self._batch_queue.clear()
         self.kv_cache_manager.pool.forget_cached_blocks()
