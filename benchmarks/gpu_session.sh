@@ -63,6 +63,7 @@
 #   bash benchmarks/gpu_session.sh spec25a   # (then spec25b, warm) W1 Llama-3-8B; GPU tests, n-gram drafts on
 #                                            # SmolLM2 in bf16 and float32
 #   bash benchmarks/gpu_session.sh spec25c   # (then spec25d, warm) cProfile of SmolLM2 steps with drafts
+#                                            # (or spec25e: the GPU tests alone)
 #   bash benchmarks/gpu_session.sh session21 # classifiers + calculate_kv_scales on CUDA (tests), GPU tests, W1 both models
 #   bash benchmarks/gpu_session.sh asc21     # W3 with --api-server-count 2 against 1, interleaved (carry the server's wheels)
 #   bash benchmarks/gpu_session.sh pdl22     # PDL into cuBLAS GEMMs: which kernels wait (probe), MLP micro
@@ -1018,6 +1019,11 @@ case "${1:-}" in
     # Call 4: where a step with drafts spends its time (cProfile of one chat at k = 0, 2, 8, bf16)
     join_smollm2
     timeout 300 python3 benchmarks/spec_decode.py --model /tmp/smollm2.gguf --dtype bfloat16 --profile --k 0 2 8
+    ;;
+  spec25e)
+    # Call after spec25c (warm): the GPU tests alone, in full
+    join_smollm2
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
     ;;
   closing8)
     # The session's GPU tests (sampling kernel with its filters, attention, the engine), the

@@ -54,6 +54,9 @@ def test_out_of_vocab_token_and_wrong_types(llm):
         llm.generate({"prompt_token_ids": [1, 10**7]}, OK, use_tqdm=False)
     with pytest.raises(ValueError, match="prompt must be"):
         llm.generate([3.5], OK, use_tqdm=False)
+    for ids in ("some text", [1, "2"], [1.0, 2.0]):
+        with pytest.raises(ValueError, match="prompt_token_ids must be a list of integer"):
+            llm.generate({"prompt_token_ids": ids}, OK, use_tqdm=False)
     with pytest.raises(ValueError, match="SamplingParams for 2 prompts"):
         llm.generate(["a", "b"], [OK, OK, OK], use_tqdm=False)
     still_works(llm)

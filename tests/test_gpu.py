@@ -247,20 +247,26 @@ def test_weights_too_large_for_the_gpu_is_a_clear_error(tmp_path):
 def test_speculative_decoding_keeps_greedy_and_seeded_outputs():
     """n-gram drafts on the GPU (their verification steps in the mixed-step CUDA graphs): greedy
     and seeded samples (the one-kernel sampler, Philox keyed by seed and position, with and
-    without top-p) the same tokens as without drafts, float32, on SmolLM2 answers that copy."""
-    from tests.test_spec_decode import CHATS, NGRAM
+    without top-p) the same tokens as without drafts, float32, on SmolLM2 answers that copy;
+    in a second batch, greedy requests with logprobs (the full sampler) the same logprobs."""
+    from tests.test_spec_decode import CHATS, NGRAM, assert_same_logprobs
     params = [SamplingParams(temperature=0, max_tokens=64), SamplingParams(temperature=0.8, seed=7, max_tokens=64),
               SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=64)]
-    outputs = []
+    with_logprobs = SamplingParams(temperature=0, max_tokens=64, logprobs=2)
+    outputs, logprobs = [], []
     for spec in (None, NGRAM):
         llm = LLM(smollm(), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3,
                   speculative_config=spec)
         prompts = [llm.get_tokenizer().apply_chat_template(c, add_generation_prompt=True) for c in CHATS]
         outs = llm.generate([p for p in prompts for _ in params], params * len(prompts), use_tqdm=False)
         outputs.append([o.outputs[0].token_ids for o in outs])
+        logprobs.append([o.outputs[0] for o in llm.generate(prompts, with_logprobs, use_tqdm=False)])
         stats = llm.llm_engine.stats
         del llm
         gc.collect()
         torch.cuda.empty_cache()
     assert outputs[0] == outputs[1]
+    for want, got in zip(*logprobs):
+        assert got.token_ids == want.token_ids
+        assert_same_logprobs(got.logprobs, want.logprobs)
     assert stats.num_accepted_tokens > 0

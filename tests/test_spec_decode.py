@@ -105,9 +105,16 @@ def test_greedy_equals_without_drafts(llm, spec_llm, ends):
     assert_no_leaks(spec_llm)
 
 
+def assert_same_logprobs(got, want) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 and g[t].rank == w[t].rank for t in g)
+
+
 def test_requests_without_drafts_share_the_batch(llm, spec_llm):
-    """Requests the drafts do not serve (logprobs, penalties, min_tokens, a JSON grammar) run in
-    the same steps as those with drafts and get what they get without speculative decoding."""
+    """Requests the drafts do not serve (penalties, min_tokens) run in the same steps as those
+    with drafts (and with logprobs) and get what they get without speculative decoding."""
     batch = [SamplingParams(temperature=0, max_tokens=40),
              SamplingParams(temperature=0, max_tokens=40, logprobs=2),
              SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3),
@@ -116,9 +123,36 @@ def test_requests_without_drafts_share_the_batch(llm, spec_llm):
     want = llm.generate(prompts, batch, use_tqdm=False)
     got = spec_llm.generate(prompts, batch, use_tqdm=False)
     assert texts_and_ids(got) == texts_and_ids(want)
-    for g, w in zip(got[1].outputs[0].logprobs, want[1].outputs[0].logprobs):
-        assert g.keys() == w.keys()
-        assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in g)
+    assert_same_logprobs(got[1].outputs[0].logprobs, want[1].outputs[0].logprobs)
+    assert_no_leaks(spec_llm)
+
+
+def test_logprobs_of_kept_drafts(llm, spec_llm):
+    """With logprobs a request takes drafts too: each kept token's logprobs (and the cumulative
+    logprob) are those of its own position, as without drafts; also for a request that samples
+    its first token in a step where a request with drafts comes before it in the batch."""
+    tok = llm.get_tokenizer()
+    long, short = (tok.apply_chat_template(c, add_generation_prompt=True) for c in (CHATS[1], CHATS[2]))
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=3, ignore_eos=True)
+    want = llm.generate([long, short], params, use_tqdm=False)
+    engine = spec_llm.llm_engine
+    kept = engine.stats.num_accepted_tokens
+    engine.add_request("long", long, params)
+    for _ in range(40):                                         # until its drafts are being kept
+        if engine.stats.num_accepted_tokens > kept:
+            break
+        engine.step()
+    assert engine.stats.num_accepted_tokens > kept
+    engine.add_request("short", short, params)
+    got = {}
+    while engine.has_unfinished_requests():
+        got.update((o.request_id, o) for o in engine.step())
+    for name, w in zip(["long", "short"], want):
+        g = got[name].outputs[0]
+        assert g.token_ids == w.outputs[0].token_ids
+        assert_same_logprobs(g.logprobs, w.outputs[0].logprobs)
+        assert abs(g.cumulative_logprob - w.outputs[0].cumulative_logprob) < 1e-3
+    assert engine.stats.num_accepted_tokens > kept + 2
     assert_no_leaks(spec_llm)
 
 

@@ -52,9 +52,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     # Speculative decoding: req_id -> how many of its drafts were kept (0 when absent).
     num_accepted_drafts: dict[str, int] = field(default_factory=dict)
-    # req_id -> (token ids (k+1 each), logprobs, rank of the sampled token) for the sampled token
-    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
-    cumulative: dict[str, float] = field(default_factory=dict)     # logprob of the sampled token (same rows)
+    # req_id -> for each token of the step (one, or the drafts kept and one more): (token ids
+    # (k+1 each: the sampled token, then the top k), logprobs, rank of the sampled token)
+    logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
     # req_id -> (first position, token ids (P, k+1), logprobs (P, k+1), ranks (P,))
     prompt_logprobs: dict[str, tuple] = field(default_factory=dict)
     # Pooling requests whose prompt is computed: req_id -> the pooled vector (float32, CPU tensor)

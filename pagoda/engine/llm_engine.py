@@ -185,7 +185,10 @@ class LLMEngine:
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, str) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integer token ids.")
+                return prompt.get("prompt"), list(ids)
             prompt = prompt.get("prompt")
         if isinstance(prompt, str):
             if self.tokenizer is None:

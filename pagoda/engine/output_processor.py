@@ -115,16 +115,18 @@ class OutputProcessor:
                                                     state.parent.prompt_token_ids, True, req.num_cached_tokens))
                 continue
             # One token a step, or with speculative decoding the drafts kept and one more.
-            tokens = req.all_token_ids[req.num_prompt_tokens + len(state.token_ids):]
-            if state.logprobs is not None:
-                state.cumulative_logprob += runner_out.cumulative[req.request_id]
-                state.logprobs.append(self._logprob_dict(*runner_out.logprobs[req.request_id]))
+            num_tokens = len(state.token_ids)
+            tokens = req.all_token_ids[req.num_prompt_tokens + num_tokens:]
             finished = req.is_finished
             if finished:
                 state.finish_reason, state.stop_reason = req.status.finish_reason, req.stop_reason
             if self._append(state, tokens, finished):
                 stopped.append(req.request_id)
                 finished = True
+            if state.logprobs is not None:       # (those of the tokens kept: not past a stop)
+                for ids, lps, rank in runner_out.logprobs[req.request_id][:len(state.token_ids) - num_tokens]:
+                    state.cumulative_logprob += lps[0]
+                    state.logprobs.append(self._logprob_dict(ids, lps, rank))
             parent = state.parent
             m = parent.metrics
             if m.last_token_time is not None and parent.request_id not in touched:

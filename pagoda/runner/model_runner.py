@@ -610,34 +610,39 @@ class ModelRunner:
         rows = step.rows
         self.pending_idx[rows[self.pending_step[rows] == step.step_id]] = -1
         logprobs = token_lp is not None
+        # Each request's logit rows of this step's tokens: one, or with drafts those kept and one more.
+        firsts, counts = range(len(step.req_ids)), [1] * len(step.req_ids)
         if step.drafts is not None:
-            tokens = self._accept_drafts(step, tokens)
+            firsts, counts = self._accept_drafts(step, tokens)
         for j, (req_id, s) in enumerate(zip(step.req_ids, step.states)):
-            out.sampled_token_ids[req_id] = tokens[j]
+            last = firsts[j] + counts[j] - 1
+            out.sampled_token_ids[req_id] = tokens[last]
             # A request preempted or aborted since has left (its row may serve another now).
             if self.requests.get(req_id) is s:
-                self.token_ids[s.row, step.positions[j]] = tokens[j]
+                self.token_ids[s.row, step.positions[j]] = tokens[last]
             k = s.params.logprobs
             if logprobs and k is not None:
-                out.cumulative[req_id] = token_lp[j]
-                out.logprobs[req_id] = ([tokens[j]] + topk_ids[j][:k], [token_lp[j]] + topk_lp[j][:k], ranks[j])
+                out.logprobs[req_id] = [([tokens[r]] + topk_ids[r][:k], [token_lp[r]] + topk_lp[r][:k], ranks[r])
+                                        for r in range(firsts[j], last + 1)]
 
-    def _accept_drafts(self, step: AsyncRunnerOutput, tokens: list[int]) -> list[int]:
+    def _accept_drafts(self, step: AsyncRunnerOutput, tokens: list[int]) -> tuple[list[int], list[int]]:
         """Speculative decoding's check, for drafts that are single tokens (n-gram lookup):
         each position sampled as without drafts, then the drafts kept while they equal what was
         sampled, and the sample after them kept too. A draft is thus kept with the probability
         the model gives it, and when it is not, the token sampled in its place is distributed as
         the model's distribution without it: the output is distributed as without drafts (and
-        greedy output is the same). Returns each request's last sampled token; the kept drafts
-        go into its row and ``num_accepted_drafts``."""
-        last, i = [], 0
+        greedy output is the same). Returns each request's first logit row and its number of
+        tokens this step (the drafts kept, and the token sampled after them); the kept drafts go
+        into its row and ``num_accepted_drafts``."""
+        firsts, counts, i = [], [], 0
         for j, (req_id, s, drafts) in enumerate(zip(step.req_ids, step.states, step.drafts)):
             sampled = tokens[i:i + len(drafts) + 1]
-            i += len(drafts) + 1
             kept = 0
             while kept < len(drafts) and sampled[kept] == drafts[kept]:
                 kept += 1
-            last.append(sampled[kept])
+            firsts.append(i)
+            counts.append(kept + 1)
+            i += len(drafts) + 1
             if not kept:
                 continue
             step.out.num_accepted_drafts[req_id] = kept
@@ -645,7 +650,7 @@ class ModelRunner:
             if self.requests.get(req_id) is s:
                 self.token_ids[s.row, step.positions[j] - kept:step.positions[j]] = drafts[:kept]
                 s.num_tokens += kept
-        return last
+        return firsts, counts
 
     def _pending_input_ids(self, rows, computed, starts, known) -> tuple[np.ndarray, np.ndarray] | None:
         """(positions in the flat batch, indices in last_sampled) of the inputs that the last
