@@ -274,6 +274,29 @@ def tune_split(dtype, gen, log):
     return results
 
 
+def time_spec(dtype, gen, log):
+    """Speculative decoding's verification: k + 1 queries a request against its context, one
+    program per (request, KV head) against the context split as a decode's is (the engine's
+    choice since the twenty-fifth session), in a CUDA graph; a plain decode for reference."""
+    log("\nVerification attention, k + 1 queries a request: us per call (unsplit / the engine's split)")
+    for model in ("llama3-8b", "qwen3-0.6b"):
+        for batch, ctx in [(1, 1024), (1, 8192), (1, 32768), (8, 8192), (32, 2048)]:
+            one = Case(batch, 1, ctx, *MODELS[model], dtype, gen)
+            line = f"  {model:10s} b={batch:<3d} ctx={ctx:<6d} decode {graph_ms(lambda: one.triton(), 10, 50) * 1e3:7.1f}"
+            del one
+            for q_len in (3, 5, 9):
+                case = Case(batch, q_len, ctx, *MODELS[model], dtype, gen)
+                seg = ta._pick_num_segments(batch * MODELS[model][1], q_len, ctx, case.query.device)
+                err = rel_err(case.triton(), case.reference(fp32=True))
+                assert err < 2e-2, (model, batch, ctx, q_len, err)
+                t1 = graph_ms(lambda: case.triton(num_segments=1), 10, 50) * 1e3
+                ts = graph_ms(lambda: case.triton(), 10, 50) * 1e3
+                line += f"  q={q_len}: {t1:7.1f} / {ts:6.1f} ({seg:2d} seg)"
+                del case
+            log(line)
+            torch.cuda.empty_cache()
+
+
 def tune_ragged(dtype, gen, log):
     """W1's decode batches mix contexts of 100-2,048 tokens: the kernel on ragged contexts
     (longest first, as the engine orders them, and shuffled) against uniform ones of the same
@@ -490,6 +513,8 @@ def main():
                         help="FP8 (E4M3) caches; with --decode-tiles, the FP8 tile candidates")
     parser.add_argument("--mixed", action="store_true",
                         help="only time a mixed step in one launch against decodes and prefills apart")
+    parser.add_argument("--spec", action="store_true",
+                        help="only time speculative decoding's verification attention (k + 1 queries a request)")
     parser.add_argument("--prefill", action="store_true",
                         help="only time prefill attention (fresh and over a cached prefix) over prefill tiles")
     args = parser.parse_args()
@@ -512,7 +537,7 @@ def main():
     bw = copy_bandwidth()
     only = {"tune_split": tune_split, "ragged": tune_ragged, "layout": tune_layout, "mixed": time_mixed,
             "decode_tiles": lambda d, g, lg: tune_decode_tiles(d, g, lg, candidates),
-            "split_ragged": tune_split_ragged, "prefill": tune_prefill}
+            "split_ragged": tune_split_ragged, "prefill": tune_prefill, "spec": time_spec}
     chosen = [fn for flag, fn in only.items() if getattr(args, flag)]
     if chosen:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")

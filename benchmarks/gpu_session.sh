@@ -64,6 +64,8 @@
 #                                            # SmolLM2 in bf16 and float32
 #   bash benchmarks/gpu_session.sh spec25c   # (then spec25d, warm) cProfile of SmolLM2 steps with drafts
 #                                            # (or spec25e: the GPU tests alone)
+#   bash benchmarks/gpu_session.sh spec25f   # (then spec25g, warm) verification attention split over the context:
+#                                            # tests, micro-benchmark; GPU tests, drafts, W2 Llama long prompt
 #   bash benchmarks/gpu_session.sh session21 # classifiers + calculate_kv_scales on CUDA (tests), GPU tests, W1 both models
 #   bash benchmarks/gpu_session.sh asc21     # W3 with --api-server-count 2 against 1, interleaved (carry the server's wheels)
 #   bash benchmarks/gpu_session.sh pdl22     # PDL into cuBLAS GEMMs: which kernels wait (probe), MLP micro
@@ -1024,6 +1026,29 @@ case "${1:-}" in
     # Call after spec25c (warm): the GPU tests alone, in full
     join_smollm2
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
+    ;;
+  spec25f)
+    # Call 1 of 2: SmolLM2's first half rides along; the attention tests (drafts split over the
+    # context, verification graphs' forward) compiled; verification attention, unsplit / split
+    keep_smollm2_half
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      tests/kernels/test_triton_backend.py 2>&1 | tail -3
+    timeout 200 python3 benchmarks/attention_kernels.py --spec 2>&1 | tail -12
+    ;;
+  spec25g)
+    # Call 2 (warm): the GPU tests (speculative greedy / seeded / logprobs through the verification
+    # graphs); drafts on SmolLM2 (bf16); W2 Llama-3-8B batch 1 over a 7,680-token prompt without
+    # drafts and with k=4, its verification attention split (the default) or not
+    join_smollm2
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
+    timeout 150 python3 benchmarks/spec_decode.py --model /tmp/smollm2.gguf --dtype bfloat16 --k 0 4 8 2>&1 | tail -16
+    NG='{"method": "ngram", "num_speculative_tokens": 4}'
+    for run in "none" "ngram" "ngram --knob triton_attention.SPLIT_MAX_QUERY_LEN=1"; do
+      set -- $run
+      extra=(); [ "$1" = ngram ] && extra=(--speculative-config "$NG" "${@:2}")
+      python3 benchmarks/latency.py --model-config $M/llama3-8b.json --batch 1 --prompt-len 7680 --output-len 128 \
+        "${extra[@]}" 2>&1 | grep -E "^pagoda |^drafts" | sed "s/^/W2 long $run: /"
+    done
     ;;
   closing8)
     # The session's GPU tests (sampling kernel with its filters, attention, the engine), the

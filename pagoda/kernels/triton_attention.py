@@ -33,7 +33,8 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   the prefills' launch is the batch from ``query_start_loc[num_decodes]`` on, so
   ``query_start_loc[0]`` may be above 0 (``query`` and ``out`` are still the whole batch's).
 - Flash-decoding: with few sequences decoding, ``batch * num_kv_heads`` programs cannot fill
-  132 SMs (batch 1 of Llama-3-8B: 8 programs). Then each request's context is split into
+  132 SMs (batch 1 of Llama-3-8B: 8 programs). (The same holds for requests of a few queries:
+  speculative decoding's token and drafts, up to ``SPLIT_MAX_QUERY_LEN``.) Then each request's context is split into
   ``NUM_SEGMENTS`` contiguous ranges of KV tiles, one program each; they write unnormalised
   partial outputs with their running max and sum, and a second small kernel merges them
   (log-sum-exp weights). The split factor comes from python ints only (batch shape,
@@ -123,6 +124,13 @@ SPLIT_BELOW_PROGRAMS_PER_SM = 2
 SPLIT_PROGRAMS_PER_SM = 2
 SPLIT_MAX_SEGMENTS = 64
 SPLIT_MIN_TOKENS = 128
+# Requests of up to this many queries split too: speculative decoding's verification steps (a
+# token and its drafts), whose one query tile a request would otherwise read a long context alone
+# (H200, twenty-fifth session, Llama-3-8B heads, 5 queries: batch 1 over 8,192 tokens 236 -> 30
+# us, batch 8 242 -> 113). Their programs do more work than a decode's: they split only below
+# one program an SM (batch 32 over 2,048 tokens, two segments: 93 -> 120 us).
+SPLIT_MAX_QUERY_LEN = 16
+SPLIT_BELOW_PROGRAMS_PER_SM_QUERIES = 1
 
 
 fix_interpreter_bugs()
@@ -525,7 +533,8 @@ def _pick_num_segments(num_programs: int, max_query_len: int, max_seq_len: int,
                        device: torch.device) -> int:
     """Flash-decoding split factor (a power of two) from python ints only."""
     target = SPLIT_PROGRAMS_PER_SM * num_sms(device)
-    if max_query_len > 1 or num_programs >= SPLIT_BELOW_PROGRAMS_PER_SM * num_sms(device):
+    below = SPLIT_BELOW_PROGRAMS_PER_SM if max_query_len == 1 else SPLIT_BELOW_PROGRAMS_PER_SM_QUERIES
+    if max_query_len > SPLIT_MAX_QUERY_LEN or num_programs >= below * num_sms(device):
         return 1
     want = triton.next_power_of_2(triton.cdiv(target, num_programs))
     fit = max(1, max_seq_len // SPLIT_MIN_TOKENS)  # don't cut segments shorter than this

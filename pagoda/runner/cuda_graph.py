@@ -17,6 +17,12 @@ Graphs are captured over persistent input buffers, for two ladders of sizes:
   for 320 requests left W1 unchanged, and padded requests are not free (padded to 1,024
   requests, those steps took 48.6 ms instead of 42.6, one run each).
 
+- With speculative decoding, verification steps (every request a token and up to k drafts), by
+  number of requests up to MAX_MIXED_REQS, in powers of two, each request k + 1 token slots:
+  their attention is one launch of (k + 1)-query tiles, split over the context as decodes are
+  (a mixed graph's second launch must take prompts as long as the graph, and a request's one
+  program would read a long context alone).
+
 Padding tokens write no KV (slot -1) and belong to no request; their outputs are dropped."""
 import bisect
 
@@ -49,13 +55,17 @@ def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model, backend, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int,
-                 max_model_len: int, device: torch.device):
+                 max_model_len: int, device: torch.device, num_speculative_tokens: int = 0):
         self.model, self.backend = model, backend
         self.sizes = capture_sizes(max_num_seqs)
         self.mixed_sizes = mixed_capture_sizes(max_num_batched_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         n = max(self.sizes[-1], self.mixed_sizes[-1])
+        # Verification steps: up to spec_len tokens a request, as many requests as fit the buffers.
+        self.spec_len = num_speculative_tokens + 1
+        self.spec_sizes = [] if not num_speculative_tokens else [
+            1 << e for e in range(min(max_num_seqs, MAX_MIXED_REQS, n // self.spec_len).bit_length())]
         r = max(self.sizes[-1], self._max_reqs(self.mixed_sizes[-1]))
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
@@ -70,36 +80,45 @@ class CUDAGraphRunner:
     def _max_reqs(self, num_tokens: int) -> int:
         return min(self.max_num_seqs, num_tokens, MAX_MIXED_REQS)
 
+    def _num_tokens(self, key: tuple[str, int]) -> int:
+        return key[1] * self.spec_len if key[0] == "spec" else key[1]
+
+    def _req_slots(self, key: tuple[str, int]) -> int:
+        return {"decode": key[1], "spec": key[1]}.get(key[0]) or self._max_reqs(key[1])
+
     def _metadata(self, key: tuple[str, int]) -> AttentionMetadata:
         # max_seq_len is fixed at capture: the kernels read each request's true length from
         # seq_lens, and the bound only sizes the split-KV grid.
-        kind, n = key
+        kind, n, r = key[0], self._num_tokens(key), self._req_slots(key)
         if kind == "decode":
             return AttentionMetadata(
                 num_actual_tokens=n, num_decodes=n, slot_mapping=self.slot_mapping[:n],
                 query_start_loc=self.decode_query_start_loc[:n + 1], seq_lens=self.seq_lens[:n],
                 block_tables=self.block_tables[:n], max_query_len=1, max_seq_len=self.max_model_len,
                 max_decode_seq_len=self.max_model_len)
-        r = self._max_reqs(n)
+        # (a verification step: no decodes apart, one launch of spec_len-query tiles)
+        spec = kind == "spec"
         return AttentionMetadata(
-            num_actual_tokens=n, num_decodes=None, slot_mapping=self.slot_mapping[:n],
+            num_actual_tokens=n, num_decodes=0 if spec else None, slot_mapping=self.slot_mapping[:n],
             query_start_loc=self.query_start_loc[:r + 1], seq_lens=self.seq_lens[:r],
-            block_tables=self.block_tables[:r], max_query_len=n, max_seq_len=self.max_model_len,
-            max_decode_seq_len=self.max_model_len)
+            block_tables=self.block_tables[:r], max_query_len=self.spec_len if spec else n,
+            max_seq_len=self.max_model_len, max_decode_seq_len=self.max_model_len)
 
     def forward(self, key: tuple[str, int]) -> torch.Tensor:
         """The model over the buffers as a batch of size ``key``: what a graph captures (and,
         eagerly, what the tests compare against the unpadded batch)."""
+        n = self._num_tokens(key)
         with set_forward_context(self._metadata(key), self.backend):
-            return self.model(self.input_ids[:key[1]], self.positions[:key[1]])
+            return self.model(self.input_ids[:n], self.positions[:n])
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
         # Largest first: smaller ones reuse its memory. The buffers hold an empty batch (no
         # request has a query, every slot is -1), so the warm-up runs write nothing.
-        keys = [("mixed", n) for n in self.mixed_sizes] + [("decode", n) for n in self.sizes]
-        for key in sorted(keys, key=lambda k: -k[1]):
+        keys = ([("mixed", n) for n in self.mixed_sizes] + [("decode", n) for n in self.sizes]
+                + [("spec", r) for r in self.spec_sizes])
+        for key in sorted(keys, key=lambda k: -self._num_tokens(k)):
             self.forward(key)                    # warm-up: compiles the kernels outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -114,10 +133,12 @@ class CUDAGraphRunner:
         self.graphs.clear()
         self.outputs.clear()
 
-    def graph_key(self, num_reqs: int, num_tokens: int) -> tuple[str, int] | None:
+    def graph_key(self, num_reqs: int, num_tokens: int, max_query_len: int) -> tuple[str, int] | None:
         """The captured size a batch pads to, or None (run it eagerly)."""
         if num_reqs == num_tokens and num_reqs <= self.sizes[-1]:
             return "decode", self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
+        if self.spec_sizes and max_query_len <= self.spec_len and num_reqs <= self.spec_sizes[-1]:
+            return "spec", self.spec_sizes[bisect.bisect_left(self.spec_sizes, num_reqs)]
         if num_tokens <= self.mixed_sizes[-1]:
             n = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, num_tokens)]
             if num_reqs <= self._max_reqs(n):
@@ -129,7 +150,7 @@ class CUDAGraphRunner:
         """Copy a batch into the buffers, padded to ``key``. inputs: the flat batch (on the
         device); pending: (positions, token ids on the device) replacing input ids that the host
         does not know yet."""
-        kind, n = key
+        kind, n = key[0], self._num_tokens(key)
         b, r = len(inputs["input_ids"]), len(inputs["seq_lens"])
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
             getattr(self, name)[:len(inputs[name])].copy_(inputs[name], non_blocking=True)
@@ -144,8 +165,8 @@ class CUDAGraphRunner:
                 self.seq_lens[r:n].fill_(1)
             return
         self.query_start_loc[:r + 1].copy_(inputs["query_start_loc"], non_blocking=True)
-        if self._max_reqs(n) > r:
-            self.query_start_loc[r + 1:self._max_reqs(n) + 1].fill_(b)    # empty requests
+        if self._req_slots(key) > r:
+            self.query_start_loc[r + 1:self._req_slots(key) + 1].fill_(b)    # empty requests
 
     def run(self, key: tuple[str, int], inputs: dict[str, torch.Tensor],
             pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

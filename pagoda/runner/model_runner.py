@@ -321,14 +321,17 @@ class ModelRunner:
         # sends and receives around them.)
         if self.device.type == "cuda" and not self.config.enforce_eager and self.pp.world_size == 1:
             t0 = time.perf_counter()
+            spec = self.config.speculative
             self.cuda_graphs = CUDAGraphRunner(self.model, self.backend, self.max_num_reqs,
                                                self.config.scheduler.max_num_batched_tokens,
-                                               self.block_table.shape[1], self.max_model_len, self.device)
+                                               self.block_table.shape[1], self.max_model_len, self.device,
+                                               spec.num_speculative_tokens if spec else 0)
             self.cuda_graphs.capture()
             if not self.single_rank:
                 graphs_captured(self.cuda_graphs)
-            logger.info("Captured CUDA graphs for %d decode batch sizes and %d mixed-step sizes in %.1f s.",
-                        len(self.cuda_graphs.sizes), len(self.cuda_graphs.mixed_sizes), time.perf_counter() - t0)
+            g = self.cuda_graphs
+            logger.info("Captured CUDA graphs for %d decode batch sizes, %d mixed-step sizes and %d verification "
+                        "sizes in %.1f s.", len(g.sizes), len(g.mixed_sizes), len(g.spec_sizes), time.perf_counter() - t0)
 
     def _compile_kernels(self) -> None:
         """Compile now, not inside the first requests' steps (a second or more each), what the
@@ -738,7 +741,7 @@ class ModelRunner:
         pending = None
         if "pending_dst" in t:
             pending = t["pending_dst"], self.last_sampled[t["pending_src"]]
-        key = self.cuda_graphs and self.cuda_graphs.graph_key(num_reqs, num_tokens)
+        key = self.cuda_graphs and self.cuda_graphs.graph_key(num_reqs, num_tokens, b["max_query_len"])
         if key:
             return self.cuda_graphs.run(key, t, pending)
         if pending is not None:

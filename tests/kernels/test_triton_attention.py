@@ -170,11 +170,21 @@ def test_split_kv_chosen_for_few_long_decodes(monkeypatch):
     assert ta._pick_num_segments(8 * 16, 1, 4000, dev) > 1     # batch 16: fewer programs than SMs
     assert ta._pick_num_segments(8 * 32, 1, 4000, dev) == 2    # batch 32: under two per SM
     assert ta._pick_num_segments(8 * 40, 1, 4000, dev) == 1    # batch 40: two per SM already
-    assert ta._pick_num_segments(8, 64, 4000, dev) == 1        # not a pure decode
+    assert ta._pick_num_segments(8, 64, 4000, dev) == 1        # a prefill
+    assert ta._pick_num_segments(8, 5, 4000, dev) > 1          # a token and 4 drafts
+    assert ta._pick_num_segments(8 * 16, 5, 4000, dev) > 1     # 16 of them: under one program an SM
+    assert ta._pick_num_segments(8 * 32, 5, 4000, dev) == 1    # 32: their programs fill the chip
     assert ta._pick_num_segments(8, 1, 100, dev) == 1          # too short to split
     monkeypatch.setattr(ta, "SPLIT_BELOW_PROGRAMS_PER_SM", 4)
     monkeypatch.setattr(ta, "SPLIT_PROGRAMS_PER_SM", 4)
     assert ta._pick_num_segments(8 * 40, 1, 4000, dev) == 2    # now under the threshold
+
+
+def test_split_kv_for_drafts(request):
+    # Speculative decoding's verification: a few queries a request (the last one a decode), the
+    # split chosen by itself; and forced over a context of one tile (segments left empty).
+    check_attention([5, 3, 1], [LONG, 40, LONG // 2], *HEADS[2], 128, 16, DTYPES[-1], seed_for(request))
+    check_attention([9, 2], [17, LONG], *HEADS[1], 64, 16, DTYPES[0], seed_for(request), num_segments=8)
 
 
 def test_upper_bound_max_seq_len(request):

@@ -60,11 +60,13 @@ def test_start_up_compile_step_writes_nothing(tmp_path):
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
 
 
-@pytest.mark.parametrize("q_lens", [[1, 1, 1, 5, 9, 2], [1] * 6, [7, 3]], ids=["mixed", "decodes", "prefills"])
+@pytest.mark.parametrize("q_lens", [[1, 1, 1, 5, 9, 2], [1] * 6, [7, 3], [1, 5, 3]],
+                         ids=["mixed", "decodes", "prefills", "drafts"])
 def test_graph_forward_matches_eager(tmp_path, q_lens):
     """What a CUDA graph captures, the forward over the runner's padded buffers (for a mixed
-    step: the attention's two launches that each skip the other's requests), gives the eager
-    forward's hidden states and KV writes. On the CPU both run eagerly, the kernels in the
+    step: the attention's two launches that each skip the other's requests; for a verification
+    step of speculative decoding, one launch of 5-query tiles split over the context), gives the
+    eager forward's hidden states and KV writes. On the CPU both run eagerly, the kernels in the
     interpreter; on a GPU, compiled (the graphs themselves: tests/test_gpu.py)."""
     from pagoda.model.layers.attention import AttentionMetadata, set_forward_context
     from pagoda.runner.cuda_graph import CUDAGraphRunner
@@ -102,10 +104,13 @@ def test_graph_forward_matches_eager(tmp_path, q_lens):
     for c, b in zip(runner.kv_caches, before):
         c.copy_(b)
 
+    drafts = q_lens == [1, 5, 3]
+    # (a verification graph bounds contexts by 1,024 tokens: the attention splits them into 8 segments)
     graphs = CUDAGraphRunner(runner.model, TritonAttentionBackend, runner.max_num_reqs, 64,
-                             tables.shape[1] + 2, 128, runner.device)
-    key = graphs.graph_key(len(q_lens), sum(q_lens))
-    assert key == (("decode", 8) if q_lens == [1] * 6 else ("mixed", 64))
+                             tables.shape[1] + 2, 1024 if drafts else 128, runner.device,
+                             num_speculative_tokens=4 if drafts else 0)
+    key = graphs.graph_key(len(q_lens), sum(q_lens), max(q_lens))
+    assert key == (("decode", 8) if q_lens == [1] * 6 else ("spec", 4) if drafts else ("mixed", 64))
     # What an earlier, larger batch left in the buffers: padding must override it
     graphs.input_ids.fill_(7)
     graphs.positions.fill_(10**6)        # (padding tokens' positions are never read)
