@@ -30,6 +30,14 @@ def reload_weights(worker, folder):
     load_weights(worker.runner.model, iter_safetensors(folder))
 
 
+def poison_kv_cache(worker):
+    """What a cache allocated over reused memory may hold: NaN in every block but the null one
+    (block 0, zeroed at allocation). A block handed out is zeroed first (the torch path) or read
+    under masks (the Triton kernels)."""
+    for cache in worker.runner.kv_caches:
+        cache[:, 1:] = float("nan")
+
+
 def greedy(llm) -> list:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
@@ -49,11 +57,13 @@ def test_sleep_and_wake_up(tmp_path, layout):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         llm.wake_up()
         assert not llm.is_sleeping() and llm.collective_rpc(kv_cache_and_weight_sizes) == awake
+        llm.collective_rpc(poison_kv_cache)
         assert greedy(llm) == want and llm.get_stats().prefix_cache_hits == 0
         llm.sleep(level=2)                              # the weights dropped: new ones loaded
         llm.wake_up(["weights"])
         llm.collective_rpc(reload_weights, args=(folder,))
         llm.wake_up(["kv_cache"])
+        llm.collective_rpc(poison_kv_cache)
         assert greedy(llm) == want and llm.get_stats().prefix_cache_hits == 0
         assert greedy(llm) == want and llm.get_stats().prefix_cache_hits > 0     # (awake, the cache works)
     finally:

@@ -269,6 +269,9 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, attn0.num_kv_heads, attn0.head_dim)
         self.kv_caches = []
         self.block_used = np.zeros(num_blocks, dtype=bool)
+        # The torch reference reads a row's table past its blocks (padding): no entry may name a
+        # block of an earlier cache (sleep mode), which this one has not zeroed.
+        self.block_table.fill(0)
         for layer in layers:
             # Uninitialised, so untouched pages of a large CPU cache are never committed; blocks
             # are zeroed as they are handed out (see _zero_new_blocks).
