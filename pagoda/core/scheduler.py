@@ -216,9 +216,8 @@ class Scheduler:
         """Draft tokens to check after a decoding request's last token, for requests whose
         sampling the runner checks them under: plain sampling (temperature, top-k / top-p /
         min-p, seeds; logprobs too, each kept token's from its own position), no per-token extras
-        or grammar. Never past max_tokens or
-        max_model_len, nor the step's token budget. (Not with async scheduling: the last token
-        must be known.)"""
+        or grammar. Never past max_tokens or max_model_len, nor the step's token budget. (Not
+        with async scheduling: the last token must be known.)"""
         p = req.sampling_params
         if (req.num_output_placeholders or req.matcher is not None or req.pooling_params is not None
                 or p.needs_penalties or p.logit_bias or p.allowed_token_ids

@@ -84,7 +84,7 @@ class CUDAGraphRunner:
         return key[1] * self.spec_len if key[0] == "spec" else key[1]
 
     def _req_slots(self, key: tuple[str, int]) -> int:
-        return {"decode": key[1], "spec": key[1]}.get(key[0]) or self._max_reqs(key[1])
+        return self._max_reqs(key[1]) if key[0] == "mixed" else key[1]
 
     def _metadata(self, key: tuple[str, int]) -> AttentionMetadata:
         # max_seq_len is fixed at capture: the kernels read each request's true length from
@@ -165,8 +165,9 @@ class CUDAGraphRunner:
                 self.seq_lens[r:n].fill_(1)
             return
         self.query_start_loc[:r + 1].copy_(inputs["query_start_loc"], non_blocking=True)
-        if self._req_slots(key) > r:
-            self.query_start_loc[r + 1:self._req_slots(key) + 1].fill_(b)    # empty requests
+        slots = self._req_slots(key)
+        if slots > r:
+            self.query_start_loc[r + 1:slots + 1].fill_(b)    # empty requests
 
     def run(self, key: tuple[str, int], inputs: dict[str, torch.Tensor],
             pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -453,13 +453,19 @@ class ModelRunner:
         if self.num_pooling_reqs:        # (pooling requests reach it too, and are pooled instead)
             sampling = sampling[[states[i].pooling is None for i in sampling]]
         s_states, s_rows = [states[i] for i in sampling], rows[sampling]
-        # The logits rows: one a request, or with drafts one a draft and one after them.
-        per_req = num_drafts[sampling] + 1
-        logit_reqs = np.repeat(sampling, per_req)
-        offsets = np.arange(len(logit_reqs)) - np.repeat(np.cumsum(per_req) - per_req, per_req)
+        # The logit rows: one a request (its last token), or with drafts one a draft and one after
+        # them; ``offsets``: each row's place after its request's last known token.
+        logit_reqs, offsets, last_rows = sampling, np.zeros(len(sampling), dtype=np.int64), np.arange(len(sampling))
+        l_states, l_rows = s_states, s_rows
+        if sched.spec_token_ids:
+            per_req = num_drafts[sampling] + 1
+            last_rows = np.cumsum(per_req) - 1
+            logit_reqs = np.repeat(sampling, per_req)
+            offsets = np.arange(len(logit_reqs)) - np.repeat(last_rows + 1 - per_req, per_req)
+            l_states, l_rows = [states[i] for i in logit_reqs], rows[logit_reqs]
         if len(sampling):
-            arrays["logits_idx"] = cu[logit_reqs] - per_req.repeat(per_req) + offsets
-            arrays.update(self._sampling_arrays([states[i] for i in logit_reqs], rows[logit_reqs], offsets))
+            arrays["logits_idx"] = cu[logit_reqs] - 1 - num_drafts[logit_reqs] + offsets
+            arrays.update(self._sampling_arrays(l_states, l_rows, offsets))
         t = self._upload(arrays)
         calibrating = self.kv_scales_pending
         if calibrating:
@@ -479,15 +485,14 @@ class ModelRunner:
         if sched.grammar_bitmasks and logits is not None:
             apply_grammar_bitmasks(logits, [req_ids[i] for i in logit_reqs], sched.grammar_bitmasks)
         arrivals = []
-        d_states, d_rows = [states[i] for i in logit_reqs], rows[logit_reqs]
         if self.single_rank:
-            result = sample(logits, self._sampling_metadata(d_states, d_rows, t))
+            result = sample(logits, self._sampling_metadata(l_states, l_rows, t))
         else:
-            result, arrivals = self._sample_on_driver(logits, d_states, d_rows, t)
+            result, arrivals = self._sample_on_driver(logits, l_states, l_rows, t)
         for s in s_states:
             s.num_tokens += 1
         self.num_sampling_steps += 1
-        self.pending_idx[s_rows] = np.cumsum(per_req) - 1     # (a step with drafts is taken in first)
+        self.pending_idx[s_rows] = last_rows     # (a step with drafts is taken in before the next)
         self.pending_step[s_rows] = self.num_sampling_steps
         self.last_sampled = result.token_ids
         drafts = [sched.spec_token_ids.get(req_ids[i], ()) for i in sampling] if sched.spec_token_ids else None
