@@ -48,6 +48,27 @@ def dummy_model_dir(config_path: str, quantization: str | None = None) -> str:
     return folder
 
 
+def add_lora_args(parser) -> None:
+    parser.add_argument("--num-loras", type=int, default=0,
+                        help="spread the requests over this many random LoRA adapters (enable_lora, max_loras)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="their rank, on all seven projections")
+
+
+def lora_setup(args, cfg: dict) -> tuple[dict, list | None]:
+    """The engine arguments and LoRARequests of ``--num-loras`` random adapters (none: ``{}``, None)."""
+    if not args.num_loras:
+        return {}, None
+    if cfg is None:
+        raise SystemExit("--num-loras needs --model-config (the adapters' shapes)")
+    from pagoda.lora.request import LoRARequest
+    from tests.lora_utils import write_adapter
+    folder = tempfile.mkdtemp(prefix="pagoda-lora-")
+    loras = [LoRARequest(f"lora{i}", i + 1, write_adapter(os.path.join(folder, f"lora{i}"), cfg, r=args.lora_rank,
+                                                          seed=i, scale=0.01))
+             for i in range(args.num_loras)]
+    return dict(enable_lora=True, max_loras=args.num_loras, max_lora_rank=args.lora_rank), loras
+
+
 def add_word_tokenizer(folder: str) -> None:
     """A tokenizer.json for a dummy model's folder, for runs that need text (the server): one
     word per token id of the config's vocabulary. The prompts are token ids anyway; this only

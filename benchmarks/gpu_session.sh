@@ -58,6 +58,9 @@
 #   bash benchmarks/gpu_session.sh serve17   # W3 with the asyncio client, both models; the server stack over a stand-in engine
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
+#   bash benchmarks/gpu_session.sh s26a      # (then spec25e, warm) W1 both models; the GPU tests
+#   bash benchmarks/gpu_session.sh s26c      # (then s26d, warm) W1 / W2 with LoRA adapters; the GPU tests
+#   bash benchmarks/gpu_session.sh s26e      # (then s26f, warm) the same with the Triton LoRA expand; its GPU tests
 #   bash benchmarks/gpu_session.sh spec24a   # (then spec24b, warm) W1 Qwen3; GPU tests, n-gram drafts on SmolLM2,
 #                                            # W2 Llama-3-8B batch 1 sync / async / with drafts
 #   bash benchmarks/gpu_session.sh spec25a   # (then spec25b, warm) W1 Llama-3-8B; GPU tests, n-gram drafts on
@@ -129,6 +132,20 @@ w1_check() {  # this tree's W1 after a warm-up: Qwen3-0.6B, Llama-3-8B, Qwen3-0.
   for m in qwen3-0.6b llama3-8b qwen3-0.6b; do
     python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --out "$OUT/w1" 2>&1 \
       | grep -E "^pagoda |Error" | sed "s/^/W1 $m: /"
+  done
+}
+lora_costs() {  # W1 Qwen3-0.6B with each of $1 random rank-16 adapter counts, Llama-3-8B with $2; W2 Llama-3-8B
+  # batch 1 and 64 with 0 and 1 (adapters on every projection; the requests take them in turn)
+  for m in qwen3-0.6b llama3-8b; do
+    counts=$1; [ $m = llama3-8b ] && counts=$2
+    for n in $counts; do
+      python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --num-loras $n --out "$OUT/w1" 2>&1 \
+        | grep -E "^pagoda |Error" | sed "s/^/W1 $m loras=$n: /"
+    done
+  done
+  for n in 0 1; do
+    python3 benchmarks/latency.py --model-config $MA/llama3-8b.json --batch 1 64 --num-loras $n --out "$OUT/w2" 2>&1 \
+      | grep -E "^pagoda|Error" | sed "s/^/W2 llama3-8b loras=$n: /"
   done
 }
 w2() {  # tree label model batches
@@ -972,6 +989,39 @@ case "${1:-}" in
       | tee "$OUT/next11_tests.txt"
     [ -d .ab/tl ] && (cd .ab/tl && PYTHONPATH=$PWD:/tmp/site OUT=$OUT python3 benchmarks/attention_timeline.py 2>&1 \
       | grep -v Warn | tail -18)
+    ;;
+  s26a)
+    # Twenty-sixth session, call 1: SmolLM2's first half rides along; W1 both models after a
+    # warm-up (the twenty-fifth session's last commit was verified on CPU only)
+    keep_smollm2_half
+    warm_w1 .
+    w1 . main qwen3-0.6b
+    w1 . main llama3-8b
+    w1 . main qwen3-0.6b
+    ;;
+  s26e)
+    # Call 5: SmolLM2's first half rides along; the LoRA kernel's tests at full shapes; LoRA's
+    # cost with its second matmul in one Triton kernel
+    keep_smollm2_half
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_lora.py 2>&1 | tail -2
+    warm_w1 .
+    lora_costs "0 1" "0 1"
+    ;;
+  s26f)
+    # Call 6 (warm): the GPU tests of LoRA (CPU against GPU, graphs) and the attention's
+    join_smollm2
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "lora or float32" 2>&1 | tail -3
+    ;;
+  s26c)
+    # Call 3: SmolLM2's first half rides along; LoRA's cost (torch's mask + addmm)
+    keep_smollm2_half
+    warm_w1 .
+    lora_costs "0 1 4" "0 1"
+    ;;
+  s26d)
+    # Call 4 (warm): the GPU tests, LoRA's included
+    join_smollm2
+    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt"
     ;;
   spec24a)
     # Twenty-fourth session, call 1: SmolLM2's first half rides along; W1 Qwen3-0.6B after a warm-up

@@ -11,8 +11,9 @@ import time
 
 import numpy as np
 
-from common import (DUMMY_QUANT_CONFIGS, Timer, add_knob_arg, apply_knob_args, bar_chart, dummy_model_dir, hf_model,
-                    host_profile, measure_ceilings, model_config, on_off, weight_bytes)
+from common import (DUMMY_QUANT_CONFIGS, Timer, add_knob_arg, add_lora_args, apply_knob_args, bar_chart,
+                    dummy_model_dir, hf_model, host_profile, lora_setup, measure_ceilings, model_config, on_off,
+                    weight_bytes)
 
 
 def prompts_for(batch, length, vocab, seed=0):
@@ -20,14 +21,16 @@ def prompts_for(batch, length, vocab, seed=0):
     return [rng.integers(0, vocab, length).tolist() for _ in range(batch)]
 
 
-def pagoda_latency(llm, prompts, out_len):
+def pagoda_latency(llm, prompts, out_len, loras=None):
     from pagoda import SamplingParams
     inputs = [{"prompt_token_ids": p} for p in prompts]
+    loras = loras and [loras[i % len(loras)] for i in range(len(inputs))]     # (LoRA adapters in turn)
 
     def run(n):
         llm.reset_prefix_cache()              # every run prefills its prompts, as W2 defines
         with Timer() as t:
-            llm.generate(inputs, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+            llm.generate(inputs, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False,
+                         lora_request=loras)
         return t.s
     run(4)                                    # warm-up (Triton compiles, allocator)
     t1, tn = run(1), run(out_len)
@@ -76,6 +79,7 @@ def main():
                    help="after the timed runs, the host's hot spots at the first batch size (cProfile)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     add_knob_arg(p)
+    add_lora_args(p)
     args = p.parse_args()
     apply_knob_args(args)
     from pagoda import LLM, SamplingParams
@@ -84,18 +88,20 @@ def main():
     name += f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     name += f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
     ceilings = measure_ceilings()
+    lora_kwargs, loras = lora_setup(args, cfg)
     t0 = time.perf_counter()
     llm = LLM(dummy_model_dir(args.model_config, args.quantization), load_format="dummy", dtype="bfloat16",
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
               async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
-              kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config)
+              kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config, **lora_kwargs)
     tag = "async" if llm.llm_engine.async_scheduling else "sync"
     name += "-ngram" if args.speculative_config else ""
+    name += f"-lora{args.num_loras}r{args.lora_rank}" if args.num_loras else ""
     llm.generate({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=1), use_tqdm=False)
     startup = time.perf_counter() - t0
     rows = []
     for b in args.batch:
-        r = pagoda_latency(llm, prompts_for(b, args.prompt_len, cfg["vocab_size"]), args.output_len)
+        r = pagoda_latency(llm, prompts_for(b, args.prompt_len, cfg["vocab_size"]), args.output_len, loras)
         r.update(engine="pagoda", batch=b,
                  floor_ms=floor_ms(cfg, b, args.prompt_len + args.output_len // 2, ceilings,
                                    1 if args.kv_cache_dtype.startswith("fp8") else 2) / args.tensor_parallel_size)

@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from common import (DUMMY_QUANT_CONFIGS, Timer, TritonCompiles, add_knob_arg, apply_knob_args,
-                    bar_chart, dummy_model_dir, hf_model, host_profile, measure_ceilings, model_config, on_off,
-                    param_counts, weight_bytes)
+from common import (DUMMY_QUANT_CONFIGS, Timer, TritonCompiles, add_knob_arg, add_lora_args, apply_knob_args,
+                    bar_chart, dummy_model_dir, hf_model, host_profile, lora_setup, measure_ceilings, model_config,
+                    on_off, param_counts, weight_bytes)
 
 
 def random_token_ids(lengths, vocab: int, rng: np.random.Generator) -> list[list[int]]:
@@ -60,15 +60,18 @@ def run_pagoda(args, prompts, output_lens):
     if args.model_config:
         model, kwargs["load_format"] = dummy_model_dir(args.model_config, args.quantization), "dummy"
         kwargs["skip_tokenizer_init"] = True
+    lora_kwargs, loras = lora_setup(args, model_config(args.model_config) if args.model_config else None)
     t0 = time.perf_counter()
-    llm = LLM(model, **kwargs)
+    llm = LLM(model, **kwargs, **lora_kwargs)
     startup = time.perf_counter() - t0
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, ignore_eos=True, max_tokens=int(o),
                              seed=None) for o in output_lens]
     inputs = [{"prompt_token_ids": p} for p in prompts]
+    # (with LoRA adapters, the requests take them in turn)
+    lora_requests = loras and [loras[i % len(loras)] for i in range(len(inputs))]
     with TritonCompiles() as compiles:
         t0 = time.perf_counter()
-        outs = llm.generate(inputs, params, use_tqdm=not args.no_tqdm)
+        outs = llm.generate(inputs, params, use_tqdm=not args.no_tqdm, lora_request=lora_requests)
         elapsed = time.perf_counter() - t0
     print(f"Triton kernels compiled or loaded during the timed run: {compiles.summary()}")
     for variant in compiles.variants:
@@ -320,6 +323,7 @@ def main():
                         "these ceilings (copy TB/s, bf16 TFLOP/s); CPU only")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     add_knob_arg(p)
+    add_lora_args(p)
     args = p.parse_args()
     apply_knob_args(args)
     if args.cpu_workload:
@@ -353,7 +357,8 @@ def main():
                 result["hf_error"] = repr(e)
     result["workload"] = {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                           "output_len": args.output_len, "temperature": args.temperature, "top_p": args.top_p,
-                          "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "model": args.model_config or args.model or "SmolLM2-135M"}
+                          "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+                          "num_loras": args.num_loras, "lora_rank": args.lora_rank, "model": args.model_config or args.model or "SmolLM2-135M"}
     os.makedirs(args.out, exist_ok=True)
     name = os.path.splitext(os.path.basename(args.model_config or args.model or "smollm2"))[0]
     name += f"-{args.quantization}" if args.quantization else ""
@@ -362,6 +367,7 @@ def main():
     name += f"-tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     name += f"-pp{args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else ""
     name += f"-dp{args.data_parallel_size}" if args.data_parallel_size > 1 else ""
+    name += f"-lora{args.num_loras}r{args.lora_rank}" if args.num_loras else ""
     result["tensor_parallel_size"] = args.tensor_parallel_size
     result["pipeline_parallel_size"] = args.pipeline_parallel_size
     result["data_parallel_size"] = args.data_parallel_size

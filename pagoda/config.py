@@ -251,6 +251,8 @@ class SchedulerConfig:
     # "fcfs": first come, first served; "priority": lowest priority value first, then arrival
     # (vLLM's scheduling_policy); preemption then takes the lowest-priority running request.
     policy: str = "fcfs"
+    # LoRA: the most adapters one step may use (LoRAConfig.max_loras); 0 without LoRA.
+    max_loras: int = 0
 
 
 @dataclass
@@ -362,6 +364,24 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """vLLM's LoRA arguments (``enable_lora=True``): ``max_loras`` adapters in one step (each
+    adapted layer keeps that many on the device), of rank up to ``max_lora_rank``, and up to
+    ``max_cpu_loras`` adapters kept read on the host (default: max_loras)."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self):
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {self.max_loras} and "
+                             f"{self.max_lora_rank}.")
+        self.max_cpu_loras = self.max_cpu_loras or self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}).")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -373,3 +393,4 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     worker_extension_cls: str | None = None     # vLLM's: "module.Class" whose methods every rank's worker gets
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None              # enable_lora

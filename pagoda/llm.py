@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 from pagoda.beam_search import beam_search
 from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import (BeamSearchOutput, ClassificationRequestOutput, EmbeddingRequestOutput,
                             PoolingRequestOutput, RequestOutput, ScoringRequestOutput)
 from pagoda.pooling_params import PoolingParams, pair_scores, score_pairs, score_prompts
@@ -37,21 +38,25 @@ class LLM:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None, **_ignored) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
+                 priority: list[int] | None = None, **_ignored) -> list[RequestOutput]:
         """Generate for one prompt or a list of them (strings, token-id lists, or dicts with
-        ``prompt`` / ``prompt_token_ids``). Returns outputs in input order. ``priority``: one a
-        prompt, with scheduling_policy="priority" (lower first)."""
+        ``prompt`` / ``prompt_token_ids``). Returns outputs in input order. ``lora_request``: the
+        LoRA adapter of every prompt, or one a prompt (None: the base model), with
+        ``enable_lora=True``. ``priority``: one a prompt, with scheduling_policy="priority"
+        (lower first)."""
         prompts = self._as_list(prompts)
         params = self._params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts.")
-        return self._run(prompts, params, use_tqdm, priority)
+        return self._run(prompts, params, use_tqdm, priority, self._loras(lora_request, len(prompts)))
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest] | None = None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list | None = None, chat_template_kwargs: dict | None = None, **_ignored) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered with
-        the model's chat template."""
+        the model's chat template. ``lora_request``: as for generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         prompts = [tok.chat_prompt(conv, add_generation_prompt=add_generation_prompt and not continue_final_message,
@@ -59,7 +64,18 @@ class LLM:
                                    continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
                    for conv in conversations]
         params = self._params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
-        return self._run(prompts, params, use_tqdm)
+        return self._run(prompts, params, use_tqdm, loras=self._loras(lora_request, len(prompts)))
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter before its first request (vLLM's)."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
 
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -184,8 +200,17 @@ class LLM:
                 p.truncate_prompt_tokens = truncate_prompt_tokens
         return self._run(prompts, params, use_tqdm)
 
+    @staticmethod
+    def _loras(lora_request, n: int) -> list | None:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return None if lora_request is None else [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"Got {len(loras)} LoRA requests for {n} prompts; pass one, or one per prompt.")
+        return loras
+
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
-             priority: list[int] | None = None) -> list[RequestOutput]:
+             priority: list[int] | None = None, loras: list | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
@@ -193,7 +218,8 @@ class LLM:
                 p = p.clone()
                 if isinstance(p, SamplingParams):
                     p.output_kind = RequestOutputKind.FINAL_ONLY
-                ids.append(engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
+                ids.append(engine.add_request(None, prompt, p, priority=priority[i] if priority else 0,
+                                              lora_request=loras[i] if loras else None))
             finished = self._run_engine(len(ids), use_tqdm)
         except BaseException:
             # Bad input or a failure mid-run: release everything this call holds so the

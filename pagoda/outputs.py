@@ -52,7 +52,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    lora_request: None = None
+    lora_request: object = None          # the LoRARequest it ran with
     encoder_prompt: None = None
     encoder_prompt_token_ids: None = None
     kv_transfer_params: dict = field(default_factory=dict)

@@ -30,7 +30,7 @@ class StubEngine:
     def stats(self) -> EngineStats:
         return EngineStats(num_steps=self.steps, num_running=len(self.running))
 
-    def add_request(self, request_id, prompt, params, priority=0):
+    def add_request(self, request_id, prompt, params, priority=0, lora_request=None):
         if not self.prompt_token_ids(prompt):
             raise ValueError("The prompt is empty.")
         self.running[request_id] = [prompt, params, 0]

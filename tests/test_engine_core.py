@@ -53,9 +53,9 @@ def test_engine_loop_commands_and_failures():
     engine = StubEngine(fail_at=4)
     params = SamplingParams(max_tokens=2)
     events = _run_loop(engine, [
-        ("add", "a", [1, 2], params, 0), ("add", "bad", [], params, 0), ("call", 7, "prompt_token_ids", ([[4, 5]],)),
+        ("add", "a", [1, 2], params, 0, None), ("add", "bad", [], params, 0, None), ("call", 7, "prompt_token_ids", ([[4, 5]],)),
         None,                                       # a: two steps, then done
-        ("add", "b", [3], SamplingParams(max_tokens=9), 0), ("add", "c", [3], SamplingParams(max_tokens=9), 0),
+        ("add", "b", [3], SamplingParams(max_tokens=9), 0, None), ("add", "c", [3], SamplingParams(max_tokens=9), 0, None),
         ("abort", ["c", "never-added"]), None])     # b: one step, then the fourth fails
     kinds = [e[0] for e in events]
     assert ("fail", "bad") in [(e[0], e[1]) for e in events]
@@ -78,8 +78,8 @@ def test_engine_loop_routes_each_front_its_requests():
     requests aborted, and the others go on."""
     engine = StubEngine()
     per_front = _run_loop(engine, [
-        (0, ("add", "a", [1], _delta(max_tokens=2), 0)), (1, ("add", "b", [2], _delta(max_tokens=50), 0)),
-        (1, ("add", "c", [3], _delta(max_tokens=3), 0)), (1, ("call", 4, "prompt_token_ids", ([[9]],))),
+        (0, ("add", "a", [1], _delta(max_tokens=2), 0, None)), (1, ("add", "b", [2], _delta(max_tokens=50), 0, None)),
+        (1, ("add", "c", [3], _delta(max_tokens=3), 0, None)), (1, ("call", 4, "prompt_token_ids", ([[9]],))),
         3,                                          # a and c finish, b runs on
         (1, ("gone", ())), None], num_fronts=2)
     outs = [{e[1] for e in events if e[0] == "out"} for events in per_front]

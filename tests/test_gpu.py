@@ -270,3 +270,30 @@ def test_speculative_decoding_keeps_greedy_and_seeded_outputs():
         assert got.token_ids == want.token_ids
         assert_same_logprobs(got.logprobs, want.logprobs)
     assert stats.num_accepted_tokens > 0
+
+
+def test_lora_on_the_gpu_matches_cpu(tmp_path, monkeypatch):
+    """LoRA adapters mixed in one batch, through the CUDA graphs and async scheduling, give the
+    CPU path's greedy tokens in float32."""
+    from pagoda.lora.request import LoRARequest
+    from tests.lora_utils import write_adapter
+    kw = dict(dtype="float32", max_model_len=1024, enable_lora=True, max_loras=2, max_lora_rank=8)
+    cpu = LLM(smollm(), device="cpu", kv_cache_memory_bytes=1 << 28, **kw)
+    a = cpu.llm_engine.config.model.arch
+    cfg = dict(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, head_dim=a.head_dim,
+               num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_key_value_heads,
+               num_hidden_layers=a.num_hidden_layers)
+    loras = [LoRARequest("a", 1, write_adapter(str(tmp_path / "a"), cfg, r=8, seed=1)),
+             LoRARequest("b", 2, write_adapter(str(tmp_path / "b"), cfg, r=4, seed=2, targets=("q_proj", "down_proj")))]
+    prompts = PROMPTS[:6]
+    per_prompt = [loras[0], None, loras[1], loras[0], loras[1], None][:len(prompts)]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False, lora_request=per_prompt)]
+    del cpu
+    gc.collect()
+    gpu = LLM(smollm(), gpu_memory_utilization=0.5, **kw)
+    graphs = gpu.llm_engine.executor.runner.cuda_graphs
+    used = []
+    monkeypatch.setattr(graphs, "run", lambda key, *a, run=graphs.run: used.append(key[0]) or run(key, *a))
+    got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False, lora_request=per_prompt)]
+    assert "decode" in used and got == want

@@ -202,10 +202,10 @@ class ScriptedEngine(StubEngine):
         self.prompts: list[dict] = []
         self.params: list = []
 
-    def add_request(self, request_id, prompt, params, priority=0):
+    def add_request(self, request_id, prompt, params, priority=0, lora_request=None):
         self.prompts.append(prompt)
         self.params.append(params)
-        super().add_request(request_id, prompt, params, priority)
+        super().add_request(request_id, prompt, params, priority, lora_request)
 
     def _output(self, rid: str, prompt, params, n: int) -> RequestOutput | None:
         sent, end = (n - 1) * self.piece, n * self.piece

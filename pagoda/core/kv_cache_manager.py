@@ -1,7 +1,7 @@
 """Per-request block tables on top of the block pool, and the prefix cache.
 
-A full block is named by a hash chain: hash(parent block's hash, its token ids, extra keys),
-so equal hashes mean equal prefixes, not just equal blocks. SHA-256 makes a collision (two
+A full block is named by a hash chain: hash(parent block's hash, its token ids, extra keys: the
+prompt's cache_salt and LoRA adapter), so equal hashes mean equal prefixes, not just equal blocks. SHA-256 makes a collision (two
 prefixes taking each other's KV) practically impossible. A request admitted with a cached
 prefix shares those blocks by reference count and computes only the rest.
 """
@@ -53,7 +53,9 @@ class KVCacheManager:
         """The hashes of the request's full blocks of known tokens, extended as it grows."""
         hashes, bs = request.block_hashes, self.block_size
         for i in range(len(hashes), request.num_tokens // bs):
-            extra = (request.cache_salt,) if i == 0 and request.cache_salt else ()
+            extra = ()
+            if i == 0:     # (the chain carries them to every later block)
+                extra = tuple(k for k in (request.cache_salt, request.lora_id and ("lora", request.lora_id)) if k)
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
                                             request.all_token_ids[i * bs:(i + 1) * bs], extra))
         return hashes

@@ -27,7 +27,8 @@ class RequestStatus(enum.IntEnum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_id: int | None, max_tokens: int, arrival_time: float | None = None,
-                 cache_salt: str | None = None, fork_parent: "Request | None" = None, priority: int = 0):
+                 cache_salt: str | None = None, fork_parent: "Request | None" = None, priority: int = 0,
+                 lora_request=None):
         self.request_id = request_id
         self.priority = priority
         self.prompt_token_ids = list(prompt_token_ids)
@@ -56,6 +57,9 @@ class Request:
         # salt that keeps this request's prefix apart from everyone else's.
         self.block_hashes: list[bytes] = []
         self.cache_salt = cache_salt
+        # Its LoRA adapter (a LoRARequest), or None: its KV is its own, never another adapter's.
+        self.lora_request = lora_request
+        self.lora_id = lora_request.lora_int_id if lora_request is not None else 0
         self.num_cached_tokens = 0       # prompt tokens reused at first admission (vLLM's field)
         # Prompt logprobs need every prompt position computed, so no cached prefix.
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None

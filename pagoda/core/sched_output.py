@@ -16,6 +16,7 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_params: SamplingParams
     pooling_params: PoolingParams | None = None     # a pooling request (LLM.embed): pooled, not sampled
+    lora_request: object = None                     # its LoRA adapter (a LoRARequest), or None
 
 
 @dataclass

@@ -8,6 +8,8 @@ request preempted is the one that comes last in that order.
 
 At admission a request starts from the longest cached prefix of its tokens (prefix caching),
 or, for the samples of one prompt (n > 1), from the KV of the sample that computed the prompt.
+With LoRA, a waiting request whose adapter would make more than max_loras adapters run at once
+waits (later requests of running adapters go ahead of it), so every step fits the runner's slots.
 
 With async scheduling the engine schedules step N+1 before step N's sampled tokens reach the
 host. A request that samples in step N carries one output placeholder until then: it is
@@ -169,9 +171,13 @@ class Scheduler:
 
         # Admit waiting requests only if nobody had to be preempted: the cache is tight.
         skipped = []
+        loras = self._running_loras()
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.popleft()
+            if req.lora_id and req.lora_id not in loras and len(loras) >= self.config.max_loras:
+                skipped.append(req)      # max_loras adapters run already: it waits for one to end
+                continue
             hit = self._prefix_hit(req)
             if hit is None:              # a parallel sample waiting for its parent's prompt
                 skipped.append(req)
@@ -187,10 +193,13 @@ class Scheduler:
             req.num_computed_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora_id:
+                loras.add(req.lora_id)
             self.first_scheduled_time.setdefault(req.request_id, time.time())
             new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
-                self.kv.get_block_ids(req), req.num_computed_tokens, req.sampling_params, req.pooling_params))
+                self.kv.get_block_ids(req), req.num_computed_tokens, req.sampling_params, req.pooling_params,
+                req.lora_request))
             num_scheduled[req.request_id] = n
             scheduled.append((req, n))
             budget -= n
@@ -211,6 +220,13 @@ class Scheduler:
             if start + n == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1       # this step samples its next token
         return out
+
+    def _running_loras(self) -> set[int]:
+        """The LoRA adapters of the running requests. Admission keeps them to max_loras, so that
+        every step, whichever running requests it takes, fits the runner's adapter slots."""
+        if not self.config.max_loras:
+            return set()
+        return {r.lora_id for r in self.running if r.lora_id}
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Draft tokens to check after a decoding request's last token, for requests whose

@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pagoda.config import (KV_CACHE_DTYPES, ArchConfig, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+from pagoda.config import (KV_CACHE_DTYPES, ArchConfig, CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
+                           ParallelConfig,
                            PoolerConfig, SchedulerConfig, SpeculativeConfig, classifier_from_tokens, is_classifier,
                            sampling_defaults)
 from pagoda.model.hub import default_model_path, resolve_model_path
@@ -81,6 +82,11 @@ class EngineArgs:
     override_generation_config: dict | None = None
     # vLLM's: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}
     speculative_config: dict | SpeculativeConfig | None = None
+    # vLLM's LoRA arguments: requests may then name an adapter (LoRARequest)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def _runner(self, architecture: str) -> str:
         """"generate" or "pooling"; "auto" picks pooling for a classifier (as vLLM does)."""
@@ -224,6 +230,7 @@ class EngineArgs:
             calculate_kv_scales=self.calculate_kv_scales,
             enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching)
         speculative = self._speculative(model, parallel)
+        lora = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
         sched = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked,
                                 # On the CPU the forward runs as it is called: nothing to overlap.
@@ -231,10 +238,11 @@ class EngineArgs:
                                 async_scheduling=(device == "cuda" and speculative is None
                                                   if self.async_scheduling is None else self.async_scheduling),
                                 policy=self.scheduling_policy,
-                                max_concurrent_batches=parallel.pipeline_parallel_size)
+                                max_concurrent_batches=parallel.pipeline_parallel_size,
+                                max_loras=lora.max_loras if lora else 0)
         return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager,
                              log_stats=not self.disable_log_stats, enable_sleep_mode=self.enable_sleep_mode,
-                             worker_extension_cls=self.worker_extension_cls, speculative=speculative)
+                             worker_extension_cls=self.worker_extension_cls, speculative=speculative, lora=lora)
 
     def _speculative(self, model: ModelConfig, parallel: ParallelConfig) -> SpeculativeConfig | None:
         """speculative_config, checked against what it runs with."""

@@ -16,6 +16,7 @@ from pagoda.engine.engine_core import CoreChannel, EngineCoreProc, EngineDeadErr
 from pagoda.engine.llm_engine import LLMEngine, load_tokenizer
 from pagoda.engine.profiler import profiler_dir
 from pagoda.engine.stats import EngineStats, sum_stats
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -151,12 +152,12 @@ class AsyncLLM:
         return self._stats[0] if len(self._stats) == 1 else sum_stats(self._stats)
 
     # ------------------------------------------------------------------ the caller's side
-    async def generate(self, prompt, sampling_params: SamplingParams | PoolingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, sampling_params: SamplingParams | PoolingParams, request_id: str,
+                       lora_request: LoRARequest | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Add the request, then yield its outputs as the engine makes them (a bad request
         raises its ValueError at the first). Leaving the loop early (the client went away, the
-        task was cancelled) aborts the request, which frees its KV blocks. ``priority``: see
-        LLMEngine.add_request. (PoolingParams: see ``encode``.)"""
+        task was cancelled) aborts the request, which frees its KV blocks. ``lora_request`` and
+        ``priority``: see LLMEngine.add_request. (PoolingParams: see ``encode``.)"""
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         self._check_alive()
@@ -168,7 +169,7 @@ class AsyncLLM:
         self._load[core] += n                         # (changed on the event loop's thread only)
         finished = False
         try:
-            self._cores[core].send(("add", request_id, prompt, sampling_params, priority))
+            self._cores[core].send(("add", request_id, prompt, sampling_params, priority, lora_request))
             while not finished:
                 out = await stream.get()
                 if isinstance(out, BaseException):
@@ -181,11 +182,11 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    def encode(self, prompt, pooling_params: PoolingParams, request_id: str,
+    def encode(self, prompt, pooling_params: PoolingParams, request_id: str, lora_request: LoRARequest | None = None,
                priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
         """A pooling request (an engine with the pooling runner): its one output, the prompt's
         vector, as ``generate`` yields outputs."""
-        return self.generate(prompt, pooling_params, request_id, priority)
+        return self.generate(prompt, pooling_params, request_id, lora_request, priority)
 
     async def prompt_token_ids(self, prompts: list) -> list[list[int]]:
         """Each prompt's token ids as the engine reads them (tokenized by the engine)."""
@@ -211,6 +212,17 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return all(await self._call_all("reset_prefix_cache"))
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """LLMEngine.add_lora on every engine core: a bad adapter raises its ValueError."""
+        return all(await self._call_all("add_lora", lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """LLMEngine.remove_lora on every engine core (a ValueError while requests use it)."""
+        return any(await self._call_all("remove_lora", lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return set().union(*await self._call_all("list_loras"))
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)

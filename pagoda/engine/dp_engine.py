@@ -18,6 +18,7 @@ from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.dp_replica import replica_env, replica_main
 from pagoda.engine.profiler import profiler_dir
 from pagoda.engine.stats import EngineStats, sum_stats
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
@@ -152,7 +153,8 @@ class DPEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | PoolingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> str:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue the request on the least-loaded replica; a bad one raises its ValueError here
         and leaves that replica as it was."""
         params = params or SamplingParams()
@@ -160,7 +162,7 @@ class DPEngine:
         if request_id in self._owner:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         replica = min(range(len(self._load)), key=self._load.__getitem__)
-        self._call(replica, "add_request", request_id, prompt, params, arrival_time, priority)
+        self._call(replica, "add_request", request_id, prompt, params, arrival_time, priority, lora_request)
         n = getattr(params, "n", 1)           # (PoolingParams: one sequence)
         self._owner[request_id] = replica, n
         self._load[replica] += n
@@ -191,6 +193,17 @@ class DPEngine:
 
     def prompt_token_ids(self, prompt) -> list[int]:
         return self._call(0, "prompt_token_ids", prompt)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Checked by every replica (any of them may get its requests)."""
+        return all(self._call_all("add_lora", lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return any(self._call_all("remove_lora", lora_id))
+
+    def list_loras(self) -> set[int]:
+        return set().union(*self._call_all("list_loras"))
 
     # ------------------------------------------------------------------ steps
     def step(self) -> list[RequestOutput]:

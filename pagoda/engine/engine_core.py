@@ -10,9 +10,9 @@ over a pipe of its own: a request's events go to the front that added it, the en
 (stats, inter-token latencies, the finished requests' latencies) to every front, so each one's
 /metrics describes the whole engine.
 
-Commands, plain tuples:  ("add", request_id, prompt, params, priority) | ("abort", [request_ids]) |
-                         ("call", call_id, name, args) | ("gone", ()) (a front's pipe closed) |
-                         ("shutdown", ())
+Commands, plain tuples:  ("add", request_id, prompt, params, priority, lora_request) |
+                         ("abort", [request_ids]) | ("call", call_id, name, args) |
+                         ("gone", ()) (a front's pipe closed) | ("shutdown", ())
 Events, a list a step:   ("out", request_id, RequestOutput, first) | ("fail", request_id, error) |
                          ("aborted", request_id) | ("reply", call_id, ok, value) |
                          ("itl", [seconds]) | ("done", [(arrival, first token, last token, tokens,
@@ -47,7 +47,10 @@ CALLS = {"prompt_token_ids": lambda engine, prompts: [engine.prompt_token_ids(p)
          "sleep": lambda engine, level: engine.sleep(level),
          "wake_up": lambda engine, tags: engine.wake_up(tags),
          "is_sleeping": lambda engine: engine.is_sleeping(),
-         "reset_prefix_cache": lambda engine: engine.reset_prefix_cache()}
+         "reset_prefix_cache": lambda engine: engine.reset_prefix_cache(),
+         "add_lora": lambda engine, lora_request: engine.add_lora(lora_request),
+         "remove_lora": lambda engine, lora_id: engine.remove_lora(lora_id),
+         "list_loras": lambda engine: engine.list_loras()}
 
 
 @dataclass
@@ -92,9 +95,9 @@ def run_engine_loop(engine, next_command, emit, num_fronts: int = 1) -> None:
 def _command(engine, cmd: tuple, front: int, requests: dict[str, _Live]) -> list:
     kind = cmd[0]
     if kind == "add":
-        _, request_id, prompt, params, priority = cmd
+        _, request_id, prompt, params, priority, lora_request = cmd
         try:
-            engine.add_request(request_id, prompt, params, priority=priority)
+            engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
         except Exception as e:            # noqa: BLE001 - a bad request: its caller's error
             return [("fail", request_id, picklable(e))]
         requests[request_id] = _Live(front, getattr(params, "output_kind", None) == RequestOutputKind.DELTA)

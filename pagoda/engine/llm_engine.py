@@ -21,6 +21,8 @@ from pagoda.engine.arg_utils import EngineArgs
 from pagoda.engine.output_processor import OutputProcessor, ParentState
 from pagoda.engine.stats import EngineStats, StatLogger
 from pagoda.engine.structured_output import StructuredOutputs
+from pagoda.lora.adapter import load_adapter
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
@@ -59,6 +61,7 @@ class LLMEngine:
         self.batch_queue_size = config.scheduler.max_concurrent_batches
         self._batch_queue: deque = deque()
         self.structured: StructuredOutputs | None = None     # made at the first structured request
+        self.lora_requests: dict[int, LoRARequest] = {}         # the adapters checked, by lora_int_id
         self._structured_ids: set[str] = set()                  # its sequences that may still run
         # What exists now (torch, the model, its CUDA graphs: ~450,000 objects) lives as long as
         # the engine. Frozen, the cyclic GC no longer rescans it: one full collection, which adding
@@ -97,12 +100,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
                     params: SamplingParams | PoolingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> str:
         """Validate and queue a request; raises ValueError on bad input, leaving the engine
         untouched. ``priority``: with scheduling_policy="priority", lower values are served first.
-        PoolingParams make a pooling request (the pooling runner's): its prompt's vector."""
+        PoolingParams make a pooling request (the pooling runner's): its prompt's vector.
+        ``lora_request``: the LoRA adapter it runs with (``enable_lora=True``)."""
         if self.sleeping:
             raise EngineAsleepError("The engine is asleep: wake_up() first.")
+        self._check_lora(lora_request)
         params, pooling = self._pooling(params or SamplingParams())
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise ValueError(f"Got priority {priority}, but priority scheduling is not enabled: start the engine "
@@ -142,7 +147,8 @@ class LLMEngine:
             # Samples after the first fork its KV once it has computed the prompt.
             children.append(Request(f"{i}_{request_id}" if params.n > 1 else request_id, token_ids,
                                     child_params, self.eos_token_id, max(1, max_tokens), arrival,
-                                    cache_salt, fork_parent=children[0] if children else None, priority=priority))
+                                    cache_salt, fork_parent=children[0] if children else None, priority=priority,
+                                    lora_request=lora_request))
         self.output_processor.add(parent, children)
         if pooling is not None:
             children[0].pooling_params = pooling
@@ -156,6 +162,39 @@ class LLMEngine:
             self.scheduler.add_request(req)
         self.num_prompt_tokens += len(token_ids) * params.n
         return request_id
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        """A request's adapter, read and checked against the model the first time its id comes
+        (the runner reads it again from its folder when a step needs it)."""
+        if lora_request is None:
+            return
+        lora = self.config.lora
+        if lora is None:
+            raise ValueError(f"Got a LoRA request ({lora_request.lora_name!r}), but LoRA is not enabled: start the "
+                             "engine with enable_lora=True.")
+        known = self.lora_requests.get(lora_request.lora_int_id)
+        if known is not None:
+            if (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
+                raise ValueError(f"lora_int_id {lora_request.lora_int_id} names adapter {known.lora_name!r} at "
+                                 f"{known.lora_path!r} already; give each adapter an id of its own.")
+            return
+        load_adapter(lora_request, self.config.model.arch, lora.max_lora_rank)
+        self.lora_requests[lora_request.lora_int_id] = lora_request
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter ahead of its requests (vLLM's add_lora)."""
+        self._check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (vLLM's remove_lora): its id may then name another one. Requests
+        using it must have ended. Returns whether it was known."""
+        if any(r.lora_id == lora_id for r in self.scheduler.requests.values()):
+            raise ValueError(f"LoRA adapter {lora_id} still has requests running or waiting.")
+        return self.lora_requests.pop(lora_id, None) is not None
+
+    def list_loras(self) -> set[int]:
+        return set(self.lora_requests)
 
     def _pooling(self, params) -> tuple[SamplingParams, PoolingParams | None]:
         """A pooling request runs as a greedy one-token request that is pooled instead of

@@ -64,7 +64,8 @@ class ParentState:
         kind = self.params.output_kind
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
                              [c.completion(kind) for c in self.children], self.finished, self.metrics,
-                             num_cached_tokens=self.children[0].req.num_cached_tokens)
+                             num_cached_tokens=self.children[0].req.num_cached_tokens,
+                             lora_request=self.children[0].req.lora_request)
 
 
 class OutputProcessor:

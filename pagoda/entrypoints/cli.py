@@ -60,6 +60,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-sleep-mode", action="store_true",
                    help="LLM.sleep / wake_up (the server's /sleep, /wake_up and /is_sleeping with "
                         "VLLM_SERVER_DEV_MODE=1): free the GPU between uses")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="let requests run with LoRA adapters (the server's --lora-modules)")
+    p.add_argument("--max-loras", type=int, default=1, help="the most adapters in one batch")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the highest adapter rank accepted")
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="the most adapters kept in host memory")
     p.add_argument("--log-stats", action="store_true",
                    help="log throughput, queue, KV-cache and prefix-cache figures every 5 s (stderr)")
 
@@ -98,7 +103,9 @@ def engine_args_from(args):
                       runner=args.runner, task=args.task, hf_overrides=args.hf_overrides,
                       generation_config=args.generation_config,
                       override_generation_config=args.override_generation_config,
-                      speculative_config=args.speculative_config, enable_sleep_mode=args.enable_sleep_mode)
+                      speculative_config=args.speculative_config, enable_sleep_mode=args.enable_sleep_mode,
+                      enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                      max_cpu_loras=args.max_cpu_loras)
 
 
 def _make_llm(args):
@@ -173,6 +180,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help='parse tool calls out of chat answers when a request has tools (tool_choice "auto")')
     p.add_argument("--tool-call-parser", default=None, help="the tool-call format of the model: hermes (Qwen2.5/3), "
                    "llama3_json (Llama 3.1-3.3), mistral, pythonic (Llama 3.2/4)")
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (with --enable-lora) that requests name as their model: NAME=PATH, or JSON "
+                        "'{\"name\": \"sql\", \"path\": \"/adapters/sql\", \"base_model_name\": \"...\"}'")
+
+
+def _lora_module(text: str):
+    """One --lora-modules entry, in either of vLLM's forms."""
+    from pagoda.entrypoints.openai.serving_models import LoRAModulePath
+    if text.lstrip().startswith("{"):
+        try:
+            return LoRAModulePath(**_json_object(text))
+        except (TypeError, json.JSONDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"expected a JSON object with \"name\" and \"path\" (and optionally "
+                                             f"\"base_model_name\"), got {text!r} ({e})") from None
+    name, _, path = text.partition("=")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or a JSON object, got {text!r}")
+    return LoRAModulePath(name, path)
 
 
 def cmd_serve(args) -> int:

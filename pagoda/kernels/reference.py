@@ -224,6 +224,16 @@ def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_sca
     return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
+def lora_expand(xa: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, width: int,
+                out: torch.Tensor) -> torch.Tensor:
+    """LoRA's second matmul for a batch of tokens of different adapters (lora/layers.py):
+    ``out += xa' @ b.T`` in place, where ``xa'`` is ``xa`` (tokens, slots * width) with each
+    token's row kept only in its own slot's ``width`` columns (``token_slots[t]``; -1: none).
+    ``b``: (out features, slots * width)."""
+    cols = torch.arange(xa.shape[1], device=xa.device) // width
+    return out.addmm_(xa * (token_slots[:, None] == cols).to(xa.dtype), b.t())
+
+
 def float_key(x: torch.Tensor) -> torch.Tensor:
     """The order-preserving int32 image of float32 values (-0.0 as +0.0): thresholds on logits
     are thresholds on these keys."""

@@ -40,6 +40,11 @@ MAX_MIXED_CAPTURE = 2048
 MAX_MIXED_REQS = 256
 
 
+def max_graph_tokens() -> int:
+    """The most tokens a graph's step may hold (padding included)."""
+    return max(MAX_CAPTURE_SIZE, MAX_MIXED_CAPTURE)
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     top = min(max_num_seqs, MAX_CAPTURE_SIZE)
     sizes = [1, 2, 4] + list(range(8, top + 1, 8)) + [top]    # (top: every batch up to it has a graph)

@@ -79,6 +79,7 @@ class CachedRequestState:
     # allowed_token_ids and each bad word's tokens but its last, on the device: copied once
     allowed_ids: torch.Tensor | None = None
     bad_word_prefixes: list | None = None
+    lora_id: int = 0                          # its LoRA adapter's lora_int_id, 0 for none
 
 
 def on_their_way(tensors: list, works: list = ()) -> tuple[list, Callable[[], object]]:
@@ -156,6 +157,13 @@ class ModelRunner:
         self.batches_in_flight = self.pp.world_size
         self.stage_sends: deque[list] = deque()
         self.model = get_model(mc, self.device)
+        # LoRA: every adapted layer's slots, before any forward (the profiling run, the graphs)
+        self.lora = None
+        if config.lora is not None:
+            from pagoda.lora.manager import LoRAManager
+            from pagoda.runner.cuda_graph import max_graph_tokens
+            self.lora = LoRAManager(self.model, config.lora, max(sc.max_num_batched_tokens, max_graph_tokens()),
+                                    mc.compute_dtype, self.device)
         self.arch = mc.arch
         self.block_size = config.cache.block_size
         self.dtype = mc.compute_dtype
@@ -387,6 +395,9 @@ class ModelRunner:
         if p.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(p.seed)
         self.requests[r.req_id] = CachedRequestState(row, n, r.num_prompt_tokens, p, gen, r.pooling_params)
+        if r.lora_request is not None:
+            self.lora.add(r.lora_request)
+            self.requests[r.req_id].lora_id = r.lora_request.lora_int_id
         self.num_pooling_reqs += r.pooling_params is not None
 
     def _append_blocks(self, req_id: str, block_ids: list[int]) -> None:
@@ -445,6 +456,8 @@ class ModelRunner:
         cu = np.cumsum(q_lens)
         batch = self._prepare_inputs(rows, q_lens, computed)
         arrays = {k: batch[k] for k in INPUT_NAMES}
+        if self.lora is not None:     # each token's adapter slot (-1: none)
+            arrays["lora_slots"] = np.repeat(self.lora.slots_for([s.lora_id for s in states]), q_lens)
         pending = self._pending_input_ids(rows, computed, cu - q_lens, known)
         if pending is not None:
             arrays["pending_dst"], arrays["pending_src"] = pending
@@ -471,6 +484,8 @@ class ModelRunner:
         if calibrating:
             for layer in self.model.model.local_layers:
                 layer.self_attn.attn.calibrate_next = True
+        if self.lora is not None:
+            self.lora.set_token_slots(t["lora_slots"])
         hidden = self._forward(batch, t)
         if calibrating:
             self.kv_scales_pending = False

@@ -7,7 +7,9 @@ Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-
 --tool-call-parser hermes, llama3_json, mistral or pythonic), /v1/embeddings, /classify,
 /v1/score, /rerank and /pooling (with --runner pooling), /tokenize, /detokenize, /v1/models, /health,
 /version, /metrics, /start_profile and /stop_profile; with VLLM_SERVER_DEV_MODE=1 (as vLLM) also
-/sleep, /wake_up, /is_sleeping and /reset_prefix_cache."""
+/sleep, /wake_up, /is_sleeping and /reset_prefix_cache; with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
+/v1/load_lora_adapter and /v1/unload_lora_adapter. A request whose model is a LoRA adapter's name
+(--enable-lora --lora-modules NAME=PATH) runs with that adapter."""
 import argparse
 import asyncio
 import logging
@@ -15,7 +17,6 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import time
 from multiprocessing.connection import wait
 
 from fastapi import FastAPI, Request
@@ -29,12 +30,14 @@ from pagoda.engine.engine_core import EngineCoreProc
 from pagoda.engine.llm_engine import EngineAsleepError, load_tokenizer
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.protocol import (ChatCompletionRequest, ClassificationRequest, CompletionRequest,
-                                               DetokenizeRequest, EmbeddingRequest, PoolingRequest, RerankRequest,
-                                               ScoreRequest, TokenizeRequest)
+                                               DetokenizeRequest, EmbeddingRequest, LoadLoRAAdapterRequest,
+                                               PoolingRequest, RerankRequest, ScoreRequest, TokenizeRequest,
+                                               UnloadLoRAAdapterRequest)
 from pagoda.entrypoints.openai.serving import error_response
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingPooling
+from pagoda.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagoda.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, check_tool_call_parser
 
@@ -42,15 +45,18 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              lora_modules: list[LoRAModulePath] | None = None) -> FastAPI:
+    """The server's routes over ``engine``. ``lora_modules``: adapters the requests may name
+    (``app.state.models.init_static_loras()`` has the engine check them before serving)."""
     app = FastAPI(title="pagoda", version=pagoda.__version__)
     metrics = ServerMetrics(engine, served_model_names[0])
-    completion = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names, enable_auto_tool_choice=enable_auto_tool_choice,
+    models = app.state.models = OpenAIServingModels(engine, served_model_names, lora_modules)
+    completion = OpenAIServingCompletion(engine, models)
+    chat = OpenAIServingChat(engine, models, enable_auto_tool_choice=enable_auto_tool_choice,
                              tool_call_parser=tool_call_parser)
-    pooling = OpenAIServingPooling(engine, served_model_names)
-    tokenization = OpenAIServingTokenization(engine, served_model_names)
-    created = int(time.time())
+    pooling = OpenAIServingPooling(engine, models)
+    tokenization = OpenAIServingTokenization(engine, models)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError):
@@ -82,11 +88,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "pagoda",
-             "root": engine.model_config.model, "parent": None, "max_model_len": engine.max_model_len}
-            for name in served_model_names]}
+    async def show_available_models():
+        return models.show_available_models()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
@@ -130,8 +133,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             return error_response(str(e), 400)
         return Response(status_code=200)
 
-    if os.environ.get("VLLM_SERVER_DEV_MODE", os.environ.get("PAGODA_SERVER_DEV_MODE", "0")) not in ("", "0"):
+    if env_flag("SERVER_DEV_MODE"):
         add_dev_routes(app, engine)
+    if env_flag("ALLOW_RUNTIME_LORA_UPDATING"):
+        add_lora_routes(app, models)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -142,6 +147,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         return tokenization.detokenize(body)
 
     return app
+
+
+def env_flag(name: str) -> bool:
+    """vLLM's switch VLLM_<name> (or PAGODA_<name>): on unless unset, empty, 0 or false."""
+    value = os.environ.get(f"VLLM_{name}", os.environ.get(f"PAGODA_{name}", ""))
+    return value.strip().lower() not in ("", "0", "false")
 
 
 def add_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
@@ -181,6 +192,23 @@ def add_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
         return await answer(reset())
 
 
+def add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
+    """vLLM's runtime LoRA updating, which lets any client have the server read a folder of its
+    disk: only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (or PAGODA_ALLOW_RUNTIME_LORA_UPDATING=1).
+    ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` (400: the engine's reason, or a
+    name taken), ``POST /v1/unload_lora_adapter`` ``{"lora_name"}`` (404: unknown; 400: requests
+    still use it)."""
+    logger.warning("LoRA adapters may be loaded and unloaded through the API: use this for local development only.")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        return await models.load_lora_adapter(body)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        return await models.unload_lora_adapter(body)
+
+
 async def _until_disconnected(raw: Request, handler):
     """Run ``handler``; if the client goes away first, cancel it (which aborts its requests). A
     stream is watched by its StreamingResponse once it has started."""
@@ -217,8 +245,14 @@ def run_server(args) -> None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (known: "
                          f"{', '.join(TOOL_CALL_PARSERS)}).")
     check_tool_call_parser(args.tool_call_parser)
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora.")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}.")
+    if args.api_server_count > 1 and env_flag("ALLOW_RUNTIME_LORA_UPDATING"):
+        # Each API server keeps its own names and ids: an adapter loaded through one would be
+        # unknown to the others, and two could give one id to different adapters.
+        raise ValueError("VLLM_ALLOW_RUNTIME_LORA_UPDATING needs a single API server (--api-server-count 1).")
     if args.api_server_count > 1:
         run_api_servers(args, engine_args_from(args))
         return
@@ -230,7 +264,12 @@ def run_server(args) -> None:
 
 
 def _app(engine: AsyncLLM, args) -> FastAPI:
-    return build_app(engine, served_names(args), args.api_key, args.enable_auto_tool_choice, args.tool_call_parser)
+    """The app, its --lora-modules adapters checked by the engine (a bad one raises its
+    ValueError before the server listens)."""
+    app = build_app(engine, served_names(args), args.api_key, args.enable_auto_tool_choice, args.tool_call_parser,
+                    args.lora_modules)
+    asyncio.run(app.state.models.init_static_loras())
+    return app
 
 
 def run_api_servers(args, engine_args) -> None:

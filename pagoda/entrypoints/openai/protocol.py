@@ -235,6 +235,21 @@ class PoolingRequest(BaseModel):
                              truncate_prompt_tokens=self.truncate_prompt_tokens, task=self.task)
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's, with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)."""
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's, with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)."""
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     """OpenAI's error shape, which its client reads the message from."""
     kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "InternalServerError")

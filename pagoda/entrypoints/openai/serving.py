@@ -6,12 +6,16 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.protocol import SamplingRequest, error_body
 from pagoda.outputs import CompletionOutput, RequestOutput
+
+if TYPE_CHECKING:
+    from pagoda.entrypoints.openai.serving_models import OpenAIServingModels
 
 
 def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -23,9 +27,9 @@ class OpenAIServing:
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
+    def __init__(self, engine: AsyncLLM, models: "OpenAIServingModels"):
         self.engine = engine
-        self.served_model_names = served_model_names
+        self.models = models
 
     # ------------------------------------------------------------------ the subclasses' part
     def engine_prompts(self, request) -> list:
@@ -41,20 +45,21 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ one request
     async def create(self, request: SamplingRequest):
-        if request.model is not None and request.model not in self.served_model_names:
-            return error_response(f"The model `{request.model}` does not exist.", 404, "model")
+        if (refusal := self.models.check_model(request.model)) is not None:
+            return refusal
+        lora_request = self.models.lora_request(request.model)
         try:
             params = self.sampling_params(request)
             prompts = await self._fitted(self.engine_prompts(request), params)
             request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-            gens = [self.engine.generate(p, params, f"{request_id}-{i}", request.priority)
+            gens = [self.engine.generate(p, params, f"{request_id}-{i}", lora_request, request.priority)
                     for i, p in enumerate(prompts)]
             firsts = await start(gens)
         except ValueError as e:
             return error_response(str(e), 400)
         outputs = _merge(gens, firsts)
         header = {"id": request_id, "created": int(time.time()),
-                  "model": request.model or self.served_model_names[0]}
+                  "model": request.model or self.models.served_model_names[0]}
         if request.stream:
             return StreamingResponse(self._stream(request, header, outputs), media_type="text/event-stream")
         return JSONResponse(await self._full(request, header, outputs))

@@ -14,14 +14,15 @@ from pagoda.config import class_labels
 from pagoda.entrypoints.openai.protocol import (ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest,
                                                ScoreRequest)
 from pagoda.entrypoints.openai.serving import error_response, input_prompts, start
+from pagoda.entrypoints.openai.serving_models import OpenAIServingModels
 from pagoda.outputs import PoolingRequestOutput, ScoringRequestOutput
 from pagoda.pooling_params import PoolingParams, pair_scores, score_pairs, score_prompts
 
 
 class OpenAIServingPooling:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels):
         self.engine = engine
-        self.served_model_names = served_model_names
+        self.models = models
 
     async def embed(self, request: EmbeddingRequest):
         return await self._vectors(request, "embd", "embedding", "embedding")
@@ -71,15 +72,15 @@ class OpenAIServingPooling:
                               for i, (doc, s) in enumerate(zip(request.documents, scores))),
                              key=lambda r: -r["relevance_score"])
             tokens = sum(len(out.prompt_token_ids) for out in outputs)
-            return JSONResponse({"id": request_id, "model": request.model or self.served_model_names[0],
+            return JSONResponse({"id": request_id, "model": request.model or self.models.served_model_names[0],
                                  "usage": {"total_tokens": tokens}, "results": results[:request.top_n or None]})
         return await self._answer(request, "rerank", respond)
 
     async def _answer(self, request, prefix: str, respond) -> JSONResponse:
         """What ``respond(request_id)`` answers, or the response that refuses the request: an
         unknown model, the wrong runner, a bad parameter or prompt (its ValueError: 400)."""
-        if request.model is not None and request.model not in self.served_model_names:
-            return error_response(f"The model `{request.model}` does not exist.", 404, "model")
+        if (refusal := self.models.check_model(request.model)) is not None:
+            return refusal
         if self.engine.model_config.runner != "pooling":
             return error_response("This model does not serve embeddings, classes or scores: start the server "
                                   "with --runner pooling.", 400)
@@ -90,21 +91,24 @@ class OpenAIServingPooling:
 
     async def _encode_input(self, request, request_id: str) -> list[PoolingRequestOutput]:
         """The outputs of the request's ``input`` prompts, with its PoolingParams."""
-        return await self._encode(input_prompts(request.input, "input"), request.pooling_params(), request_id,
-                                  request.priority)
+        return await self._encode(input_prompts(request.input, "input"), request.pooling_params(), request,
+                                  request_id)
 
     async def _scores(self, first: list, second: list, request,
                       request_id: str) -> tuple[list[ScoringRequestOutput], list[PoolingRequestOutput]]:
         """The pairs' scores, as LLM.score gives them, and the engine's outputs they came from."""
         prompts = score_prompts(self.engine.model_config.pooling_task, self.engine.tokenizer, first, second)
         params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens, task="score")
-        outputs = await self._encode(prompts, params, request_id, request.priority)
+        outputs = await self._encode(prompts, params, request, request_id)
         return pair_scores(outputs, len(first)), outputs
 
-    async def _encode(self, prompts: list, params: PoolingParams, request_id: str,
-                      priority: int) -> list[PoolingRequestOutput]:
-        """Each prompt's vector; a bad request raises its ValueError."""
-        gens = [self.engine.encode(p, params, f"{request_id}-{i}", priority) for i, p in enumerate(prompts)]
+    async def _encode(self, prompts: list, params: PoolingParams, request,
+                      request_id: str) -> list[PoolingRequestOutput]:
+        """Each prompt's vector, with the request's adapter and priority; a bad request raises its
+        ValueError."""
+        lora_request = self.models.lora_request(request.model)
+        gens = [self.engine.encode(p, params, f"{request_id}-{i}", lora_request, request.priority)
+                for i, p in enumerate(prompts)]
         outputs = await start(gens)        # (a pooling request's first output is its last)
         for g in gens:
             await g.aclose()
@@ -113,7 +117,7 @@ class OpenAIServingPooling:
     def _response(self, request, request_id: str, data: list, outputs: list[PoolingRequestOutput]) -> JSONResponse:
         tokens = sum(len(out.prompt_token_ids) for out in outputs)
         return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
-                             "model": request.model or self.served_model_names[0], "data": data,
+                             "model": request.model or self.models.served_model_names[0], "data": data,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 

@@ -6,12 +6,13 @@ from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pagoda.entrypoints.openai.serving import error_response
 from pagoda.entrypoints.openai.serving_chat import render_chat
+from pagoda.entrypoints.openai.serving_models import OpenAIServingModels
 
 
 class OpenAIServingTokenization:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels):
         self.engine = engine
-        self.served_model_names = served_model_names
+        self.models = models
 
     def tokenize(self, request: TokenizeRequest) -> JSONResponse | dict:
         """{"count", "max_model_len", "tokens", "token_strs" (with return_token_strs)}."""
@@ -42,8 +43,8 @@ class OpenAIServingTokenization:
         return {"prompt": self.engine.tokenizer.decode(request.tokens, skip_special_tokens=False)}
 
     def _refusal(self, request) -> JSONResponse | None:
-        if request.model is not None and request.model not in self.served_model_names:
-            return error_response(f"The model `{request.model}` does not exist.", 404, "model")
+        if (refusal := self.models.check_model(request.model)) is not None:
+            return refusal
         if self.engine.tokenizer is None:
             return error_response("This server has no tokenizer (skip_tokenizer_init).", 400)
         return None

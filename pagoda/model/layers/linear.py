@@ -27,6 +27,9 @@ def _divide(a: int, b: int) -> int:
 
 
 class LinearBase(nn.Module):
+    # LoRA adapters (lora/layers.py: LoRALinear), when the engine has them: added to the output
+    lora = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  quant_method: QuantMethod | None):
         super().__init__()
@@ -44,7 +47,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora.apply(x, out)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
@@ -141,7 +145,9 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(dim, self.tp_rank * size, size))
 
     def forward(self, x):
-        if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
-        bias = self.bias if self.tp_rank == 0 else None
-        return tp_all_reduce(self.quant_method.apply(self, x, bias))
+        # The partial sums are reduced: rank 0's alone carry the bias. A LoRA term goes in before
+        # the reduction too (lora/layers.py).
+        out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        if self.lora is not None:
+            out = self.lora.apply(x, out)
+        return out if self.tp_size == 1 else tp_all_reduce(out)
