@@ -60,6 +60,7 @@
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh s26a      # (then spec25e, warm) W1 both models; the GPU tests
 #   bash benchmarks/gpu_session.sh s26c      # (then s26d, warm) W1 / W2 with LoRA adapters; the GPU tests
+#   bash benchmarks/gpu_session.sh s26g      # W1 with KV blocks of 16 and 32 tokens, interleaved
 #   bash benchmarks/gpu_session.sh s26e      # (then s26f, warm) the same with the Triton LoRA expand; its GPU tests
 #   bash benchmarks/gpu_session.sh spec24a   # (then spec24b, warm) W1 Qwen3; GPU tests, n-gram drafts on SmolLM2,
 #                                            # W2 Llama-3-8B batch 1 sync / async / with drafts
@@ -1011,6 +1012,16 @@ case "${1:-}" in
     # Call 6 (warm): the GPU tests of LoRA (CPU against GPU, graphs) and the attention's
     join_smollm2
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "lora or float32" 2>&1 | tail -3
+    ;;
+  s26g)
+    # Call 7: W1 with KV blocks of 16 and of 32 tokens, interleaved (the seed's tuning case)
+    warm_w1 .
+    for m in qwen3-0.6b llama3-8b qwen3-0.6b; do
+      for bs in 16 32; do
+        python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --block-size $bs --out "$OUT/w1" 2>&1 \
+          | grep -E "^pagoda |Error" | sed "s/^/W1 $m block $bs: /"
+      done
+    done
     ;;
   s26c)
     # Call 3: SmolLM2's first half rides along; LoRA's cost (torch's mask + addmm)

@@ -54,6 +54,8 @@ def run_pagoda(args, prompts, output_lens):
                   kv_cache_dtype=args.kv_cache_dtype)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
+    if args.block_size:
+        kwargs["block_size"] = args.block_size
     if args.kv_cache_gib:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
     model = args.model
@@ -304,6 +306,7 @@ def main():
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: the engine's (16,384 on an H200, as vLLM's offline default there)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None, help="KV cache block size (default: the engine's, 16)")
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8 / fp8_e4m3, fp8_e5m2")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)

@@ -26,7 +26,8 @@ class _Instance:
     completed: list[BeamSearchSequence] = field(default_factory=list)
 
 
-def beam_search(llm, prompts: list, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+def beam_search(llm, prompts: list, params: BeamSearchParams, use_tqdm: bool = False,
+                lora_request=None) -> list[BeamSearchOutput]:
     tokenizer = llm.get_tokenizer()
     eos = llm.llm_engine.eos_token_id
     instances = [_Instance([BeamSearchSequence(llm.llm_engine.prompt_token_ids(p), [])]) for p in prompts]
@@ -41,7 +42,7 @@ def beam_search(llm, prompts: list, params: BeamSearchParams, use_tqdm: bool = F
         if not live:
             break
         outputs = llm.generate([{"prompt_token_ids": beam.tokens} for _, beam in live], step_params,
-                               use_tqdm=False)
+                               use_tqdm=False, lora_request=lora_request)
         candidates: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in instances}
         for (inst, beam), out in zip(live, outputs):
             top = out.outputs[0].logprobs[0]

@@ -80,33 +80,38 @@ class LLM:
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
                use_tqdm: bool = True, truncate_prompt_tokens: int | None = None, pooling_task: str | None = None,
+               lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
                **_ignored) -> list[PoolingRequestOutput]:
         """Each prompt's pooled output (a tensor), with the pooling runner (``runner="pooling"``):
         the final hidden states pooled as the model's pooler config says (the last token's by
         default), then normalized; a classifier's class probabilities. ``pooling_task``
         (vLLM's): "token_embed" for every prompt token's normalized hidden state, a
         (tokens, hidden size) tensor; "token_classify" for a classifier's probabilities at
-        every token, (tokens, classes); or "embed" / "classify"."""
-        return self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task)
+        every token, (tokens, classes); or "embed" / "classify". ``lora_request``: as for generate."""
+        return self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task, lora_request)
 
     def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
               **_ignored) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (``outputs.embedding``, a list of floats), as ``encode``."""
         return [EmbeddingRequestOutput.from_base(o)
-                for o in self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "embed")]
+                for o in self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "embed", lora_request)]
 
     def classify(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
                  use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest] | None = None,
                  **_ignored) -> list[ClassificationRequestOutput]:
         """Each prompt's class probabilities (``outputs.probs``), with a sequence classification
         model (``*ForSequenceClassification``): its head on the last token's final hidden
         state, then softmax (sigmoid for one label)."""
         return [ClassificationRequestOutput.from_base(o)
-                for o in self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "classify")]
+                for o in self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "classify",
+                                    lora_request)]
 
     def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              pooling_params: PoolingParams | None = None, **_ignored) -> list[ScoringRequestOutput]:
+              pooling_params: PoolingParams | None = None, lora_request: LoRARequest | None = None,
+              **_ignored) -> list[ScoringRequestOutput]:
         """Each pair's score, as vLLM scores: with a cross-encoder (a classifier of one label)
         its sigmoid output for the two texts read together; with an embedding model the cosine
         of their embeddings. ``data_1`` is one text (scored against each of ``data_2``) or as
@@ -114,12 +119,17 @@ class LLM:
         first, second = score_pairs(self._as_list(data_1), self._as_list(data_2),
                                     ("score()'s first argument", "the second list"))
         prompts = score_prompts(self.llm_engine.config.model.pooling_task, self.get_tokenizer(), first, second)
-        return pair_scores(self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "score"), len(first))
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError("score() takes one LoRARequest for all its pairs.")
+        return pair_scores(self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, "score",
+                                      lora_request), len(first))
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False, **_ignored) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request: LoRARequest | None = None,
+                    use_tqdm: bool = False, **_ignored) -> list[BeamSearchOutput]:
         """Beam search for each prompt (strings, or dicts with ``prompt`` / ``prompt_token_ids``);
-        returns the best ``params.beam_width`` sequences of each, best first."""
-        return beam_search(self, self._as_list(prompts), params, use_tqdm)
+        returns the best ``params.beam_width`` sequences of each, best first. ``lora_request``:
+        one adapter for every beam."""
+        return beam_search(self, self._as_list(prompts), params, use_tqdm, lora_request)
 
     def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
@@ -191,14 +201,14 @@ class LLM:
         return params
 
     def _pool(self, prompts, pooling_params, use_tqdm: bool, truncate_prompt_tokens: int | None,
-              task: str | None) -> list[PoolingRequestOutput]:
+              task: str | None, lora_request=None) -> list[PoolingRequestOutput]:
         prompts = self._as_list(prompts)
         params = [p.clone() for p in self._params_list(pooling_params, len(prompts), PoolingParams)]
         for p in params:
             p.task = task or p.task
             if truncate_prompt_tokens is not None:
                 p.truncate_prompt_tokens = truncate_prompt_tokens
-        return self._run(prompts, params, use_tqdm)
+        return self._run(prompts, params, use_tqdm, loras=self._loras(lora_request, len(prompts)))
 
     @staticmethod
     def _loras(lora_request, n: int) -> list | None:

@@ -24,13 +24,14 @@ ENGINE = dict(dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_le
 @pytest.fixture(scope="module")
 def adapters(hf_model, tmp_path_factory):
     """Two adapters as PEFT saves them, and PEFT's own models of each: every projection at rank 8;
-    q, v and down at rank 4 with rsLoRA and an alpha pattern."""
+    q, v and down of every other layer at rank 4 (v at 2) with rsLoRA and an alpha pattern."""
     configs = {
         "all": peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                "down_proj"]),
         "qvd": peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, use_rslora=True,
-                               target_modules=["q_proj", "v_proj", "down_proj"], alpha_pattern={"down_proj": 2}),
+                               target_modules=["q_proj", "v_proj", "down_proj"], alpha_pattern={"down_proj": 2},
+                               rank_pattern={"v_proj": 2}, layers_to_transform=list(range(0, 30, 2))),
     }
     out = {}
     for i, (name, config) in enumerate(configs.items()):
@@ -193,9 +194,10 @@ def test_remove_lora(lora_llm, adapters, tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_lora(tmp_path):
-    """tp=2 gives tp=1's answers with adapters mixed in one batch: column-parallel layers cut B's
-    rows, row-parallel ones A's columns (the KV heads split between the ranks too)."""
+def test_parallel_lora(tmp_path):
+    """tp=2 and pp=2 give one process's answers with adapters mixed in one batch: column-parallel
+    layers cut B's rows, row-parallel ones A's columns (the KV heads split between the ranks
+    too); each pipeline stage adapts its own layers."""
     model = write_tiny_llama(str(tmp_path / "model"), heads=4, kv_heads=2)
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
@@ -206,10 +208,54 @@ def test_tensor_parallel_lora(tmp_path):
     loras = [a, b, None, a]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = []
-    for tp in (1, 2):
-        engine = LLM(model, tensor_parallel_size=tp, enable_lora=True, max_loras=2, max_lora_rank=4, **SMALL)
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        engine = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_lora=True, max_loras=2,
+                     max_lora_rank=4, **SMALL)
         outs.append(tokens(engine.generate(prompts, params, use_tqdm=False, lora_request=loras)))
         base = tokens(engine.generate(prompts, params, use_tqdm=False))
         del engine
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
     assert outs[0][0] != base[0] and outs[0][1] != base[1] and outs[0][2] == base[2]
+
+
+def test_embeddings_with_an_adapter(smollm_path, adapters):
+    """The pooling runner with an adapter: the last token's final hidden state of PEFT's model."""
+    import torch.nn.functional as F
+    lora, reference = adapters["qvd"]
+    embedder = LLM(smollm_path, runner="pooling", max_loras=1, **ENGINE)
+    prompts = [{"prompt_token_ids": ids} for ids in ([5, 6, 7, 8, 9, 10, 11], list(range(100, 140)))]
+    outs = embedder.embed(prompts, use_tqdm=False, lora_request=lora)
+    base = embedder.embed(prompts, use_tqdm=False)
+    for out, plain, prompt in zip(outs, base, prompts):
+        with torch.no_grad():
+            hidden = reference.base_model.model.model(input_ids=torch.tensor([prompt["prompt_token_ids"]]))
+        want = F.normalize(hidden.last_hidden_state[0, -1], dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(torch.tensor(plain.outputs.embedding), want, atol=1e-3)
+    assert_no_leaks(embedder)
+
+
+def test_speculative_decoding_with_adapters(smollm_path, lora_llm, adapters):
+    """n-gram drafts are verified through the adapter too: greedy tokens as without drafts."""
+    a = adapters["all"][0]
+    prompts = ["Repeat after me: one two three four five six, one two three four five six,", PROMPTS[1]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = tokens(lora_llm.generate(prompts, params, use_tqdm=False, lora_request=[a, None]))
+    llm = LLM(smollm_path, max_loras=1, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                           "prompt_lookup_max": 2}, **ENGINE)
+    assert tokens(llm.generate(prompts, params, use_tqdm=False, lora_request=[a, None])) == expected
+    assert llm.get_stats().num_accepted_tokens > 0
+    assert_no_leaks(llm)
+
+
+def test_beam_search_with_an_adapter(lora_llm, adapters):
+    """Every beam runs with the adapter: width-1 beam search is the adapter's greedy answer."""
+    from pagoda import BeamSearchParams
+    a = adapters["all"][0]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    greedy = tokens(lora_llm.generate(PROMPTS[0], params, use_tqdm=False, lora_request=a))[0]
+    assert greedy != tokens(lora_llm.generate(PROMPTS[0], params, use_tqdm=False))[0]
+    [beams] = lora_llm.beam_search([{"prompt": PROMPTS[0]}], BeamSearchParams(beam_width=1, max_tokens=6,
+                                                                              ignore_eos=True), lora_request=a)
+    prompt_len = len(lora_llm.get_tokenizer().encode(PROMPTS[0]))
+    assert beams.sequences[0].tokens[prompt_len:] == greedy
