@@ -251,8 +251,6 @@ class SchedulerConfig:
     # "fcfs": first come, first served; "priority": lowest priority value first, then arrival
     # (vLLM's scheduling_policy); preemption then takes the lowest-priority running request.
     policy: str = "fcfs"
-    # LoRA: the most adapters one step may use (LoRAConfig.max_loras); 0 without LoRA.
-    max_loras: int = 0
 
 
 @dataclass

@@ -279,12 +279,9 @@ def test_lora_on_the_gpu_matches_cpu(tmp_path, monkeypatch):
     from tests.lora_utils import write_adapter
     kw = dict(dtype="float32", max_model_len=1024, enable_lora=True, max_loras=2, max_lora_rank=8)
     cpu = LLM(smollm(), device="cpu", kv_cache_memory_bytes=1 << 28, **kw)
-    a = cpu.llm_engine.config.model.arch
-    cfg = dict(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, head_dim=a.head_dim,
-               num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_key_value_heads,
-               num_hidden_layers=a.num_hidden_layers)
-    loras = [LoRARequest("a", 1, write_adapter(str(tmp_path / "a"), cfg, r=8, seed=1)),
-             LoRARequest("b", 2, write_adapter(str(tmp_path / "b"), cfg, r=4, seed=2, targets=("q_proj", "down_proj")))]
+    arch = cpu.llm_engine.config.model.arch
+    loras = [LoRARequest("a", 1, write_adapter(str(tmp_path / "a"), arch, r=8, seed=1)),
+             LoRARequest("b", 2, write_adapter(str(tmp_path / "b"), arch, r=4, seed=2, targets=("q_proj", "down_proj")))]
     prompts = PROMPTS[:6]
     per_prompt = [loras[0], None, loras[1], loras[0], loras[1], None][:len(prompts)]
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)

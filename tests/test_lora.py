@@ -1,6 +1,7 @@
 """LoRA adapters (``enable_lora=True``, ``LoRARequest``): outputs against PEFT's on SmolLM2, batches
 mixing adapters, the max_loras limit, the prefix cache, tensor parallelism, and bad adapters."""
 import copy
+import dataclasses
 import json
 import os
 
@@ -132,15 +133,12 @@ def test_one_adapter_at_a_time(smollm_path, lora_llm, adapters):
 def test_bad_adapters(smollm_path, llm, lora_llm, adapters, tmp_path):
     """Each bad adapter is a ValueError that names the problem, at add time; the engine goes on."""
     arch = lora_llm.llm_engine.config.model.arch
-    cfg = dict(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size, head_dim=arch.head_dim,
-               num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_key_value_heads,
-               num_hidden_layers=arch.num_hidden_layers)
     good = adapters["all"][0]
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         llm.generate("hi", GREEDY, use_tqdm=False, lora_request=good)
 
     def folder(name, **kw):
-        return write_adapter(str(tmp_path / name), cfg, **kw)
+        return write_adapter(str(tmp_path / name), arch, **kw)
 
     rank16 = folder("rank16", r=16)
     dora = folder("dora", use_dora=True)
@@ -150,8 +148,8 @@ def test_bad_adapters(smollm_path, llm, lora_llm, adapters, tmp_path):
     t = load_file(os.path.join(head, "adapter_model.safetensors"))
     t["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, arch.hidden_size)
     save_file(t, os.path.join(head, "adapter_model.safetensors"))
-    wrong = write_adapter(str(tmp_path / "wrong"), {**cfg, "hidden_size": 64, "num_attention_heads": 4,
-                                                    "head_dim": 16})
+    wrong = write_adapter(str(tmp_path / "wrong"), dataclasses.replace(arch, hidden_size=64, num_attention_heads=4,
+                                                                       head_dim=16))
     corrupt = folder("corrupt")
     with open(os.path.join(corrupt, "adapter_model.safetensors"), "r+b") as f:
         f.truncate(1000)

@@ -47,9 +47,9 @@ def lora_llm(smollm_path):
 @pytest.fixture(scope="module")
 def adapters(engine, tmp_path_factory) -> dict[str, str]:
     """Two random adapters' folders: every projection at rank 8; q and v at rank 4."""
-    cfg = vars(engine.model_config.arch)
-    return {"sql": write_adapter(str(tmp_path_factory.mktemp("sql")), cfg, seed=1),
-            "poem": write_adapter(str(tmp_path_factory.mktemp("poem")), cfg, r=4, targets=("q_proj", "v_proj"),
+    arch = engine.model_config.arch
+    return {"sql": write_adapter(str(tmp_path_factory.mktemp("sql")), arch, seed=1),
+            "poem": write_adapter(str(tmp_path_factory.mktemp("poem")), arch, r=4, targets=("q_proj", "v_proj"),
                                   seed=2, scale=0.3)}
 
 

@@ -1,8 +1,8 @@
 """Per-request block tables on top of the block pool, and the prefix cache.
 
 A full block is named by a hash chain: hash(parent block's hash, its token ids, extra keys: the
-prompt's cache_salt and LoRA adapter), so equal hashes mean equal prefixes, not just equal blocks. SHA-256 makes a collision (two
-prefixes taking each other's KV) practically impossible. A request admitted with a cached
+prompt's cache_salt and LoRA adapter), so equal hashes mean equal prefixes, not just equal
+blocks. SHA-256 makes a collision (two prefixes taking each other's KV) practically impossible. A request admitted with a cached
 prefix shares those blocks by reference count and computes only the rest.
 """
 import hashlib

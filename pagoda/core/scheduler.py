@@ -27,7 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from pagoda.config import SchedulerConfig, SpeculativeConfig
+from pagoda.config import LoRAConfig, SchedulerConfig, SpeculativeConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, PrefixHit
 from pagoda.core.ngram_proposer import NgramProposer
 from pagoda.core.request import Request, RequestStatus
@@ -50,11 +50,12 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, lora: LoRAConfig | None = None):
         self.config = config
         self.kv = kv_cache_manager
         self.proposer = NgramProposer(speculative) if speculative else None
         self.draft_batch_limit = (speculative and speculative.disable_by_batch_size) or float("inf")
+        self.max_loras = lora.max_loras if lora else 0
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -175,7 +176,7 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.popleft()
-            if req.lora_id and req.lora_id not in loras and len(loras) >= self.config.max_loras:
+            if req.lora_id and req.lora_id not in loras and len(loras) >= self.max_loras:
                 skipped.append(req)      # max_loras adapters run already: it waits for one to end
                 continue
             hit = self._prefix_hit(req)
@@ -224,7 +225,7 @@ class Scheduler:
     def _running_loras(self) -> set[int]:
         """The LoRA adapters of the running requests. Admission keeps them to max_loras, so that
         every step, whichever running requests it takes, fits the runner's adapter slots."""
-        if not self.config.max_loras:
+        if not self.max_loras:
             return set()
         return {r.lora_id for r in self.running if r.lora_id}
 

@@ -7,8 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from pagoda.config import (KV_CACHE_DTYPES, ArchConfig, CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
-                           ParallelConfig,
-                           PoolerConfig, SchedulerConfig, SpeculativeConfig, classifier_from_tokens, is_classifier,
+                           ParallelConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig, classifier_from_tokens, is_classifier,
                            sampling_defaults)
 from pagoda.model.hub import default_model_path, resolve_model_path
 from pagoda.model.loader import read_arch_config, read_generation_config, read_pooler_config, read_quant_config
@@ -238,8 +237,7 @@ class EngineArgs:
                                 async_scheduling=(device == "cuda" and speculative is None
                                                   if self.async_scheduling is None else self.async_scheduling),
                                 policy=self.scheduling_policy,
-                                max_concurrent_batches=parallel.pipeline_parallel_size,
-                                max_loras=lora.max_loras if lora else 0)
+                                max_concurrent_batches=parallel.pipeline_parallel_size)
         return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager,
                              log_stats=not self.disable_log_stats, enable_sleep_mode=self.enable_sleep_mode,
                              worker_extension_cls=self.worker_extension_cls, speculative=speculative, lora=lora)

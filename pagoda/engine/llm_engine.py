@@ -49,7 +49,7 @@ class LLMEngine:
         config.cache.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.speculative)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.speculative, config.lora)
         self.output_processor = OutputProcessor(tokenizer)
         self.num_steps = self.num_prompt_tokens = 0
         self.stat_logger = StatLogger() if config.log_stats else None
@@ -61,8 +61,8 @@ class LLMEngine:
         self.batch_queue_size = config.scheduler.max_concurrent_batches
         self._batch_queue: deque = deque()
         self.structured: StructuredOutputs | None = None     # made at the first structured request
-        self.lora_requests: dict[int, LoRARequest] = {}         # the adapters checked, by lora_int_id
         self._structured_ids: set[str] = set()                  # its sequences that may still run
+        self.lora_requests: dict[int, LoRARequest] = {}         # the adapters checked, by lora_int_id
         # What exists now (torch, the model, its CUDA graphs: ~450,000 objects) lives as long as
         # the engine. Frozen, the cyclic GC no longer rescans it: one full collection, which adding
         # W1's 256 requests triggered, took 0.1-0.16 s on this CPU. (The engine holds no reference

@@ -46,8 +46,6 @@ def module_shapes(arch: ArchConfig) -> dict[str, tuple[int, int]]:
 class LoRAAdapter:
     """An adapter's weights: (decoder layer, fused layer) -> one (A, scaled B) per slice, or None
     for a slice the adapter leaves alone."""
-    request: LoRARequest
-    rank: int
     weights: dict[tuple[int, str], list] = field(default_factory=dict)
 
     def slices(self, layer: int, fused: str) -> list | None:
@@ -119,7 +117,7 @@ def load_adapter(request: LoRARequest, arch: ArchConfig, max_rank: int) -> LoRAA
         pairs.setdefault((layer, module), {})[m.group(4)] = t
     if not pairs:
         raise ValueError(f"The LoRA adapter at {path!r} holds no LoRA weights.")
-    adapter = LoRAAdapter(request, rank=0)
+    adapter = LoRAAdapter()
     for (layer, module), ab in sorted(pairs.items()):
         a, b = ab.get("A"), ab.get("B")
         name = f"model.layers.{layer}.{module}"
@@ -138,5 +136,4 @@ def load_adapter(request: LoRARequest, arch: ArchConfig, max_rank: int) -> LoRAA
         fused, index = TARGETS[module]
         slices = adapter.weights.setdefault((layer, fused), [None] * len(FUSED[fused]))
         slices[index] = (a.float(), b.float() * scaling)
-        adapter.rank = max(adapter.rank, rank)
     return adapter

@@ -35,6 +35,7 @@ class LoRALinear:
         self.width = len(shard_ids) * max_rank            # a slot's columns
         self.token_slots = token_slots                     # (max tokens,), the runner's
         device = token_slots.device
+        self.expand = _triton_lora().lora_expand if device.type == "cuda" else reference.lora_expand
         self.a = torch.zeros(max_loras, self.width, layer.in_features, dtype=dtype, device=device)
         self.b = torch.zeros(layer.out_features, max_loras, self.width, dtype=dtype, device=device)
         self.a_2d = self.a.view(-1, layer.in_features)        # (slots * width, in)
@@ -61,8 +62,7 @@ class LoRALinear:
         """``out`` (the layer's base output for ``x``) plus each token's adapter term, in place."""
         n = x.shape[0]
         xa = dense_linear(x.reshape(n, -1), self.a_2d)
-        expand = _triton_lora().lora_expand if x.is_cuda else reference.lora_expand
-        expand(xa, self.b_2d, self.token_slots[:n], self.width, out.view(n, -1))
+        self.expand(xa, self.b_2d, self.token_slots[:n], self.width, out.view(n, -1))
         return out
 
 
