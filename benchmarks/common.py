@@ -248,19 +248,32 @@ def measure_ceilings() -> dict:
 
 
 def param_counts(cfg: dict) -> tuple[int, int]:
-    """(parameters of the decoder layers, parameters of the LM head)."""
-    h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    layer = h * (q + 2 * kv) + q * h + 3 * h * i
-    return n * layer, h * cfg["vocab_size"]
+    """(parameters of the decoder layers one token runs through, parameters of the LM head). In a
+    mixture of experts a token runs through the router and its top_k experts of each MoE layer
+    (and a shared expert and its gate, where the model has one)."""
+    from pagoda.config import ArchConfig
+    arch = ArchConfig.from_hf_dict(cfg)
+    h, n = arch.hidden_size, arch.num_hidden_layers
+    attention = h * arch.head_dim * (2 * arch.num_attention_heads + 2 * arch.num_key_value_heads)
+    shared = 3 * h * arch.shared_expert_intermediate_size + h * bool(arch.shared_expert_intermediate_size)
+    mlps = sum(h * arch.num_experts + 3 * h * arch.moe_intermediate_size * arch.num_experts_per_tok + shared
+               if arch.is_moe_layer(i) else 3 * h * arch.intermediate_size for i in range(n))
+    return n * attention + mlps, h * arch.vocab_size
 
 
-def weight_bytes(cfg: dict) -> float:
-    """Bytes of weights one step reads: the decoder layers' (bf16, or as the config's
-    ``quantization_config`` packs them: ``bits`` a weight plus a bf16 scale and zero a group, or
-    FP8's byte a weight) and the bf16 LM head (read once per step, tied or not)."""
+def weight_bytes(cfg: dict, tokens: int = 1) -> float:
+    """Bytes of weights a step of ``tokens`` tokens reads: the decoder layers' (bf16, or as the
+    config's ``quantization_config`` packs them: ``bits`` a weight plus a bf16 scale and zero a
+    group, or FP8's byte a weight) and the bf16 LM head (read once per step, tied or not). In a
+    mixture of experts, the experts a uniform routing picks for that many tokens, on average."""
+    from pagoda.config import ArchConfig
+    arch = ArchConfig.from_hf_dict(cfg)
     layers, head = param_counts(cfg)
+    if arch.num_experts:
+        e, k = arch.num_experts, arch.num_experts_per_tok
+        touched = e * (1 - (1 - k / e) ** tokens)              # distinct experts of `tokens` draws of k
+        expert = 3 * arch.hidden_size * arch.moe_intermediate_size
+        layers += sum(arch.is_moe_layer(i) for i in range(arch.num_hidden_layers)) * expert * (touched - k)
     qc = cfg.get("quantization_config")
     per_weight = 2 if qc is None else 1 if qc["quant_method"] == "fp8" else qc["bits"] / 8 + 4 / qc["group_size"]
     return per_weight * layers + 2 * head

@@ -60,6 +60,10 @@
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh s26a      # (then spec25e, warm) W1 both models; the GPU tests
 #   bash benchmarks/gpu_session.sh s26c      # (then s26d, warm) W1 / W2 with LoRA adapters; the GPU tests
+#   bash benchmarks/gpu_session.sh moe28a    # MoE: Triton experts' tests, CPU-vs-GPU test, micro-benchmark, tile sweep
+#   bash benchmarks/gpu_session.sh moe28b    # MoE: micro-benchmark + sweep in CUDA graphs, W2 Qwen3-30B-A3B (+ HF)
+#   bash benchmarks/gpu_session.sh moe28c    # MoE: W1 Qwen3-30B-A3B
+#   bash benchmarks/gpu_session.sh s27a      # W1 with the layers' norms alone skipped (folding's upper bound)
 #   bash benchmarks/gpu_session.sh s26g      # W1 with KV blocks of 16 and 32 tokens, interleaved
 #   bash benchmarks/gpu_session.sh s26e      # (then s26f, warm) the same with the Triton LoRA expand; its GPU tests
 #   bash benchmarks/gpu_session.sh spec24a   # (then spec24b, warm) W1 Qwen3; GPU tests, n-gram drafts on SmolLM2,
@@ -1012,6 +1016,44 @@ case "${1:-}" in
     # Call 6 (warm): the GPU tests of LoRA (CPU against GPU, graphs) and the attention's
     join_smollm2
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "lora or float32" 2>&1 | tail -3
+    ;;
+  moe28a)
+    # The mixture of experts' first GPU run (built in the twenty-seventh session without a GPU): its
+    # kernel's tests at full shapes and in a CUDA graph, the engine's CPU-vs-GPU test, the
+    # micro-benchmark against the torch reference and its tile sweep (Qwen3-30B-A3B's layer)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py 2>&1 | tail -4 \
+      | tee "$OUT/moe_kernel_tests.txt"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k mixture 2>&1 | tail -15 \
+      | tee "$OUT/moe_gpu_test.txt"
+    timeout 120 python3 benchmarks/moe_kernels.py 2>&1 | tail -8
+    timeout 300 python3 benchmarks/moe_kernels.py --sweep 2>&1 | tail -8
+    ;;
+  moe28b)
+    # The kernel's tests again (expert parallelism's expert_map), the micro-benchmark and the tile
+    # sweep timed in CUDA graphs (eager calls of a few tokens wait on the host); W2 on Qwen3-30B-A3B's shapes
+    # (dummy weights), HF transformers at batch 1 beside it
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py 2>&1 | tail -2
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k mixture 2>&1 | tail -2
+    timeout 120 python3 benchmarks/moe_kernels.py 2>&1 | tail -8
+    timeout 230 python3 benchmarks/latency.py --model-config benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 \
+      --hf --out "$OUT/w2_moe" 2>&1 | tail -8
+    timeout 240 python3 benchmarks/moe_kernels.py --sweep 2>&1 | tail -8
+    ;;
+  moe28c)
+    # W1 on Qwen3-30B-A3B's shapes
+    python3 benchmarks/throughput.py --model-config benchmarks/models/qwen3-30b-a3b.json --no-tqdm \
+      --out "$OUT/w1_moe" 2>&1 | grep -E "^pagoda |^roofline|Error" | sed "s/^/W1 qwen3-30b-a3b: /"
+    ;;
+  s27a)
+    # Call 1: the most folding the layers' RMSNorms into their GEMMs could gain (norms alone skipped,
+    # SiLU-and-mul kept), against the plain tree, interleaved
+    warm_w1 .
+    for m in qwen3-0.6b llama3-8b qwen3-0.6b; do
+      for v in none norm; do
+        python3 benchmarks/op_skip_probe.py $v --model-config $MA/$m.json --no-tqdm --out "$OUT/skip_$v" 2>&1 \
+          | grep -E "^pagoda |Error" | sed "s/^/W1 $m skip=$v: /"
+      done
+    done
     ;;
   s26g)
     # Call 7: W1 with KV blocks of 16 and of 32 tokens, interleaved (the seed's tuning case)

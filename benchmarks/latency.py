@@ -56,7 +56,7 @@ def floor_ms(cfg, batch, context, ceilings, kv_elem_bytes=2) -> float:
     bandwidth. The copy bandwidth counts read + write, so reading alone is credited at that rate."""
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_bytes = 2 * kv_elem_bytes * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * context * batch
-    return (weight_bytes(cfg) + kv_bytes) / ceilings["copy_bytes_per_s"] * 1e3
+    return (weight_bytes(cfg, batch) + kv_bytes) / ceilings["copy_bytes_per_s"] * 1e3
 
 
 def main():

@@ -197,9 +197,9 @@ def step_floor(cfg: dict, ceilings: dict, steps, token_kv_bytes: int) -> float:
     each computed token through the decoder layers and each request's sampled row through the LM head, so it
     takes the longer of the read and the matmuls; then it reads its KV."""
     layers, head = param_counts(cfg)
-    weight_s = weight_bytes(cfg) / ceilings["copy_bytes_per_s"]
     flops_s = ceilings["bf16_flops_per_s"]
-    return sum(max(weight_s, (2 * layers * tokens + 2 * head * requests) / flops_s)
+    return sum(max(weight_bytes(cfg, tokens) / ceilings["copy_bytes_per_s"],
+                   (2 * layers * tokens + 2 * head * requests) / flops_s)
                + context * token_kv_bytes / ceilings["copy_bytes_per_s"]
                for requests, context, tokens in steps)
 

@@ -27,6 +27,16 @@ class ArchConfig:
     eos_token_id: list[int]
     torch_dtype: str | None
     hf_config: dict = field(repr=False, default_factory=dict)
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): 0 experts is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True           # renormalise the chosen experts' weights to sum to 1
+    shared_expert_intermediate_size: int = 0   # Qwen2-MoE: a gated MLP every token runs through too
+    dense_layers: tuple[int, ...] = ()    # the MoE model's layers with a dense MLP
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ArchConfig":
@@ -43,6 +53,7 @@ class ArchConfig:
             rope_scaling = None
         model_type = d.get("model_type", "")
         return cls(
+            **_moe_fields(d),
             architecture=archs[0],
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -56,13 +67,33 @@ class ArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            # Qwen2 always carries q/k/v biases; others say so in attention_bias.
-            attention_bias=d.get("attention_bias", model_type == "qwen2" or archs[0] == "Qwen2ForCausalLM"),
+            # Qwen2 always carries q/k/v biases, Qwen2-MoE unless its qkv_bias says not; others say
+            # so in attention_bias.
+            attention_bias=d.get("attention_bias", model_type == "qwen2" or archs[0] == "Qwen2ForCausalLM"
+                                 or (model_type == "qwen2_moe" and d.get("qkv_bias", True))),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             hf_config=d,
         )
+
+
+def _moe_fields(d: dict) -> dict:
+    """The MoE entries of config.json: Mixtral's (num_local_experts, every layer's MLP an MoE of
+    intermediate_size, weights renormalised) or Qwen2/3-MoE's (num_experts, moe_intermediate_size,
+    norm_topk_prob, an MoE every decoder_sparse_step layers but mlp_only_layers; Qwen2-MoE's
+    shared expert)."""
+    experts = d.get("num_experts") or d.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    layers, step = d["num_hidden_layers"], d.get("decoder_sparse_step") or 1
+    dense = sorted(set(d.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step})
+    return {"num_experts": experts, "num_experts_per_tok": d["num_experts_per_tok"],
+            "moe_intermediate_size": d.get("moe_intermediate_size") or d["intermediate_size"],
+            # (Mixtral always renormalises; transformers' Qwen2/3-MoE configs default to not)
+            "norm_topk_prob": d.get("norm_topk_prob", d.get("model_type") not in ("qwen2_moe", "qwen3_moe")),
+            "shared_expert_intermediate_size": d.get("shared_expert_intermediate_size") or 0,
+            "dense_layers": tuple(dense)}
 
 
 class HFConfigDict(dict):
@@ -262,6 +293,10 @@ class ParallelConfig:
     # Where the replicas of data_parallel_size > 1 run: processes of this node ("mp"), or Ray
     # actors that the cluster places on any of its nodes ("ray"; DPEngine only).
     data_parallel_backend: str = "mp"
+    # A mixture of experts' experts over the tensor-parallel ranks (vLLM's expert parallelism,
+    # within one replica): each rank holds num_experts / tp whole experts, instead of a 1/tp slice
+    # of every expert's intermediate size (fewer, larger matmuls; what slices too thin want).
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -320,6 +355,15 @@ class ParallelConfig:
         if arch.intermediate_size % tp:
             raise ValueError(f"The model's intermediate_size {arch.intermediate_size} is not divisible by "
                              f"tensor_parallel_size={tp}.")
+        if self.enable_expert_parallel and arch.num_experts % tp:
+            raise ValueError(f"enable_expert_parallel shares the model's {arch.num_experts} experts out over "
+                             f"tensor_parallel_size={tp} ranks: use a tensor_parallel_size that divides "
+                             f"{arch.num_experts}.")
+        for what, size in (("experts'", 0 if self.enable_expert_parallel else arch.moe_intermediate_size),
+                           ("shared expert's", arch.shared_expert_intermediate_size)):
+            if size % tp:
+                raise ValueError(f"The model's {what} intermediate size {size} is not divisible by "
+                                 f"tensor_parallel_size={tp}.")
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Llama (with Llama-3 rope scaling), Qwen2 and Qwen3 from HF safetensors folders, against HF
-transformers on tiny random models; and dummy weights from a config alone."""
+"""Llama (with Llama-3 rope scaling), Qwen2, Qwen3 and the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE from HF safetensors folders, against HF transformers on tiny random
+models; and dummy weights from a config alone."""
 import json
 
 import pytest
@@ -20,6 +21,17 @@ CASES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=10000.0, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1000000.0,
                                                       tie_word_embeddings=True)),
+    # Mixtures of experts: every MLP one (weights renormalised), or all but mlp_only_layers (not)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                            rope_theta=1000000.0)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, num_experts=8, num_experts_per_tok=3,
+                                                               moe_intermediate_size=32, norm_topk_prob=False,
+                                                               mlp_only_layers=[1])),
+    # (a shared expert beside the routed ones, q/k/v biases)
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=2,
+                                                               moe_intermediate_size=32,
+                                                               shared_expert_intermediate_size=48,
+                                                               tie_word_embeddings=False)),
 }
 
 

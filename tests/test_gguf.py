@@ -84,9 +84,11 @@ def test_all_weights_match_transformers_loader(weights, smollm_path):
 
 # ---- synthetic files --------------------------------------------------------------------------
 
-def _write(path, arch, tensors, n_head=4, n_kv=2, hidden=64):
+def _write(path, arch, tensors, n_head=4, n_kv=2, hidden=64, experts=0):
     """A GGUF with `tensors` = {gguf_name: np array (F32/F16) or (raw uint8 rows, qtype)}."""
     w = gguf.GGUFWriter(str(path), arch)
+    if experts:
+        w.add_expert_count(experts)
     w.add_block_count(1)
     w.add_context_length(128)
     w.add_embedding_length(hidden)
@@ -184,6 +186,14 @@ def test_float_types(tmp_path):
     assert torch.equal(m.tensor("blk.0.ffn_gate.weight"), torch.from_numpy(x.astype(np.float16).astype(np.float32)))
     truncated = (bf16.astype(np.uint32) << 16).view(np.float32)
     assert torch.equal(m.tensor("blk.0.ffn_down.weight"), torch.from_numpy(truncated))
+
+
+def test_mixture_of_experts_is_refused_by_name(tmp_path):
+    """(Mixtral's GGUF files say "llama", with an expert count)"""
+    x = np.zeros((4, 64), np.float32)
+    path = _write(tmp_path / "moe.gguf", "llama", {"blk.0.ffn_gate_inp.weight": x}, experts=8)
+    with pytest.raises(ValueError, match="a mixture of experts .8 experts.; MoE GGUF files are not supported"):
+        GGUFModel(path).hf_config
 
 
 def test_unsupported_type_names_tensor(tmp_path):

@@ -294,3 +294,25 @@ def test_lora_on_the_gpu_matches_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(graphs, "run", lambda key, *a, run=graphs.run: used.append(key[0]) or run(key, *a))
     got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False, lora_request=per_prompt)]
     assert "decode" in used and got == want
+
+
+def test_mixture_of_experts_on_the_gpu_matches_cpu(tmp_path, monkeypatch):
+    """A tiny random Qwen3-MoE (an MoE layer and a dense one) through the Triton experts, the
+    CUDA graphs and async scheduling gives the CPU path's greedy tokens in float32, at batches
+    large enough that every expert gets tokens."""
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, "qwen3_moe")
+    kw = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=256)
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in range(5, 69, 2)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    cpu = LLM(folder, device="cpu", kv_cache_memory_bytes=1 << 26, **kw)
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    del cpu
+    gc.collect()
+    gpu = LLM(folder, gpu_memory_utilization=0.3, **kw)
+    graphs = gpu.llm_engine.executor.runner.cuda_graphs
+    used = []
+    monkeypatch.setattr(graphs, "run", lambda key, *a, run=graphs.run: used.append(key[0]) or run(key, *a))
+    got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)]
+    assert "decode" in used and got == want

@@ -1,5 +1,6 @@
 """Parallel state. While a model is built (``building_parallel_model``), its layers read the
-tensor-parallel group's size and this process's rank in it, and the model reads its pipeline
+tensor-parallel group's size and this process's rank in it (and whether a mixture of experts
+shares its experts out over that group, ``expert_parallel``), and the model reads its pipeline
 stage (``get_pp_group``); they keep them. At run time they call the collectives here (never
 torch.distributed directly) only when they are split. So a one-process engine built beside a
 parallel one in the same process stays unsplit, and pays nothing.
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 _TP_SIZE = 1
 _TP_RANK = 0
+_EXPERT_PARALLEL = False
 # This process's tensor-parallel group when the world holds several stages (None: the world).
 _TP_GROUP = None
 # With several stages, a second group of the whole world for the sampled tokens, which the last
@@ -88,15 +90,22 @@ def get_pp_group() -> GroupCoordinator:
     return _PP
 
 
+def expert_parallel() -> bool:
+    """Whether a mixture of experts shares its experts out over the tensor-parallel ranks."""
+    return _EXPERT_PARALLEL
+
+
 @contextmanager
-def building_parallel_model(tp_size: int, tp_rank: int, pp_size: int = 1, pp_rank: int = 0):
-    global _TP_SIZE, _TP_RANK, _PP
-    prev = _TP_SIZE, _TP_RANK, _PP
+def building_parallel_model(tp_size: int, tp_rank: int, pp_size: int = 1, pp_rank: int = 0,
+                            enable_expert_parallel: bool = False):
+    global _TP_SIZE, _TP_RANK, _PP, _EXPERT_PARALLEL
+    prev = _TP_SIZE, _TP_RANK, _PP, _EXPERT_PARALLEL
     _TP_SIZE, _TP_RANK, _PP = tp_size, tp_rank, GroupCoordinator(pp_size, pp_rank, tp_size, tp_rank)
+    _EXPERT_PARALLEL = enable_expert_parallel
     try:
         yield
     finally:
-        _TP_SIZE, _TP_RANK, _PP = prev
+        _TP_SIZE, _TP_RANK, _PP, _EXPERT_PARALLEL = prev
 
 
 def check_no_process_group() -> None:

@@ -39,7 +39,8 @@ class Worker(RankWorker):
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
         init_distributed(world, rank, port, config.device, COLLECTIVE_TIMEOUT_S, tp, host)
         try:
-            with building_parallel_model(tp, rank % tp, pc.pipeline_parallel_size, rank // tp):
+            with building_parallel_model(tp, rank % tp, pc.pipeline_parallel_size, rank // tp,
+                                         pc.enable_expert_parallel):
                 self.runner = ModelRunner(config)
             self.extend(config.worker_extension_cls)
         except BaseException:

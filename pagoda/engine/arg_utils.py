@@ -55,6 +55,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False       # MoE experts whole on the tensor-parallel ranks, not split
     distributed_executor_backend: str | None = None
     data_parallel_backend: str = "mp"          # or "ray": the replicas as Ray actors (LLM only, not the server)
     quantization: str | None = None
@@ -172,7 +173,7 @@ class EngineArgs:
         its engine cores, processes of this node, from this without it."""
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.data_parallel_size, self.distributed_executor_backend,
-                                  self.data_parallel_backend)
+                                  self.data_parallel_backend, self.enable_expert_parallel)
         parallel.verify(arch, device)
         if parallel.data_parallel_size > 1 and parallel.data_parallel_backend == "ray" and not ray_replicas:
             raise ValueError(f"data_parallel_backend='ray' runs LLM(...)'s replicas as Ray actors; the server's "
@@ -230,6 +231,8 @@ class EngineArgs:
             enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching)
         speculative = self._speculative(model, parallel)
         lora = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
+        if lora is not None and model.arch.num_experts:
+            raise ValueError(f"LoRA adapters on a mixture of experts ({model.arch.architecture}) are not supported yet.")
         sched = SchedulerConfig(max_num_batched_tokens=max_batched, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, enable_chunked_prefill=chunked,
                                 # On the CPU the forward runs as it is called: nothing to overlap.

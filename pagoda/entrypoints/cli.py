@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model's layers over this many stages (times -tp processes)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="run this many engine replicas, each with the whole model (or its -tp x -pp split)")
+    p.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                   help="a mixture of experts' experts shared out whole over the -tp ranks, instead of every "
+                        "expert split over them")
     p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
                    help="where ranks 1..N-1 of -tp x -pp run: processes of this node (mp, the default) or the "
                         "actors of a Ray cluster (ray: several nodes)")
@@ -95,6 +98,7 @@ def engine_args_from(args):
                       tensor_parallel_size=args.tensor_parallel_size,
                       pipeline_parallel_size=args.pipeline_parallel_size,
                       data_parallel_size=args.data_parallel_size,
+                      enable_expert_parallel=args.enable_expert_parallel,
                       distributed_executor_backend=args.distributed_executor_backend,
                       data_parallel_backend=args.data_parallel_backend,
                       kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,

@@ -204,6 +204,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' routing, as HF's: the ``top_k`` largest of the softmax (in float32)
+    over the experts, renormalised to sum to 1 if asked. Returns ``(weights float32, expert ids)``,
+    both (tokens, top_k)."""
+    weights, ids = router_logits.softmax(-1, dtype=torch.float32).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for every token, an expert
+    being ``w2[e] @ silu_and_mul(w13[e] @ x)``; expert by expert over the tokens that chose it,
+    each output weighted in x's dtype and summed in it (HF's order). With ``expert_map`` (expert
+    parallelism: a global expert id's index in w13 / w2, -1 for another rank's expert), the sum
+    over this rank's experts alone."""
+    if expert_map is not None:
+        topk_ids = expert_map[topk_ids]
+    out = torch.zeros_like(x)
+    for e in topk_ids.unique().tolist():
+        if e < 0:
+            continue
+        tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
+        y = F.linear(silu_and_mul(F.linear(x[tokens], w13[e])), w2[e])
+        out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].to(x.dtype))
+    return out
+
+
 FP8_MAX = 448.0   # E4M3's largest finite value
 
 

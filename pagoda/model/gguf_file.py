@@ -151,6 +151,9 @@ class GGUFModel:
                              f"(supported: {sorted(_ARCHITECTURES)})")
         model_type, cls = _ARCHITECTURES[arch]
         get = lambda key, default=None: md.get(f"{arch}.{key}", default)  # noqa: E731
+        if get("expert_count"):
+            raise ValueError(f"{self.path}: a mixture of experts ({get('expert_count')} experts); MoE GGUF files are "
+                             "not supported yet (load the model's HF safetensors folder instead).")
         hidden, heads = get("embedding_length"), get("attention.head_count")
         kv_heads = get("attention.head_count_kv", heads)
         embed = self.tensor_infos.get("token_embd.weight")

@@ -1,6 +1,7 @@
 """Llama-family decoder: Llama 2/3 (and Mistral), Qwen2 (q/k/v biases) and Qwen3 (per-head
-q/k RMSNorm). One definition with two switches, since the three differ in nothing else; with an
-LM head (generation) or a classification head (sequence classification, cross-encoders)."""
+q/k RMSNorm), and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: the config's experts
+replace the MLP). One definition with a few switches, since they differ in nothing else; with an LM
+head (generation) or a classification head (sequence classification, cross-encoders)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,10 +13,12 @@ from pagoda.model.layers.activation import SiluAndMul
 from pagoda.model.layers.attention import Attention
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
-from pagoda.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagoda.model.layers.fused_moe import FusedMoE
+from pagoda.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                        RowParallelLinear)
 from pagoda.model.layers.rotary import RotaryEmbedding
 from pagoda.model.pipeline import IntermediateTensors, PPMissingLayer, make_layers
-from pagoda.quant.base import QuantMethod
+from pagoda.quant.base import QuantMethod, UnquantizedLinearMethod
 
 
 class LlamaAttention(nn.Module):
@@ -46,22 +49,47 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, quant: QuantMethod | None):
+    def __init__(self, cfg: ArchConfig, quant: QuantMethod | None, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       quant_method=quant)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, quant_method=quant)
+        intermediate_size = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [intermediate_size] * 2, quant_method=quant)
+        self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, quant_method=quant)
         self.act_fn = SiluAndMul()
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+class LlamaMoE(nn.Module):
+    """A sparse mixture of experts in the MLP's place (Mixtral, Qwen2/3-MoE): the router (``gate``,
+    replicated on every rank) scores the experts for each token. Qwen2-MoE adds a shared expert,
+    an MLP every token runs through, scaled by a sigmoid gate of its own."""
+
+    def __init__(self, cfg: ArchConfig, quant: QuantMethod | None):
+        super().__init__()
+        if quant is not None and not isinstance(quant, UnquantizedLinearMethod):
+            raise ValueError(f"{cfg.architecture}: quantized mixture-of-experts checkpoints are not supported yet "
+                             "(pagoda's quantized layers are dense); use the bf16 / fp16 checkpoint.")
+        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                cfg.moe_intermediate_size, cfg.norm_topk_prob)
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(cfg, quant, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x):
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rope: RotaryEmbedding, qk_norm: bool, quant: QuantMethod | None):
+    def __init__(self, cfg: ArchConfig, layer: int, rope: RotaryEmbedding, qk_norm: bool, quant: QuantMethod | None):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rope, qk_norm, quant)
-        self.mlp = LlamaMLP(cfg, quant)
+        self.mlp = LlamaMoE(cfg, quant) if cfg.is_moe_layer(layer) else LlamaMLP(cfg, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -86,7 +114,7 @@ class LlamaModel(nn.Module):
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.start_layer, self.end_layer, self.layers = make_layers(
             cfg.num_hidden_layers, pp.rank_in_group, pp.world_size,
-            lambda: LlamaDecoderLayer(cfg, rope, qk_norm, quant))
+            lambda i: LlamaDecoderLayer(cfg, i, rope, qk_norm, quant))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
         # The decoder layers this stage runs (all of them without pipeline parallelism), as a
         # tuple: iterating it costs no more than iterating the ModuleList did.
@@ -147,6 +175,13 @@ class LlamaForCausalLM(_LlamaDecoder):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral: Mistral's attention, every MLP a mixture of experts (``block_sparse_moe``, whose
+    experts name their projections w1 (gate), w3 (up) and w2 (down))."""
+    packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping, "block_sparse_moe": ("mlp", None),
+                              "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None)}
 
 
 class LlamaForSequenceClassification(_LlamaDecoder):

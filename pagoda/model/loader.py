@@ -12,6 +12,7 @@ from torch import nn
 from pagoda.config import ArchConfig, ModelConfig, apply_hf_overrides, classifier_from_tokens
 from pagoda.model.gguf_file import GGUFModel
 from pagoda.model.hub import read_json
+from pagoda.model.layers.fused_moe import expert_param_name
 from pagoda.model.pipeline import missing_prefixes
 from pagoda.model.registry import get_model_class
 from pagoda.quant.base import get_quant_method
@@ -133,11 +134,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
         if tied and name == "model.embed_tokens.weight" and "lm_head.weight" in params \
                 and "model.embed_tokens.weight" not in params:
             name = "lm_head.weight"       # a last stage without the embedding: its LM head is it
-        shard_id = None
-        for ckpt_name, (fused, sid) in mapping.items():
-            if f".{ckpt_name}." in name:
-                name, shard_id = name.replace(f".{ckpt_name}.", f".{fused}."), sid
-                break
+        name, shard_id = _param_name(name, mapping)
         param = params.get(name)
         if param is None and others and name.startswith(others):
             continue
@@ -157,6 +154,19 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     return loaded
 
 
+def _param_name(name: str, mapping: dict) -> tuple[str, object]:
+    """The parameter a checkpoint tensor fills and its loader's shard id (None: the whole
+    tensor). ``mapping`` renames the checkpoint's modules (fused ones with the slice they hold:
+    q_proj -> qkv_proj "q"; Mixtral's w1 -> gate_up_proj 0), every entry that matches; an
+    expert's tensor then goes to the experts' stacked weight."""
+    shard_id = None
+    for ckpt_name, (fused, sid) in mapping.items():
+        if f".{ckpt_name}." in name:
+            name = name.replace(f".{ckpt_name}.", f".{fused}.")
+            shard_id = sid if sid is not None else shard_id
+    return expert_param_name(name, shard_id) or (name, shard_id)
+
+
 def ties_lm_head(model: nn.Module) -> bool:
     """The LM head is the embedding (a classifier's config may say so too: it has no LM head)."""
     return model.config.tie_word_embeddings and hasattr(model, "lm_head")
@@ -171,7 +181,9 @@ def _expected_names(model: nn.Module, mapping: dict) -> set[str]:
         if getattr(p, "optional", False):       # (FP8's static input_scale)
             continue
         module = name.rsplit(".", 2)[-2]
-        if module in shards:
+        if hasattr(p, "shard_ids"):             # (the experts' stacked weights)
+            names.update(f"{name}:{sid}" for sid in p.shard_ids)
+        elif module in shards:
             names.update(f"{name}:{sid}" for sid in shards[module])
         else:
             names.add(name)

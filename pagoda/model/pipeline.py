@@ -29,9 +29,9 @@ def missing_prefixes(model: nn.Module) -> tuple[str, ...]:
 
 
 def make_layers(num_layers: int, pp_rank: int, pp_size: int, make) -> tuple[int, int, nn.ModuleList]:
-    """This stage's layers ``make()`` at their own indices, PPMissingLayer at the others'."""
+    """This stage's layers ``make(index)`` at their own indices, PPMissingLayer at the others'."""
     start, end = get_pp_indices(num_layers, pp_rank, pp_size)
-    layers = nn.ModuleList(make() if start <= i < end else PPMissingLayer() for i in range(num_layers))
+    layers = nn.ModuleList(make(i) if start <= i < end else PPMissingLayer() for i in range(num_layers))
     return start, end, layers
 
 

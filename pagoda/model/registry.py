@@ -1,14 +1,18 @@
 """Architecture name (config.json's ``architectures[0]``) -> model class."""
 from torch import nn
 
-from pagoda.model.llama import (LlamaForCausalLM, LlamaForSequenceClassification, Qwen3ForCausalLM,
-                                Qwen3ForSequenceClassification)
+from pagoda.model.llama import (LlamaForCausalLM, LlamaForSequenceClassification, MixtralForCausalLM,
+                                Qwen3ForCausalLM, Qwen3ForSequenceClassification)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,     # q/k/v biases come from config.attention_bias
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # mixtures of experts
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3ForCausalLM,
     # (the pooling runner's: LLM.classify / LLM.score)
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "MistralForSequenceClassification": LlamaForSequenceClassification,

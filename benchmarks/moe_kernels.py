@@ -1,0 +1,121 @@
+"""Micro-benchmark of a mixture of experts' layer on the GPU: the Triton experts
+(pagoda.kernels.triton_moe, what the engine runs on CUDA) against the torch reference (one
+expert after another, what it runs on CPU), with one layer of Qwen3-30B-A3B's shapes (128
+experts of 2,048 x 768, top 8) in bf16, random routing.
+
+Columns: time of one call (``triton.testing.do_bench``, median, L2 flushed) for each, eager;
+the Triton path's GPU time alone (its call captured in a CUDA graph and replayed, as decode
+steps run it: eager calls of a few tokens wait on the host's launches), and that path's effective
+bandwidth (the bytes of the experts its tokens touch, which each
+call must read at least once) and matmul rate. Each case is first checked against the reference
+(relative error < 1e-2).
+
+With ``--sweep``, each token count's time under every tile configuration of a small grid
+(``triton_moe.fused_moe``'s ``tiles``) instead, and the best against ``default_tiles``.
+
+Run from the repository root:  OUT=/some/dir python benchmarks/moe_kernels.py [--sweep]
+Prints a table; writes ``$OUT/moe_kernels.json`` (or ``moe_tiles.json``) when OUT is set.
+"""
+import itertools
+import json
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+import common  # before pagoda: puts the checkout to benchmark (PAGODA_ROOT) on sys.path
+from pagoda.kernels import reference, triton_moe
+
+del common  # (imported for its sys.path entry alone)
+
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+TOKENS = [1, 8, 64, 256, 2048, 16384]
+
+
+def graph_us(fn) -> float:
+    """GPU time of fn (no host sync inside) replayed from a CUDA graph, microseconds."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, return_mode="median") * 1e3
+
+
+def layer(g):
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=g).div_(HIDDEN ** 0.5).bfloat16()
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=g).div_(INTER ** 0.5).bfloat16()
+    return w13, w2
+
+
+def inputs(t, g, w13, w2):
+    """t tokens and their random routing; the reference's output."""
+    x = torch.randn(t, HIDDEN, device="cuda", generator=g).bfloat16()
+    weights, ids = reference.select_experts(torch.randn(t, EXPERTS, device="cuda", generator=g), TOP_K, True)
+    return x, weights, ids, reference.fused_moe(x, w13, w2, weights, ids)
+
+
+def check(got, want, *what):
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 1e-2, (*what, err)
+
+
+def sweep():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13, w2 = layer(g)
+    grid = [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s)
+            for m, n, k, w, s in itertools.product([16, 32, 64, 128], [64, 128], [64, 128], [4, 8], [3])]
+    rows = []
+    print(f"{'tokens':>6} {'default us':>10} {'best us':>8}  best tiles (GPU time, in a CUDA graph)")
+    for t in TOKENS:
+        x, weights, ids, want = inputs(t, g, w13, w2)
+        times = []
+        for tiles in grid:
+            try:
+                got = triton_moe.fused_moe(x, w13, w2, weights, ids, tiles=tiles)
+            except Exception as e:      # out of shared memory: that configuration does not exist
+                times.append((float("inf"), tiles, type(e).__name__))
+                continue
+            check(got, want, t, tiles)
+            us = graph_us(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, tiles=tiles))
+            times.append((us, tiles, None))
+        default = graph_us(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids))
+        best = min(times, key=lambda r: r[0])
+        rows.append(dict(tokens=t, default_us=default, best_us=best[0], best=best[1],
+                         all=[dict(us=u, **c) for u, c, _ in times]))
+        print(f"{t:6d} {default:10.1f} {best[0]:8.1f}  {best[1]}")
+    if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
+        with open(os.path.join(os.environ["OUT"], "moe_tiles.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shape": [EXPERTS, TOP_K, HIDDEN, INTER],
+                       "rows": rows}, f, indent=2)
+
+
+def main():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13, w2 = layer(g)
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+    rows = []
+    print(f"{'tokens':>6} {'torch us':>9} {'triton us':>9} {'speed-up':>8} {'graph us':>8} {'GB/s':>7} {'TFLOP/s':>7}")
+    for t in TOKENS:
+        x, weights, ids, want = inputs(t, g, w13, w2)
+        check(triton_moe.fused_moe(x, w13, w2, weights, ids), want, t)
+        us_torch = do_bench(lambda: reference.fused_moe(x, w13, w2, weights, ids), return_mode="median") * 1e3
+        us_triton = do_bench(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids), return_mode="median") * 1e3
+        us_graph = graph_us(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids))
+        touched = ids.unique().numel()
+        flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
+        row = dict(tokens=t, experts_touched=touched, torch_us=us_torch, triton_us=us_triton, graph_us=us_graph,
+                   gb_s=touched * expert_bytes / us_graph / 1e3, tflop_s=flops / us_graph / 1e6)
+        rows.append(row)
+        print(f"{t:6d} {us_torch:9.1f} {us_triton:9.1f} {us_torch / us_triton:8.2f} {us_graph:8.1f} {row['gb_s']:7.0f} "
+              f"{row['tflop_s']:7.1f}")
+    if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
+        with open(os.path.join(os.environ["OUT"], "moe_kernels.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shape": [EXPERTS, TOP_K, HIDDEN, INTER],
+                       "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    sweep() if "--sweep" in sys.argv[1:] else main()

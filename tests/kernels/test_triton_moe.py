@@ -1,0 +1,126 @@
+"""The mixture of experts' Triton path (pagoda.kernels.triton_moe) against its torch version
+(reference.fused_moe): the pairs' alignment by expert, and the whole experts' sum. Without a
+CUDA device the kernel runs in Triton's CPU interpreter (fp32, fp16); with one compiled, bf16
+too, and in a CUDA graph replayed over new routings. Fresh random inputs; experts no token
+chose, widths that are not powers of two, top_k 1 to 4. Bounds as in test_triton_ops.py."""
+import pytest
+import torch
+
+from pagoda.kernels import reference, triton_moe
+from tests.kernels.test_triton_ops import DEVICE, DTYPES, ON_GPU, TOLERANCE, matrix, seed_for
+
+CASES = matrix([1, 6, 45] + ([300, 2049] if ON_GPU else []),    # tokens
+               [(4, 2), (8, 3), (16, 4)] + ([(128, 8)] if ON_GPU else []),   # experts, top_k
+               [(48, 40), (64, 96)],                              # hidden, intermediate
+               DTYPES, cpu=lambda t, ek, hi, dtype: t < 45 or (dtype == torch.float32 and ek[0] == 8))
+
+
+def routing(tokens, experts, top_k, g):
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, : experts // 4] -= 4.0          # some experts seldom or never chosen
+    return reference.select_experts(logits.to(DEVICE), top_k, renormalize=top_k > 2)
+
+
+def weights(experts, hidden, inter, dtype, g):
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(DEVICE, dtype)
+    return w13, w2
+
+
+@pytest.mark.parametrize("foreign", [False, True])
+@pytest.mark.parametrize("tokens,experts_topk,block_m", [(1, (8, 2), 16), (37, (8, 3), 16), (200, (16, 4), 64),
+                                                          (5, (64, 8), 16)])
+def test_moe_align_groups_every_pair_by_expert(tokens, experts_topk, block_m, foreign, request):
+    """With ``foreign``, about a third of the pairs chose another rank's expert (-1): in no block."""
+    experts, top_k = experts_topk
+    g = seed_for(request)
+    _, ids = routing(tokens, experts, top_k, g)
+    if foreign:
+        ids = torch.where(torch.rand(ids.shape, generator=g).to(DEVICE) < 1 / 3, -1, ids)
+    pairs, block_experts = triton_moe.moe_align(ids, experts, block_m)
+    n = tokens * top_k
+    flat, pairs, block_experts = ids.flatten().cpu(), pairs.cpu().long(), block_experts.cpu().long()
+    assert pairs.numel() == block_experts.numel() * block_m
+    real = pairs[pairs < n]
+    assert sorted(real.tolist()) == (flat >= 0).nonzero().flatten().tolist()  # each pair once, the rest padding
+    assert (pairs <= n).all()
+    # every block holds pairs of its own expert only; experts in order; then the unused blocks
+    block_of_pair = torch.arange(pairs.numel()) // block_m
+    assert (flat[real] == block_experts[block_of_pair[pairs < n]]).all()
+    used = block_experts < experts
+    assert used.sum() == sum(-(-int((flat == e).sum()) // block_m) for e in range(experts))
+    assert (block_experts[used].diff() >= 0).all() and not used[used.sum():].any()
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_expert_parallel_shares_sum_to_the_whole(tokens, request):
+    """Expert parallelism: each of 2 ranks holds half of the experts and an ``expert_map`` from
+    global ids to its own (-1 elsewhere); its partial sums (Triton's and the reference's agree)
+    add up to the whole layer's output."""
+    g = seed_for(request)
+    experts, top_k, ranks = 8, 3, 2
+    topk_weights, topk_ids = routing(tokens, experts, top_k, g)
+    w13, w2 = weights(experts, 48, 40, torch.float32, g)
+    x = torch.randn(tokens, 48, generator=g).to(DEVICE)
+    local = experts // ranks
+    total = torch.zeros_like(x)
+    for r in range(ranks):
+        expert_map = torch.full((experts,), -1, dtype=torch.int32, device=DEVICE)
+        expert_map[r * local:(r + 1) * local] = torch.arange(local, dtype=torch.int32, device=DEVICE)
+        shard = w13[r * local:(r + 1) * local], w2[r * local:(r + 1) * local]
+        want = reference.fused_moe(x, *shard, topk_weights, topk_ids, expert_map)
+        got = triton_moe.fused_moe(x, *shard, topk_weights, topk_ids, expert_map)
+        assert (got - want).norm() / want.norm() < TOLERANCE[torch.float32]
+        total += got
+    whole = reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    assert (total - whole).norm() / whole.norm() < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("tokens,experts_topk,hidden_inter,dtype", CASES)
+def test_fused_moe_matches_reference(tokens, experts_topk, hidden_inter, dtype, request):
+    (experts, top_k), (hidden, inter) = experts_topk, hidden_inter
+    g = seed_for(request)
+    topk_weights, topk_ids = routing(tokens, experts, top_k, g)
+    w13, w2 = weights(experts, hidden, inter, dtype, g)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)
+    want = reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    got = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert err < TOLERANCE[dtype], err
+
+
+@pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2),
+                                   dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2)])
+def test_fused_moe_with_other_tiles(tiles, request):
+    """The tile sizes a sweep tries (benchmarks/moe_kernels.py --sweep) give the same sum:
+    tiles wider than the matrices, K not a multiple of the tile."""
+    g = seed_for(request)
+    topk_weights, topk_ids = routing(21, 8, 2, g)
+    w13, w2 = weights(8, 80, 48, torch.float32, g)
+    x = torch.randn(21, 80, generator=g).to(DEVICE)
+    want = reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    got = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, tiles=tiles)
+    assert (got - want).norm() / want.norm() < TOLERANCE[torch.float32]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
+def test_fused_moe_in_a_cuda_graph(request):
+    """No host sync: captured once, replayed over routings it was not captured with."""
+    g = seed_for(request)
+    tokens, experts, top_k = 64, 32, 4
+    w13, w2 = weights(experts, 256, 128, torch.bfloat16, g)
+    x = torch.randn(tokens, 256, generator=g).to(DEVICE, torch.bfloat16)
+    topk_weights, topk_ids = routing(tokens, experts, top_k, g)
+    triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)    # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    for _ in range(3):
+        new_weights, new_ids = routing(tokens, experts, top_k, g)
+        topk_weights.copy_(new_weights)
+        topk_ids.copy_(new_ids)
+        x.copy_(torch.randn(tokens, 256, generator=g).to(DEVICE, torch.bfloat16))
+        graph.replay()
+        want = reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+        assert (out.float() - want.float()).norm() / want.float().norm() < TOLERANCE[torch.bfloat16]

@@ -1,0 +1,113 @@
+"""Mixtures of experts beyond one process (tests/test_architectures.py checks Mixtral, Qwen2-MoE
+and Qwen3-MoE against HF transformers): every expert's intermediate size (and Qwen2-MoE's shared
+expert) split over two tensor-parallel ranks, or the experts shared out whole between them
+(expert parallelism), the MoE and the dense layer of a Qwen3-MoE on two pipeline stages, dummy
+weights from a config alone, and what is refused by name."""
+import gc
+import json
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.config import ArchConfig, ParallelConfig
+from tests.test_architectures import BASE, save_tiny
+from tests.test_tensor_parallel import GREEDY, PROMPTS, SEEDED, SMALL, assert_same, outputs_at, run
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """Two layers: layer 0 a mixture of 8 experts (top 3), layer 1 a dense MLP (mlp_only_layers)."""
+    folder, _ = save_tiny(tmp_path_factory.mktemp("moe"), "qwen3_moe")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_moe):
+    return outputs_at(qwen3_moe, 1)
+
+
+def test_tp2_equals_tp1(qwen3_moe, reference):
+    assert_same(reference, outputs_at(qwen3_moe, 2))
+
+
+def test_shared_expert_tp2_equals_tp1(tmp_path):
+    """Qwen2-MoE: the shared expert split as a dense MLP, its gate replicated."""
+    folder, _ = save_tiny(tmp_path, "qwen2_moe")
+    assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
+
+
+def experts_held(worker):
+    """(first expert, experts, intermediate size) of the rank's first MoE layer, and the ids of its
+    experts that its map sends tokens to."""
+    moe = worker.runner.model.model.layers[0].mlp.experts
+    held = (moe.expert_map >= 0).nonzero().flatten().tolist() if moe.expert_map is not None else None
+    return moe.first_expert, tuple(moe.w13_weight.shape), held
+
+
+def test_expert_parallel_tp2_equals_tp1(qwen3_moe, reference):
+    """Each rank holds 4 of the 8 experts whole (not half of every expert's intermediate size) and
+    the all-reduce adds the two shares: the one-process outputs, greedy and sampled."""
+    llm = LLM(qwen3_moe, tensor_parallel_size=2, enable_expert_parallel=True, **SMALL)
+    try:
+        assert llm.collective_rpc(experts_held) == [(0, (4, 64, 64), [0, 1, 2, 3]), (4, (4, 64, 64), [4, 5, 6, 7])]
+        assert_same(reference, (llm.generate(PROMPTS, GREEDY, use_tqdm=False), run(llm, SEEDED)))
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_expert_parallel_with_a_shared_expert(tmp_path):
+    """Qwen2-MoE: the routed experts shared out, the shared expert still split as a dense MLP."""
+    folder, _ = save_tiny(tmp_path, "qwen2_moe")
+    assert_same(outputs_at(folder, 1), outputs_at(folder, 2, enable_expert_parallel=True))
+
+
+def test_expert_parallel_layout_checks():
+    """Experts must share out evenly; their intermediate size then need not split."""
+    arch = ArchConfig.from_hf_dict(dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                                        head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=30))
+    ParallelConfig(2, enable_expert_parallel=True).verify(arch, "cpu")
+    with pytest.raises(ValueError, match="intermediate size 30 is not divisible by tensor_parallel_size=4"):
+        ParallelConfig(4).verify(arch, "cpu")
+    with pytest.raises(ValueError, match="model's 6 experts out over tensor_parallel_size=4 ranks"):
+        ParallelConfig(4, enable_expert_parallel=True).verify(arch, "cpu")
+
+
+def test_pp2_equals_pp1(qwen3_moe, reference):
+    """The MoE layer on the first stage, the dense one on the last: each builds its own layer's kind."""
+    assert_same(reference, outputs_at(qwen3_moe, 1, pipeline_parallel_size=2))
+
+
+def test_dummy_weights_from_a_config(tmp_path):
+    cfg = dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16, num_experts=16,
+               num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path), load_format="dummy", **SMALL)
+    layers = llm.llm_engine.executor.runner.model.model.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["LlamaMLP", "LlamaMoE"]   # every 2nd layer
+    assert tuple(layers[1].mlp.experts.w13_weight.shape) == (16, 64, 64)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 6
+
+
+def test_refused_by_name(qwen3_moe, tmp_path):
+    with pytest.raises(ValueError, match="LoRA adapters on a mixture of experts"):
+        LLM(qwen3_moe, enable_lora=True, **SMALL)
+    with pytest.raises(ValueError, match="quantized mixture-of-experts checkpoints are not supported"):
+        LLM(qwen3_moe, quantization="fp8", **SMALL)
+    uneven = dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=30)
+    (tmp_path / "config.json").write_text(json.dumps(uneven))
+    with pytest.raises(ValueError, match="intermediate size 30 is not divisible by tensor_parallel_size=4"):
+        LLM(str(tmp_path), load_format="dummy", tensor_parallel_size=4, **SMALL)
+
+
+def test_expert_parallel_from_the_command_line():
+    import argparse
+    from pagoda.entrypoints.cli import add_engine_args, engine_args_from
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_args_from(p.parse_args(["-tp", "2", "--enable-expert-parallel"])).enable_expert_parallel
+    assert engine_args_from(p.parse_args(["-ep"])).enable_expert_parallel
+    assert not engine_args_from(p.parse_args([])).enable_expert_parallel
