@@ -188,12 +188,94 @@ def test_float_types(tmp_path):
     assert torch.equal(m.tensor("blk.0.ffn_down.weight"), torch.from_numpy(truncated))
 
 
-def test_mixture_of_experts_is_refused_by_name(tmp_path):
-    """(Mixtral's GGUF files say "llama", with an expert count)"""
-    x = np.zeros((4, 64), np.float32)
-    path = _write(tmp_path / "moe.gguf", "llama", {"blk.0.ffn_gate_inp.weight": x}, experts=8)
-    with pytest.raises(ValueError, match="a mixture of experts .8 experts.; MoE GGUF files are not supported"):
-        GGUFModel(path).hf_config
+# HF names -> llama.cpp's (convert_hf_to_gguf.py), written out here rather than read from pagoda
+_HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+_HF_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
+               "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+
+
+def _moe_gguf(folder, path, arch):
+    """A tiny HF mixture of experts as llama.cpp's converter writes it: experts stacked (E, out,
+    in) per projection, llama's q/k rows permuted, the shared expert's gate a vector; F32."""
+    import glob
+    import json
+    import re
+
+    from safetensors.torch import load_file
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    sd = {}
+    for f in glob.glob(os.path.join(folder, "*.safetensors")):
+        sd.update(load_file(f))
+    w = gguf.GGUFWriter(str(path), arch)
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    for key, value in [("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
+                       ("embedding_length", cfg["hidden_size"]), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("head_count", heads), ("head_count_kv", kv), ("layer_norm_rms_eps", cfg["rms_norm_eps"]),
+                       ("rope_freq_base", cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]), ("vocab_size", cfg["vocab_size"]),
+                       ("expert_count", cfg.get("num_experts") or cfg.get("num_local_experts")),
+                       ("expert_used_count", cfg["num_experts_per_tok"])]:
+        getattr(w, f"add_{key}")(value)
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+    if "moe_intermediate_size" in cfg:
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if "norm_topk_prob" in cfg:
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    experts = {}
+    for name, t in sd.items():
+        t = t.float().numpy()
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            w.add_tensor({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                          "lm_head.weight": "output.weight"}[name], t)
+            continue
+        layer, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
+        if m := re.fullmatch(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", rest):
+            experts.setdefault(f"blk.{layer}.{_HF_EXPERTS[m[2]]}.weight", {})[int(m[1])] = t
+            continue
+        module, kind = rest.rsplit(".", 1)
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            t = _llama_cpp_permute(t, heads if module == "self_attn.q_proj" else kv)
+        w.add_tensor(f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}", t.reshape(-1) if "shared_expert_gate" in module else t)
+    for name, by_expert in experts.items():
+        w.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("case,arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe")])
+def test_mixture_of_experts_gguf_equals_its_safetensors(tmp_path, case, arch):
+    """Mixtral (whose files say "llama" with an expert count), Qwen3-MoE (a dense layer: no router
+    in it) and Qwen2-MoE (a shared expert): the same greedy tokens and prompt logprobs as the HF
+    folder the file was converted from."""
+    from pagoda import LLM, SamplingParams
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, case)
+    path = _moe_gguf(folder, tmp_path / f"{case}.gguf", arch)
+    cfg = GGUFModel(path).hf_config
+    assert cfg["model_type"] == {"llama": "mixtral"}.get(arch, case)
+    assert cfg["mlp_only_layers"] == ([1] if case == "qwen3_moe" else [])
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 14, 3, 77], list(range(20, 60)))]
+    outs = []
+    for model in (folder, path):
+        llm = LLM(model, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128)
+        outs.append(llm.generate(prompts, params, use_tqdm=False))
+        del llm
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert next(iter(pa.values())).logprob == pytest.approx(next(iter(pb.values())).logprob, abs=1e-4)
 
 
 def test_unsupported_type_names_tensor(tmp_path):

@@ -29,12 +29,16 @@ SUPPORTED_TYPES = frozenset({
     QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
 })
 
-# general.architecture -> (HF model_type, HF architecture class)
+# general.architecture -> (HF model_type, HF architecture class); Mixtral's files say "llama"
+# with an expert count
 _ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+_MIXTRAL = ("mixtral", "MixtralForCausalLM")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -47,7 +51,13 @@ _LAYER_NAMES = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# The experts' projections, stacked in one tensor (experts first): each expert's, one by one
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp adds that HF recomputes from the config (llama3 rope factors).
 _SKIPPED = {"rope_freqs.weight"}
@@ -149,11 +159,8 @@ class GGUFModel:
         if arch not in _ARCHITECTURES:
             raise ValueError(f"{self.path}: unsupported GGUF architecture {arch!r} "
                              f"(supported: {sorted(_ARCHITECTURES)})")
-        model_type, cls = _ARCHITECTURES[arch]
         get = lambda key, default=None: md.get(f"{arch}.{key}", default)  # noqa: E731
-        if get("expert_count"):
-            raise ValueError(f"{self.path}: a mixture of experts ({get('expert_count')} experts); MoE GGUF files are "
-                             "not supported yet (load the model's HF safetensors folder instead).")
+        model_type, cls = _MIXTRAL if arch == "llama" and get("expert_count") else _ARCHITECTURES[arch]
         hidden, heads = get("embedding_length"), get("attention.head_count")
         kv_heads = get("attention.head_count_kv", heads)
         embed = self.tensor_infos.get("token_embd.weight")
@@ -179,7 +186,21 @@ class GGUFModel:
             "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
             "torch_dtype": self._torch_dtype(),
             "hidden_act": "silu",
-        }
+        } | self._moe_config(get)
+
+    def _moe_config(self, get) -> dict:
+        """A mixture of experts' fields (none for a dense model). Layers without a router are
+        dense (HF's mlp_only_layers); llama.cpp renormalises Qwen3-MoE's top-k weights and not
+        Qwen2-MoE's unless the file says (Mixtral's always are)."""
+        if not get("expert_count"):
+            return {}
+        dense = [i for i in range(get("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensor_infos]
+        return {"num_experts": get("expert_count"), "num_local_experts": get("expert_count"),
+                "num_experts_per_tok": get("expert_used_count"),
+                "moe_intermediate_size": get("expert_feed_forward_length", get("feed_forward_length")),
+                "shared_expert_intermediate_size": get("expert_shared_feed_forward_length", 0),
+                "norm_topk_prob": get("expert_weights_norm", self.architecture != "qwen2moe"),
+                "decoder_sparse_step": 1, "mlp_only_layers": dense}
 
     def _rope_scaling(self) -> dict | None:
         prefix = f"{self.architecture}.rope.scaling."
@@ -240,11 +261,21 @@ class GGUFModel:
         return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
     def iter_weights(self, skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, dequantized tensor) pairs, but for names starting with one of ``skip`` (not read)."""
+        """(HF name, dequantized tensor) pairs, but for names starting with one of ``skip`` (not read).
+        Stacked experts come out as HF's, an expert at a time."""
         for gguf_name in self.tensor_infos:
+            m = _LAYER_RE.fullmatch(gguf_name)
+            if m and m.group(2) in _EXPERT_NAMES:
+                prefix = f"model.layers.{m.group(1)}.mlp.experts."
+                if not (skip and prefix.startswith(skip)):
+                    for e, w in enumerate(self.tensor(gguf_name)):
+                        yield f"{prefix}{e}.{_EXPERT_NAMES[m.group(2)]}.{m.group(3)}", w
+                continue
             name = self.hf_name(gguf_name)
             if name is not None and not (skip and name.startswith(skip)):
-                yield name, self.tensor(gguf_name)
+                w = self.tensor(gguf_name)
+                # (llama.cpp stores the shared expert's one-row gate as a vector)
+                yield name, w.reshape(1, -1) if gguf_name.endswith("ffn_gate_inp_shexp.weight") else w
 
     def __repr__(self) -> str:
         return f"GGUFModel({self.path!r}, arch={self.metadata.get('general.architecture')!r}, " \
