@@ -27,6 +27,8 @@ DUMMY_QUANT_CONFIGS = {
     "awq": dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm"),
     # vLLM's FP8 checkpoints: E4M3 weights, a float32 scale per tensor (per row once loaded)
     "fp8": dict(quant_method="fp8", activation_scheme="dynamic"),
+    # DeepSeek's and Qwen3's FP8 releases: a scale per 128 x 128 block of weights
+    "fp8-block": dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[128, 128]),
 }
 
 

@@ -141,6 +141,27 @@ def fp8_folder(src: str, dst: str, static: bool = False) -> str:
     return convert_folder(src, dst, convert, config, torch.bfloat16)
 
 
+def fp8_block_folder(src: str, dst: str, block: tuple[int, int] = (32, 32)) -> str:
+    """``src`` as DeepSeek's and Qwen3's FP8 releases are stored (``quant_method: "fp8"``,
+    ``weight_block_size``; ``convert_folder``): every decoder linear weight in float8_e4m3fn with
+    a scale per ``block`` of it, ``weight_scale_inv (ceil(N / bn), ceil(K / bk))``, each block's
+    largest magnitude over 448 (its dequantizing factor, despite the name)."""
+    bn, bk = block
+
+    def convert(prefix, projection, w):
+        n, k = w.shape
+        padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+        padded[:n, :k] = w.float()
+        blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        q = (w.float() / full).to(torch.float8_e4m3fn)
+        return {prefix + ".weight": q, prefix + ".weight_scale_inv": scale}, q.float() * full
+
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+    return convert_folder(src, dst, convert, config, torch.bfloat16)
+
+
 def compressed_folder(src: str, dst: str, kind: str = "int", strategy: str = "channel") -> str:
     """``src`` as llm-compressor writes a compressed-tensors checkpoint of symmetric 8-bit
     weights (``convert_folder``): ``kind`` "int" (INT8, the W8A8 scheme, dynamic per-token

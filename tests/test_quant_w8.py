@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from pagoda import LLM, SamplingParams
 from pagoda.quant.w8 import FP8, quantize_rows
-from tests.quant_utils import LINEARS, compressed_folder, fp8_folder
+from tests.quant_utils import LINEARS, compressed_folder, fp8_block_folder, fp8_folder
 from tests.test_architectures import save_tiny
 
 SMALL = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
@@ -46,6 +46,50 @@ def test_fp8_checkpoint_matches_its_dequantized_weights(tmp_path, case, static):
     layer = llm.llm_engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
     assert layer.weight.dtype == FP8 and layer.weight_scale.dtype == torch.float32
     assert llm.llm_engine.config.model.quantization == "fp8"
+
+
+@pytest.mark.parametrize("case,block", [("llama3", (32, 32)), ("qwen3", (16, 64)), ("qwen2", (32, 48))])
+def test_block_fp8_checkpoint_matches_its_dequantized_weights(tmp_path, case, block):
+    """Block-wise FP8 (weight_block_size, a weight_scale_inv per block), kept 8-bit with its
+    block scales: the fused q/k/v and gate/up layers take each projection's blocks; K not a
+    multiple of the block (qwen2's 64 and 128 inputs in 48-wide blocks) ends in partial blocks."""
+    folder, _ = save_tiny(tmp_path, case)
+    path = fp8_block_folder(folder, str(tmp_path / "fp8b"), block)
+    same_outputs(path, path + "-dequant")
+    llm = LLM(path, dtype="float32", **SMALL)
+    layer = llm.llm_engine.executor.runner.model.model.layers[0].mlp.gate_up_proj
+    assert layer.weight.dtype == FP8 and layer.weight_scale_inv.shape == (2 * 128 // block[0], -(-64 // block[1]))
+
+
+def test_block_fp8_tensor_parallel(tmp_path):
+    """tp=2: each rank's rows and columns of blocks (q/k/v's 16-row shards, o_proj's and
+    down_proj's halves of K); blocks that would straddle two ranks' rows are refused by name."""
+    from tests.test_tensor_parallel import assert_same, outputs_at
+    folder, _ = save_tiny(tmp_path, "llama3")
+    path = fp8_block_folder(folder, str(tmp_path / "fp8b"), (16, 32))
+    kw = dict(dtype="float32", kv_cache_memory_bytes=1 << 24)
+    assert_same(outputs_at(path, 1, **kw), outputs_at(path, 2, **kw))
+    wide = fp8_block_folder(folder, str(tmp_path / "fp8w"), (32, 32))   # k / v: 16 rows a rank
+    with pytest.raises(Exception, match="do not fall on whole blocks"):
+        LLM(wide, tensor_parallel_size=2, **SMALL)
+
+
+def test_block_fp8_errors(tmp_path):
+    folder, _ = save_tiny(tmp_path, "llama3")
+    path = fp8_block_folder(folder, str(tmp_path / "fp8b"), (48, 32))    # q's 64 rows: a block straddles q and k
+    with pytest.raises(ValueError, match="output rows at row 0 of its layer do not fall on whole blocks of the checkpoint.s 48-row scales"):
+        LLM(path, **SMALL)
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    for bad, error, match in [({"activation_scheme": "static"}, NotImplementedError, "activation_scheme='static'"),
+                              ({"weight_block_size": [128]}, ValueError, "two positive integers")]:
+        config["quantization_config"].update(bad)
+        with open(config_path, "w") as f:
+            json.dump(config, f)
+        with pytest.raises(error, match=match):
+            LLM(path, **SMALL)
+        config["quantization_config"].update(activation_scheme="dynamic", weight_block_size=[48, 32])
 
 
 @pytest.mark.parametrize("kind,strategy", [("int", "channel"), ("float", "tensor")])
@@ -87,7 +131,7 @@ def test_fp8_errors_and_dummy_weights(tmp_path):
     config["quantization_config"]["weight_block_size"] = [128, 128]
     with open(path, "w") as f:
         json.dump(config, f)
-    with pytest.raises(NotImplementedError, match="block-wise scales"):
+    with pytest.raises(ValueError, match="weight_scale' has no place"):   # per-tensor scales, said to be blocks
         LLM(fp8, **SMALL)
     del config["quantization_config"]["weight_block_size"]
     with open(path, "w") as f:
@@ -161,6 +205,40 @@ def test_w8_matmul_paths(weight_dtype, monkeypatch):
             # (W8A8 adds each token's FP8 rounding: a few percent)
             bound = 5e-2 if calls == ["w8a8"] else 1e-2
             assert ((out.float() - ref).norm() / ref.norm()).item() < bound
+
+
+def test_block_fp8_matmul_paths(monkeypatch):
+    """Block scales: on the GPU the W8A16 kernel up to its MAX_M rows (one row too: the slab
+    kernel takes a scale a row), the dequantized weight above; on the CPU the dequantized weight,
+    exactly."""
+    from pagoda.kernels import triton_w4a16
+    from pagoda.model.layers.linear import ReplicatedLinear
+    from pagoda.quant.w8 import W8LinearMethod, dequantize_blocks
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    gen = torch.Generator().manual_seed(4)
+    calls = []
+    monkeypatch.setattr(triton_w4a16, "w8a16_linear", lambda *a, real=triton_w4a16.w8a16_linear:
+                        calls.append(a[-1]) or real(*a))
+    block, n, k = (32, 64), 96, 200
+    with torch.device(device):
+        layer = ReplicatedLinear(k, n, bias=True, quant_method=W8LinearMethod(FP8, block))
+    layer.weight.data = (torch.randn(n, k, generator=gen) * 60).clamp(-400, 400).to(FP8).to(device)
+    layer.weight_scale_inv.data = (torch.rand(3, 4, generator=gen) * 0.01 + 1e-3).to(device)
+    layer.quant_method.process_weights_after_loading(layer)
+    for dtype in (torch.bfloat16, torch.float16):
+        layer.bias.data = torch.randn(n, generator=gen).to(device, dtype)
+        dense = dequantize_blocks(layer.weight, layer.weight_scale_inv, block, torch.float32)
+        for m in (1, 9, triton_w4a16.MAX_M + 1):
+            x = torch.randn(m, k, generator=gen).to(device, dtype)
+            calls.clear()
+            out = layer(x)
+            assert out.dtype == dtype and out.shape == (m, n)
+            assert calls == ([block] if on_gpu and m <= triton_w4a16.MAX_M else []), (dtype, m)
+            if not on_gpu:
+                assert torch.equal(out, torch.nn.functional.linear(x, dense.to(dtype), layer.bias))
+            ref = torch.nn.functional.linear(x.float(), dense, layer.bias.float())
+            assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @pytest.mark.gpu

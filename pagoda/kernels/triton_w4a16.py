@@ -2,7 +2,9 @@
 (``pagoda.quant.int4``: int32 ``qweight (K / pack, N)`` packed along K, ``scales`` / ``zeros``
 ``(groups, N)``, ``g_idx (K,)``), for decode batches (up to ``MAX_M`` rows), in one Triton kernel.
 The same kernel takes 8-bit weights as ``pagoda.quant.w8`` stores them (FP8 or INT8 ``(N, K)``,
-a float32 scale per output row, applied to the sums): ``w8a16_linear``.
+a float32 scale per output row, applied to the sums; or FP8 with a scale per block of
+``block_n x block_k`` weights, DeepSeek's and Qwen3's FP8 checkpoints, applied to the tile as it
+is converted): ``w8a16_linear``.
 
 Why: the portable path dequantizes the whole weight to the model's dtype each call, then runs a
 dense matmul. At a decode step's few rows that writes a bf16 weight and reads it back, more than
@@ -65,10 +67,10 @@ def _minus_zero(q, zero, BITS: tl.constexpr):
 
 @triton.jit
 def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
-                  M, N, K, k_per_split, group_size, stride_xm, stride_w, stride_sg, stride_os, stride_om,
+                  M, N, K, k_per_split, group_size, group_n, stride_xm, stride_w, stride_sg, stride_os, stride_om,
                   BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  WHOLE_GROUPS: tl.constexpr, ROW_SCALED: tl.constexpr, FP8_WEIGHT: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                  WHOLE_GROUPS: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                  FP8_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
     PACK: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -93,6 +95,14 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr
                         mask=n_ok[:, None] & k_ok[None, :], other=0)
             if FP8_WEIGHT:   # (passed as its bytes: a masked FP8 load's zero is not castable)
                 w = w.to(tl.float8e4nv, bitcast=True)
+            if BLOCK_SCALED:   # each weight's block scale (group_n rows x group_size columns)
+                if WHOLE_GROUPS:   # the tile lies in one column of blocks
+                    s = tl.load(scales_ptr + (offs_n // group_n) * stride_sg + k0 // group_size, mask=n_ok,
+                                other=0.0)[:, None]
+                else:
+                    s = tl.load(scales_ptr + (offs_n // group_n)[:, None] * stride_sg + (offs_k // group_size)[None, :],
+                                mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                w = w.to(tl.float32) * s
             w = w.to(x.dtype)
             acc += tl.dot(w, tl.trans(x), input_precision="ieee" if x.dtype == tl.float32 else "tf32")
         else:
@@ -115,7 +125,7 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr
             # past K were masked to 0 in x
             w = (_minus_zero(q, zero, BITS) * scale).to(x.dtype)
             acc += tl.dot(tl.trans(w), tl.trans(x), input_precision="ieee" if x.dtype == tl.float32 else "tf32")
-    if ROW_SCALED:
+    if ROW_SCALED and not BLOCK_SCALED:
         acc *= tl.load(scales_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -145,20 +155,24 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """``x (M, K) @ (weight * scale).T + bias`` in ``x``'s dtype: an 8-bit ``weight (N, K)`` (FP8
     or INT8, unit stride along K) converted in registers, its float32 ``scale`` a row (``(N, 1)``
-    or ``(N,)``) applied to the float32 sums. Capturable (no host sync)."""
+    or ``(N,)``) applied to the float32 sums; or, with ``block = (block_n, block_k)``, a scale per
+    block, ``(ceil(N / block_n), ceil(K / block_k))``, applied to the converted tile. Capturable
+    (no host sync)."""
     n, k = weight.shape
-    assert x.shape[1] == k and weight.stride(1) == 1 and scale.numel() == n and scale.is_contiguous()
+    assert x.shape[1] == k and weight.stride(1) == 1 and scale.is_contiguous()
+    assert scale.numel() == n if block is None else scale.shape == (-(-n // block[0]), -(-k // block[1]))
     fp8 = weight.dtype == torch.float8_e4m3fn
     assert fp8 or weight.dtype == torch.int8
-    return _launch(x, n, (weight.view(torch.uint8) if fp8 else weight, scale, scale, scale), 8, bias, None,
-                   row_scaled=True, fp8_weight=fp8)
+    return _launch(x, n, (weight.view(torch.uint8) if fp8 else weight, scale, scale, scale), 8, bias,
+                   block and block[1], row_scaled=True, fp8_weight=fp8, group_n=block and block[0])
 
 
 def _launch(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch.Tensor | None,
-            group_size: int | None, row_scaled: bool, fp8_weight: bool = False) -> torch.Tensor:
+            group_size: int | None, row_scaled: bool, fp8_weight: bool = False,
+            group_n: int | None = None) -> torch.Tensor:
     """The kernel over ``x (M, K)``: its tiles, the K split, and the float32 partials' sum."""
     qweight, scales, zeros, g_idx = weights
     m, k = x.shape
@@ -181,10 +195,10 @@ def _launch(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch.Tens
         out, fused_bias = torch.empty(split, m, n, dtype=torch.float32, device=x.device), None
     _w4a16_kernel[(col_tiles, split, row_tiles)](
         x, qweight, scales, zeros, g_idx, scales if fused_bias is None else fused_bias, out,
-        m, n, k, k_per_split, group_size or 1, x.stride(0), qweight.stride(0), scales.stride(0),
+        m, n, k, k_per_split, group_size or 1, group_n or 1, x.stride(0), qweight.stride(0), scales.stride(0),
         out.stride(0) if split > 1 else 0, out.stride(-2),
         BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WHOLE_GROUPS=whole_groups,
-        ROW_SCALED=row_scaled, FP8_WEIGHT=fp8_weight, HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"],
+        ROW_SCALED=row_scaled, BLOCK_SCALED=group_n is not None, FP8_WEIGHT=fp8_weight, HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"],
         num_warps=tiles["num_warps"])
     if split == 1:
         return out

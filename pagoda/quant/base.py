@@ -118,7 +118,7 @@ def get_quant_method(quantization: str | None, checkpoint_config: dict | None = 
         return UnquantizedLinearMethod()
     name = _known(quantization)
     if name in ("fp8", "compressed-tensors"):
-        from pagoda.quant.w8 import W8LinearMethod, weight_dtype
-        return W8LinearMethod(weight_dtype(name, checkpoint_config))
+        from pagoda.quant.w8 import W8LinearMethod, block_size, weight_dtype
+        return W8LinearMethod(weight_dtype(name, checkpoint_config), block_size(name, checkpoint_config))
     from pagoda.quant.int4 import Int4Config, Int4LinearMethod
     return Int4LinearMethod(Int4Config.from_checkpoint(name, checkpoint_config or {}))

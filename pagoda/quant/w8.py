@@ -1,17 +1,21 @@
 """8-bit weights, FP8 (E4M3) or INT8, with a float32 scale per output row:
-``W[n, k] = w[n, k] * weight_scale[n]``. Half of bf16's bytes.
+``W[n, k] = w[n, k] * weight_scale[n]``, or per block of weights. Half of bf16's bytes.
 
 Three ways in, as in vLLM:
 - vLLM's FP8 checkpoints (``quant_method: "fp8"``): FP8 ``weight`` and a per-tensor
   ``weight_scale``; fused q/k/v and gate/up layers get one per shard, and each fills its rows of
-  the per-row scale, so nothing is requantized;
+  the per-row scale, so nothing is requantized. Or, with ``weight_block_size [bn, bk]`` (DeepSeek's
+  and Qwen3's FP8 releases), a scale per block of bn x bk weights, ``weight_scale_inv
+  (ceil(N / bn), ceil(K / bk))`` (the factor that dequantizes, despite its name), kept as it is:
+  ``W[n, k] = w[n, k] * weight_scale_inv[n // bn, k // bk]``;
 - compressed-tensors checkpoints (``quant_method: "compressed-tensors"``, llm-compressor's
   output) of symmetric 8-bit weights, INT8 (the W8A8 scheme) or FP8, with per-channel
   ``(N, 1)`` or per-tensor scales;
 - ``quantization="fp8"`` on an unquantized checkpoint: its weights quantized at load, a scale
   per row (its largest magnitude over E4M3's largest value, 448).
 
-The matmul, by where it runs:
+The matmul, by where it runs (block scales: the W8A16 kernel at up to ``triton_w4a16.MAX_M``
+rows on the GPU, each block's scale applied to its tile as it is converted; else dequantized):
 - on the GPU at one row (a batch-1 decode step), the weight is read as it is stored and converted
   in registers (``triton_linear``'s slab kernel, its row sums scaled once): half the bytes of bf16;
 - on the GPU at up to ``W8A16_MAX_M`` rows (FP8 weights under bf16 activations) or
@@ -49,9 +53,14 @@ def weight_dtype(method: str, qc: dict | None) -> torch.dtype | None:
     if qc is None:
         return None
     if method == "fp8":
-        if qc.get("weight_block_size"):
-            raise NotImplementedError(f"FP8 checkpoints with block-wise scales (weight_block_size="
-                                      f"{qc['weight_block_size']}) are not supported; per-tensor scales are.")
+        block = qc.get("weight_block_size")
+        if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"An FP8 checkpoint's weight_block_size must be two positive integers [block_n, "
+                             f"block_k], got {block!r}.")
+        if block is not None and qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise NotImplementedError(f"FP8 checkpoints with block-wise scales and activation_scheme="
+                                      f"{qc['activation_scheme']!r} are not supported (vLLM's neither): "
+                                      "block-wise checkpoints quantize activations dynamically.")
         return FP8
     fmt = qc.get("format")
     groups = list((qc.get("config_groups") or {}).values())
@@ -80,14 +89,41 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def block_size(method: str, qc: dict | None) -> tuple[int, int] | None:
+    """An FP8 checkpoint's (block_n, block_k) of weights that share a scale, if it has blocks."""
+    block = (qc or {}).get("weight_block_size") if method == "fp8" else None
+    return None if block is None else tuple(block)
+
+
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``weight * scale`` of each ``block`` of it, in ``dtype`` (rounded once, from float32)."""
+    n, k = weight.shape
+    full = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return (weight.float() * full).to(dtype)
+
+
 class W8LinearMethod(QuantMethod):
-    def __init__(self, dtype: torch.dtype | None):
+    def __init__(self, dtype: torch.dtype | None, block: tuple[int, int] | None = None):
         self.dtype = dtype      # the checkpoint's weight dtype; None: quantize at load
+        self.block = block      # weights that share a scale (block-wise FP8), else a scale a row
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.dtype or dtype),
                                     requires_grad=False)
         if self.dtype is None:   # the checkpoint's own weight, quantized after loading
+            return
+        if self.block is not None:
+            bn, bk = self.block
+            if getattr(layer, "tp_size", 1) > 1 and in_features % bk:
+                raise ValueError(f"Block-wise FP8: a tensor-parallel shard of {in_features} input features is not "
+                                 f"a whole number of the checkpoint's {bk}-wide blocks; use a tensor_parallel_size "
+                                 "whose shards fall on block boundaries.")
+            p = nn.Parameter(torch.empty(-(-out_features // bn), -(-in_features // bk), dtype=torch.float32),
+                             requires_grad=False)
+            # (split with the weight, in blocks: _narrow_output divides by output_pack)
+            p.output_pack, p.input_pack = bn, bk
+            layer.weight_scale_inv = p
             return
         # A scale a row ((N, 1), as compressed-tensors stores per-channel scales); a per-tensor
         # scale fills its shard's rows. Activation scales are read and not used (optional).
@@ -101,10 +137,15 @@ class W8LinearMethod(QuantMethod):
             weight, scale = quantize_rows(layer.weight.data)
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-        else:
+        elif self.block is None:
             del layer.input_scale
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.block is not None:
+            w4a16 = triton_kernels("triton_w4a16")
+            if x.is_cuda and w4a16.use_w4a16(x):
+                return w4a16.w8a16_linear(x, layer.weight, layer.weight_scale_inv, bias, self.block)
+            return F.linear(x, dequantize_blocks(layer.weight, layer.weight_scale_inv, self.block, x.dtype), bias)
         if x.is_cuda:
             out = triton_kernels("triton_linear").linear(x, layer.weight, bias, layer.weight_scale)
             if out is not None:

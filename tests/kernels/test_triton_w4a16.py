@@ -71,6 +71,25 @@ def test_w8a16_matches_the_dequantized_matmul(dtype, m, weight_dtype, k, n, requ
         assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 37])
+@pytest.mark.parametrize("block,k,n", [((128, 128), 1024, 256), ((32, 48), 400, 100), ((64, 256), 512, 192)], ids=str)
+def test_w8a16_with_block_scales(dtype, m, block, k, n, request):
+    """FP8 weights with a scale per block (DeepSeek's / Qwen3's FP8 checkpoints): blocks that
+    span whole tiles or lie within them, partial blocks at the matrix's edges."""
+    gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    w = (torch.randn(n, k, generator=gen) * 60).clamp(-400, 400).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen) * 0.01 + 1e-3
+    dense = w.float() * scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    ref = x.float() @ dense.to(DEVICE).t() + bias.float()
+    out = tw.w8a16_linear(x, w.to(DEVICE), scale.to(DEVICE), bias, block=block)
+    assert out.dtype == dtype and out.shape == (m, n)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
 def test_batches_over_the_largest_row_tile_run_in_row_tiles(monkeypatch):
     # the largest tile cut to 32 rows: 70 rows are three row tiles, the last partial
     monkeypatch.setattr(tw, "TILES", {32: dict(tw.TILES[64])})

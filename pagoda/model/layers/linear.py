@@ -84,7 +84,12 @@ def _narrow_output(param, loaded, offset: int, size: int, rank: int) -> None:
     if dim is None:
         return _load_shared(param, loaded)
     pack = getattr(param, "output_pack", 1)
-    size, offset = size // pack, offset // pack
+    # (a layer of one shard, unsplit, may end in a partial block)
+    if (size % pack or offset % pack) and not (offset == 0 and loaded.shape[dim] == param.shape[dim]):
+        raise ValueError(f"A projection's {size} output rows at row {offset} of its layer do not fall on whole "
+                         f"blocks of the checkpoint's {pack}-row scales (block-wise FP8); its blocks would mix "
+                         "projections or ranks.")
+    size, offset = -(-size // pack), offset // pack
     shard = loaded if loaded.numel() == 1 else loaded.narrow(dim, rank * size, size)
     _copy(param.data.narrow(dim, offset, size), shard)
 
