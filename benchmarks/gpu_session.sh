@@ -63,7 +63,7 @@
 #   bash benchmarks/gpu_session.sh moe28a    # MoE: Triton experts' tests, CPU-vs-GPU test, micro-benchmark, tile sweep
 #   bash benchmarks/gpu_session.sh moe28b    # MoE: micro-benchmark + sweep in CUDA graphs, W2 Qwen3-30B-A3B (+ HF)
 #   bash benchmarks/gpu_session.sh moe28c    # MoE: W1 Qwen3-30B-A3B
-#   bash benchmarks/gpu_session.sh fp8b28    # block-wise FP8: GPU tests; W2 both models bf16 / fp8 / fp8-block
+#   bash benchmarks/gpu_session.sh fp8b28    # block-wise FP8: GPU tests; W2 both models bf16 / fp8 / fp8-block, MoE fp8-block
 #   bash benchmarks/gpu_session.sh s27a      # W1 with the layers' norms alone skipped (folding's upper bound)
 #   bash benchmarks/gpu_session.sh s26g      # W1 with KV blocks of 16 and 32 tokens, interleaved
 #   bash benchmarks/gpu_session.sh s26e      # (then s26f, warm) the same with the Triton LoRA expand; its GPU tests
@@ -1048,8 +1048,9 @@ case "${1:-}" in
   fp8b28)
     # Block-wise FP8 (weight_block_size 128 x 128): its kernel and layer tests on the GPU, then W2
     # of both models in bf16, per-row FP8 and block FP8
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_w4a16.py tests/test_quant_w8.py \
-      -k "block or w8" 2>&1 | tail -3
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_w4a16.py tests/test_quant_w8.py \
+      tests/kernels/test_triton_moe.py -k "block or w8" 2>&1 | tail -3
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k mixture 2>&1 | tail -2
     for m in qwen3-0.6b llama3-8b; do
       for q in none fp8 fp8-block; do
         python3 benchmarks/latency.py --model-config $MA/$m.json --batch 1 8 64 \
@@ -1057,6 +1058,8 @@ case "${1:-}" in
           | sed "s/^/W2 $m $q: /"
       done
     done
+    python3 benchmarks/latency.py --model-config benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 \
+      --quantization fp8-block --out "$OUT/w2_moe_fp8" 2>&1 | grep -E "^pagoda|Error" | sed "s/^/W2 qwen3-30b-a3b fp8-block: /"
     ;;
   s27a)
     # Call 1: the most folding the layers' RMSNorms into their GEMMs could gain (norms alone skipped,

@@ -217,7 +217,8 @@ def _moe_gguf(folder, path, arch):
     for key, value in [("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
                        ("embedding_length", cfg["hidden_size"]), ("feed_forward_length", cfg["intermediate_size"]),
                        ("head_count", heads), ("head_count_kv", kv), ("layer_norm_rms_eps", cfg["rms_norm_eps"]),
-                       ("rope_freq_base", cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]), ("vocab_size", cfg["vocab_size"]),
+                       ("rope_freq_base", cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]),
+                       ("vocab_size", cfg["vocab_size"]),
                        ("expert_count", cfg.get("num_experts") or cfg.get("num_local_experts")),
                        ("expert_used_count", cfg["num_experts_per_tok"])]:
         getattr(w, f"add_{key}")(value)
@@ -243,7 +244,8 @@ def _moe_gguf(folder, path, arch):
         module, kind = rest.rsplit(".", 1)
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             t = _llama_cpp_permute(t, heads if module == "self_attn.q_proj" else kv)
-        w.add_tensor(f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}", t.reshape(-1) if "shared_expert_gate" in module else t)
+        gate_vector = "shared_expert_gate" in module
+        w.add_tensor(f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}", t.reshape(-1) if gate_vector else t)
     for name, by_expert in experts.items():
         w.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
     w.write_header_to_file()

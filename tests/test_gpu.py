@@ -296,12 +296,16 @@ def test_lora_on_the_gpu_matches_cpu(tmp_path, monkeypatch):
     assert "decode" in used and got == want
 
 
-def test_mixture_of_experts_on_the_gpu_matches_cpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("block_fp8", [False, True])
+def test_mixture_of_experts_on_the_gpu_matches_cpu(tmp_path, monkeypatch, block_fp8):
     """A tiny random Qwen3-MoE (an MoE layer and a dense one) through the Triton experts, the
     CUDA graphs and async scheduling gives the CPU path's greedy tokens in float32, at batches
-    large enough that every expert gets tokens."""
+    large enough that every expert gets tokens; its block-wise FP8 checkpoint too."""
+    from tests.quant_utils import fp8_block_folder
     from tests.test_architectures import save_tiny
     folder, _ = save_tiny(tmp_path, "qwen3_moe")
+    if block_fp8:
+        folder = fp8_block_folder(folder, str(tmp_path / "fp8b"), (16, 32))
     kw = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=256)
     g = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in range(5, 69, 2)]

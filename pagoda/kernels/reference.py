@@ -214,13 +214,24 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``weight (N, K) * scale`` of each ``block`` (bn, bk) of it (block-wise FP8: ``scale
+    (ceil(N / bn), ceil(K / bk))``), in ``dtype``, rounded once from float32."""
+    n, k = weight.shape
+    full = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return (weight.float() * full).to(dtype)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None, scales: tuple | None = None
+              ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for every token, an expert
     being ``w2[e] @ silu_and_mul(w13[e] @ x)``; expert by expert over the tokens that chose it,
     each output weighted in x's dtype and summed in it (HF's order). With ``expert_map`` (expert
     parallelism: a global expert id's index in w13 / w2, -1 for another rank's expert), the sum
-    over this rank's experts alone."""
+    over this rank's experts alone. ``scales = (w13_scale, w2_scale, block)``: FP8 experts with a
+    scale per block (``dequantize_blocks``)."""
     if expert_map is not None:
         topk_ids = expert_map[topk_ids]
     out = torch.zeros_like(x)
@@ -228,7 +239,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if e < 0:
             continue
         tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
-        y = F.linear(silu_and_mul(F.linear(x[tokens], w13[e])), w2[e])
+        w13e, w2e = w13[e], w2[e]
+        if scales is not None:
+            w13e, w2e = (dequantize_blocks(w, s[e], scales[2], x.dtype)
+                         for w, s in ((w13e, scales[0]), (w2e, scales[1])))
+        y = F.linear(silu_and_mul(F.linear(x[tokens], w13e)), w2e)
         out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].to(x.dtype))
     return out
 

@@ -45,12 +45,15 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_weights_ptr, num_pairs, num_experts,
-                       N, K, stride_a, stride_we, stride_wn, stride_c, ROWS_PER_A: tl.constexpr,
-                       WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_weights_ptr, s_ptr, num_pairs,
+                       num_experts, N, K, stride_a, stride_we, stride_wn, stride_c, stride_se, stride_sn, group_n,
+                       group_k, ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+                       WHOLE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        DOT_PRECISION: tl.constexpr):
     """``c[p] = a[p // ROWS_PER_A] @ w[expert].T`` (times the pair's weight if WEIGHTED) for
-    the pairs of one block and BLOCK_N of the N output columns."""
+    the pairs of one block and BLOCK_N of the N output columns. BLOCK_SCALED: w is FP8 (its
+    bytes), each group_n x group_k block of it scaled by ``s[expert, n // group_n, k // group_k]``
+    as its tiles are converted (WHOLE_K: a tile lies in one column of blocks)."""
     expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
@@ -66,7 +69,15 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
     for k0 in range(0, K, BLOCK_K):
         k_valid = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_valid[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0)
+        if BLOCK_SCALED:
+            s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (offs_n // group_n)[None, :] * stride_sn
+            if WHOLE_K:
+                s = tl.load(s_ptrs + k0 // group_k, mask=n_valid[None, :], other=0.0)
+            else:
+                s = tl.load(s_ptrs + ((k0 + offs_k) // group_k)[:, None], mask=k_valid[:, None] & n_valid[None, :],
+                            other=0.0)
+            w = (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(a.dtype)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -85,21 +96,26 @@ def default_tiles(num_pairs: int, num_experts: int) -> dict:
     return dict(block_m=block_m, block_n=128 if wide else 64, block_k=64, num_warps=8 if wide else 4, num_stages=3)
 
 
-def _moe_matmul(a, w, c, pairs, block_experts, pair_weights, rows_per_a: int, tiles: dict) -> None:
+def _moe_matmul(a, w, c, pairs, block_experts, pair_weights, rows_per_a: int, tiles: dict,
+                scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> None:
     num_experts, n, k = w.shape
     assert a.stride(-1) == w.stride(-1) == c.stride(-1) == 1
+    block_k = min(tiles["block_k"], max(16, triton.next_power_of_2(k)))
+    group_n, group_k = block or (1, 1)
     grid = (block_experts.numel(), triton.cdiv(n, tiles["block_n"]))
-    _moe_matmul_kernel[grid](a, w, c, pairs, block_experts, pair_weights, c.shape[0], num_experts, n, k,
-                             a.stride(0), w.stride(0), w.stride(1), c.stride(0), ROWS_PER_A=rows_per_a,
-                             WEIGHTED=pair_weights is not None, BLOCK_M=tiles["block_m"],
-                             BLOCK_N=tiles["block_n"],
-                             BLOCK_K=min(tiles["block_k"], max(16, triton.next_power_of_2(k))),
-                             DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+    _moe_matmul_kernel[grid](a, w if scale is None else w.view(torch.uint8), c, pairs, block_experts, pair_weights,
+                             scale, c.shape[0], num_experts, n, k, a.stride(0), w.stride(0), w.stride(1),
+                             c.stride(0), 0 if scale is None else scale.stride(0),
+                             0 if scale is None else scale.stride(1), group_n, group_k, ROWS_PER_A=rows_per_a,
+                             WEIGHTED=pair_weights is not None, BLOCK_SCALED=scale is not None,
+                             WHOLE_K=group_k % block_k == 0, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"],
+                             BLOCK_K=block_k, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
                              num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None, scales: tuple | None = None,
+              tiles: dict | None = None) -> torch.Tensor:
     """See ``reference.fused_moe``; ``tiles`` overrides ``default_tiles`` (benchmarks' sweeps)."""
     from pagoda.kernels.triton_ops import silu_and_mul
     tokens, top_k = topk_ids.shape
@@ -112,8 +128,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         topk_ids = expert_map[topk_ids]
     pairs, block_experts = moe_align(topk_ids, num_experts, tiles["block_m"])
     h = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _moe_matmul(x, w13, h, pairs, block_experts, None, top_k, tiles)
+    s13, s2, block = scales or (None, None, None)
+    _moe_matmul(x, w13, h, pairs, block_experts, None, top_k, tiles, s13, block)
     # (another rank's pairs are in no tile: their rows stay zero)
     y = (torch.empty if expert_map is None else torch.zeros)(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device)
-    _moe_matmul(silu_and_mul(h), w2, y, pairs, block_experts, topk_weights.reshape(-1).float(), 1, tiles)
+    _moe_matmul(silu_and_mul(h), w2, y, pairs, block_experts, topk_weights.reshape(-1).float(), 1, tiles, s2, block)
     return y.view(tokens, top_k, -1).sum(1)

@@ -198,7 +198,8 @@ def _launch(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch.Tens
         m, n, k, k_per_split, group_size or 1, group_n or 1, x.stride(0), qweight.stride(0), scales.stride(0),
         out.stride(0) if split > 1 else 0, out.stride(-2),
         BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WHOLE_GROUPS=whole_groups,
-        ROW_SCALED=row_scaled, BLOCK_SCALED=group_n is not None, FP8_WEIGHT=fp8_weight, HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"],
+        ROW_SCALED=row_scaled, BLOCK_SCALED=group_n is not None, FP8_WEIGHT=fp8_weight,
+        HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"],
         num_warps=tiles["num_warps"])
     if split == 1:
         return out

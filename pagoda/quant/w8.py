@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels.reference import dequantize_blocks
 from pagoda.quant.base import QuantMethod, triton_kernels
 
 FP8 = torch.float8_e4m3fn
@@ -93,14 +94,6 @@ def block_size(method: str, qc: dict | None) -> tuple[int, int] | None:
     """An FP8 checkpoint's (block_n, block_k) of weights that share a scale, if it has blocks."""
     block = (qc or {}).get("weight_block_size") if method == "fp8" else None
     return None if block is None else tuple(block)
-
-
-def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                      dtype: torch.dtype) -> torch.Tensor:
-    """``weight * scale`` of each ``block`` of it, in ``dtype`` (rounded once, from float32)."""
-    n, k = weight.shape
-    full = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
-    return (weight.float() * full).to(dtype)
 
 
 class W8LinearMethod(QuantMethod):

@@ -90,6 +90,28 @@ def test_fused_moe_matches_reference(tokens, experts_topk, hidden_inter, dtype, 
     assert err < TOLERANCE[dtype], err
 
 
+@pytest.mark.parametrize("block,inter", [((32, 32), 64), ((16, 64), 48)])
+def test_fused_moe_with_block_fp8_experts(block, inter, request):
+    """Block-wise FP8 experts (Qwen3-30B-A3B-FP8's): each tile scaled by its block's scale as it
+    is converted; blocks as wide as a tile or narrower."""
+    g = seed_for(request)
+    experts, top_k, hidden = 8, 2, 96
+    topk_weights, topk_ids = routing(13, experts, top_k, g)
+    w13, w2 = (torch.randn(experts, *shape, generator=g).mul(100).clamp(-400, 400).to(torch.float8_e4m3fn)
+               for shape in ((2 * inter, hidden), (hidden, inter)))
+    s13, s2 = (torch.rand(experts, -(-w.shape[1] // block[0]), -(-w.shape[2] // block[1]), generator=g) * 1e-3
+               for w in (w13, w2))
+    x = torch.randn(13, hidden, generator=g)
+    args = [t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)]
+    scales = (s13.to(DEVICE), s2.to(DEVICE), block)
+    want = reference.fused_moe(*args, scales=scales)
+    dense = [torch.stack([reference.dequantize_blocks(w[e], s[e], block, torch.float32) for e in range(experts)])
+             for w, s in ((w13, s13), (w2, s2))]
+    assert torch.allclose(want, reference.fused_moe(args[0], *[d.to(DEVICE) for d in dense], *args[3:]))
+    got = triton_moe.fused_moe(*args, scales=scales)
+    assert (got - want).norm() / want.norm() < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2),
                                    dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2)])
 def test_fused_moe_with_other_tiles(tiles, request):
