@@ -60,6 +60,8 @@
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh s26a      # (then spec25e, warm) W1 both models; the GPU tests
 #   bash benchmarks/gpu_session.sh s26c      # (then s26d, warm) W1 / W2 with LoRA adapters; the GPU tests
+#   bash benchmarks/gpu_session.sh s28       # the session's one call: MoE / block-FP8 GPU tests, W2 MoE (+ HF),
+#                                            # MoE micro-benchmark in graphs, W2 Llama-3-8B fp8 vs fp8-block
 #   bash benchmarks/gpu_session.sh moe28a    # MoE: Triton experts' tests, CPU-vs-GPU test, micro-benchmark, tile sweep
 #   bash benchmarks/gpu_session.sh moe28b    # MoE: micro-benchmark + sweep in CUDA graphs, W2 Qwen3-30B-A3B (+ HF)
 #   bash benchmarks/gpu_session.sh moe28c    # MoE: W1 Qwen3-30B-A3B
@@ -1017,6 +1019,19 @@ case "${1:-}" in
     # Call 6 (warm): the GPU tests of LoRA (CPU against GPU, graphs) and the attention's
     join_smollm2
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "lora or float32" 2>&1 | tail -3
+    ;;
+  s28)
+    # The twenty-eighth session's one call (its device time went on refused starts)
+    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py tests/test_gpu.py \
+      tests/kernels/test_triton_w4a16.py tests/test_quant_w8.py -k "moe or mixture or block" 2>&1 | tail -4 \
+      | tee "$OUT/tests.txt"
+    timeout 200 python3 benchmarks/latency.py --model-config benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 \
+      --hf --out "$OUT/w2_moe" 2>&1 | tail -7
+    timeout 70 python3 benchmarks/moe_kernels.py 2>&1 | tail -7
+    for q in fp8 fp8-block; do
+      timeout 70 python3 benchmarks/latency.py --model-config $MA/llama3-8b.json --batch 1 64 --quantization $q \
+        --out "$OUT/w2_$q" 2>&1 | grep -E "^pagoda|Error" | sed "s/^/W2 llama3-8b $q: /"
+    done
     ;;
   moe28a)
     # The mixture of experts' first GPU run (built in the twenty-seventh session without a GPU): its

@@ -5,6 +5,7 @@ expert) split over two tensor-parallel ranks, or the experts shared out whole be
 weights from a config alone, and what is refused by name."""
 import gc
 import json
+import os
 
 import pytest
 import torch
@@ -108,6 +109,40 @@ def test_block_fp8_experts_match_their_dequantized_weights(tmp_path, case, block
         64 // block[0], 32 // block[1])
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_per_tensor_fp8_experts_match_their_dequantized_weights(tmp_path, static):
+    """vLLM's FP8 checkpoints of a mixture of experts: a scale per tensor (each expert's gate and
+    up their own), filling the stacked per-row scales; static activation scales read, unused."""
+    from tests.quant_utils import fp8_folder
+    from tests.test_quant_w8 import same_outputs
+    folder, _ = save_tiny(tmp_path, "qwen3_moe")
+    path = fp8_folder(folder, str(tmp_path / "fp8"), static=static)
+    same_outputs(path, path + "-dequant")
+    experts = LLM(path, **SMALL).llm_engine.executor.runner.model.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.w13_weight_scale.shape == (8, 64, 1)
+    assert experts.w13_weight_scale[0, 0] != experts.w13_weight_scale[0, 32]     # gate's scale, then up's
+
+
+def test_fp8_at_load_quantizes_each_experts_rows(tmp_path):
+    """quantization="fp8" on a bf16 mixture of experts: every expert's rows as FP8 over a scale of
+    their own (``quant.w8.quantize_rows``); the model equals one holding those weights dequantized."""
+    from safetensors.torch import load_file, save_file
+
+    from pagoda.quant.w8 import quantize_rows
+    from tests.test_quant_w8 import same_outputs
+    folder, _ = save_tiny(tmp_path, "qwen2_moe")
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    for name, w in weights.items():
+        if name.endswith("_proj.weight"):       # (attention, experts, shared expert; not the routers)
+            q, scale = quantize_rows(w)
+            weights[name] = q.float() * scale
+    save_file(weights, str(twin / "model.safetensors"))
+    (twin / "config.json").write_text(open(os.path.join(folder, "config.json")).read())
+    same_outputs(folder, str(twin), quantization="fp8")
+
+
 def test_block_fp8_experts_over_two_ranks(tmp_path):
     """tp=2 with each expert's intermediate size split (in whole blocks) and with the experts
     shared out; an intermediate size whose slices would cut blocks is refused by name."""
@@ -125,8 +160,10 @@ def test_block_fp8_experts_over_two_ranks(tmp_path):
 def test_refused_by_name(qwen3_moe, tmp_path):
     with pytest.raises(ValueError, match="LoRA adapters on a mixture of experts"):
         LLM(qwen3_moe, enable_lora=True, **SMALL)
-    with pytest.raises(ValueError, match="quantized mixture-of-experts checkpoints are not supported yet but"):
-        LLM(qwen3_moe, quantization="fp8", **SMALL)
+    from tests.quant_utils import quantize_folder
+    gptq = quantize_folder(qwen3_moe, str(tmp_path / "gptq"), "gptq")
+    with pytest.raises(ValueError, match="supported in FP8 .* not GPTQ / AWQ / INT8 yet"):
+        LLM(gptq, **SMALL)
     uneven = dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16, num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=30)
     (tmp_path / "config.json").write_text(json.dumps(uneven))

@@ -230,8 +230,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     being ``w2[e] @ silu_and_mul(w13[e] @ x)``; expert by expert over the tokens that chose it,
     each output weighted in x's dtype and summed in it (HF's order). With ``expert_map`` (expert
     parallelism: a global expert id's index in w13 / w2, -1 for another rank's expert), the sum
-    over this rank's experts alone. ``scales = (w13_scale, w2_scale, block)``: FP8 experts with a
-    scale per block (``dequantize_blocks``)."""
+    over this rank's experts alone. ``scales = ((w13_scale, block), (w2_scale, block))``: FP8
+    experts with a scale per block of each (``dequantize_blocks``; a block of one row by the whole
+    input for a scale a row)."""
     if expert_map is not None:
         topk_ids = expert_map[topk_ids]
     out = torch.zeros_like(x)
@@ -241,8 +242,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
         w13e, w2e = w13[e], w2[e]
         if scales is not None:
-            w13e, w2e = (dequantize_blocks(w, s[e], scales[2], x.dtype)
-                         for w, s in ((w13e, scales[0]), (w2e, scales[1])))
+            (s13, b13), (s2, b2) = scales
+            w13e, w2e = dequantize_blocks(w13e, s13[e], b13, x.dtype), dequantize_blocks(w2e, s2[e], b2, x.dtype)
         y = F.linear(silu_and_mul(F.linear(x[tokens], w13e)), w2e)
         out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].to(x.dtype))
     return out

@@ -128,9 +128,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         topk_ids = expert_map[topk_ids]
     pairs, block_experts = moe_align(topk_ids, num_experts, tiles["block_m"])
     h = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    s13, s2, block = scales or (None, None, None)
-    _moe_matmul(x, w13, h, pairs, block_experts, None, top_k, tiles, s13, block)
+    (s13, b13), (s2, b2) = scales or ((None, None), (None, None))
+    _moe_matmul(x, w13, h, pairs, block_experts, None, top_k, tiles, s13, b13)
     # (another rank's pairs are in no tile: their rows stay zero)
     y = (torch.empty if expert_map is None else torch.zeros)(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device)
-    _moe_matmul(silu_and_mul(h), w2, y, pairs, block_experts, topk_weights.reshape(-1).float(), 1, tiles, s2, block)
+    _moe_matmul(silu_and_mul(h), w2, y, pairs, block_experts, topk_weights.reshape(-1).float(), 1, tiles, s2, b2)
     return y.view(tokens, top_k, -1).sum(1)

@@ -18,7 +18,7 @@ from pagoda.model.layers.linear import (MergedColumnParallelLinear, QKVParallelL
                                         RowParallelLinear)
 from pagoda.model.layers.rotary import RotaryEmbedding
 from pagoda.model.pipeline import IntermediateTensors, PPMissingLayer, make_layers
-from pagoda.quant.base import QuantMethod, UnquantizedLinearMethod
+from pagoda.quant.base import QuantMethod
 
 
 class LlamaAttention(nn.Module):
@@ -67,14 +67,9 @@ class LlamaMoE(nn.Module):
 
     def __init__(self, cfg: ArchConfig, quant: QuantMethod | None):
         super().__init__()
-        block = getattr(quant, "block", None)        # block-wise FP8 (W8LinearMethod's)
-        if quant is not None and not isinstance(quant, UnquantizedLinearMethod) and block is None:
-            raise ValueError(f"{cfg.architecture}: quantized mixture-of-experts checkpoints are not supported yet but "
-                             "for block-wise FP8 (weight_block_size, e.g. Qwen3-30B-A3B-FP8); use that or the bf16 / "
-                             "fp16 checkpoint.")
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
-                                cfg.moe_intermediate_size, cfg.norm_topk_prob, block)
+                                cfg.moe_intermediate_size, cfg.norm_topk_prob, quant)
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(cfg, quant, cfg.shared_expert_intermediate_size)

@@ -90,23 +90,25 @@ def test_fused_moe_matches_reference(tokens, experts_topk, hidden_inter, dtype, 
     assert err < TOLERANCE[dtype], err
 
 
-@pytest.mark.parametrize("block,inter", [((32, 32), 64), ((16, 64), 48)])
-def test_fused_moe_with_block_fp8_experts(block, inter, request):
-    """Block-wise FP8 experts (Qwen3-30B-A3B-FP8's): each tile scaled by its block's scale as it
-    is converted; blocks as wide as a tile or narrower."""
+@pytest.mark.parametrize("block,inter", [((32, 32), 64), ((16, 64), 48), (None, 48)])
+def test_fused_moe_with_fp8_experts(block, inter, request):
+    """FP8 experts: block-wise (Qwen3-30B-A3B-FP8's), each tile scaled by its block's scale as it
+    is converted, blocks as wide as a tile or narrower; or (None) a scale a row, a block of one
+    row by the whole input (vLLM's per-tensor checkpoints, quantization="fp8")."""
     g = seed_for(request)
     experts, top_k, hidden = 8, 2, 96
     topk_weights, topk_ids = routing(13, experts, top_k, g)
     w13, w2 = (torch.randn(experts, *shape, generator=g).mul(100).clamp(-400, 400).to(torch.float8_e4m3fn)
                for shape in ((2 * inter, hidden), (hidden, inter)))
-    s13, s2 = (torch.rand(experts, -(-w.shape[1] // block[0]), -(-w.shape[2] // block[1]), generator=g) * 1e-3
-               for w in (w13, w2))
+    blocks = [block or (1, w.shape[2]) for w in (w13, w2)]
+    s13, s2 = (torch.rand(experts, -(-w.shape[1] // b[0]), -(-w.shape[2] // b[1]), generator=g) * 1e-3
+               for w, b in zip((w13, w2), blocks))
     x = torch.randn(13, hidden, generator=g)
     args = [t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)]
-    scales = (s13.to(DEVICE), s2.to(DEVICE), block)
+    scales = (s13.to(DEVICE), blocks[0]), (s2.to(DEVICE), blocks[1])
     want = reference.fused_moe(*args, scales=scales)
-    dense = [torch.stack([reference.dequantize_blocks(w[e], s[e], block, torch.float32) for e in range(experts)])
-             for w, s in ((w13, s13), (w2, s2))]
+    dense = [torch.stack([reference.dequantize_blocks(w[e], s[e], b, torch.float32) for e in range(experts)])
+             for w, s, b in ((w13, s13, blocks[0]), (w2, s2, blocks[1]))]
     assert torch.allclose(want, reference.fused_moe(args[0], *[d.to(DEVICE) for d in dense], *args[3:]))
     got = triton_moe.fused_moe(*args, scales=scales)
     assert (got - want).norm() / want.norm() < TOLERANCE[torch.float32]

@@ -8,9 +8,12 @@ columns), and all-reduces the summed outputs once. With expert parallelism (vLLM
 ``enable_expert_parallel``) the ranks share the experts out instead, each holding E / tp whole
 experts and summing the outputs of its own: the same all-reduce then adds the ranks' shares.
 
-Block-wise FP8 checkpoints (Qwen3-30B-A3B-FP8's) keep their experts 8-bit: FP8 w13 / w2 and a
-float32 ``w13_weight_scale_inv (E, 2 * I / bn, H / bk)`` / ``w2_weight_scale_inv (E, H / bn, I /
-bk)``, a scale per block of bn x bk weights, applied to each weight tile as it is converted.
+FP8 experts stay 8-bit: FP8 w13 / w2 and float32 scales that the kernels apply to each weight
+tile as they convert it. Block-wise FP8 checkpoints (Qwen3-30B-A3B-FP8's) have a scale per block
+of bn x bk weights, ``w13_weight_scale_inv (E, 2 * I / bn, H / bk)`` / ``w2_weight_scale_inv (E,
+H / bn, I / bk)``; vLLM's per-tensor FP8 checkpoints, and ``quantization="fp8"`` on a bf16
+checkpoint (each expert's rows quantized at load), a scale per row, ``w13_weight_scale (E, 2 * I,
+1)`` / ``w2_weight_scale (E, H, 1)``: blocks of one row by the whole input.
 """
 import re
 
@@ -20,11 +23,13 @@ from torch import nn
 from pagoda.distributed.parallel_state import expert_parallel, get_tp_rank, get_tp_size, tp_all_reduce
 from pagoda.kernels import reference
 from pagoda.model.layers.linear import _divide
+from pagoda.quant.base import QuantMethod, UnquantizedLinearMethod
 
 # A checkpoint's per-expert tensor, ``...experts.<e>.<name>.weight`` once the model's
 # packed_modules_mapping has named gate / up projections gate_up_proj (with their half as the
 # shard id) and down projections down_proj: the stacked parameter it fills.
-_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.(weight|weight_scale_inv)$")
+_EXPERT_TENSOR = re.compile(
+    r"^(.*\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale|input_scale)$")
 _STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
 
 
@@ -38,7 +43,7 @@ def expert_param_name(name: str, shard_id) -> tuple[str, tuple[int, int | None]]
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 block: tuple[int, int] | None = None):
+                 quant: QuantMethod | None = None):
         super().__init__()
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -54,46 +59,77 @@ class FusedMoE(nn.Module):
             expert_map[self.first_expert:self.first_expert + self.num_local_experts] = torch.arange(
                 self.num_local_experts, dtype=torch.int32)
         self.register_buffer("expert_map", expert_map, persistent=False)
-        self.block = block
-        dtype = torch.float8_e4m3fn if block else torch.get_default_dtype()
-        shapes = {"w13": (2 * self.intermediate_size, hidden_size), "w2": (hidden_size, self.intermediate_size)}
-        params = []
-        if block and (self.intermediate_size % block[0] or self.intermediate_size % block[1]):
-            raise ValueError(f"Block-wise FP8 experts: {self.intermediate_size} of each expert's intermediate size "
-                             f"(this rank's) is not a whole number of the checkpoint's {block[0]} x {block[1]} "
-                             "blocks (with tensor parallelism: use enable_expert_parallel, or a smaller "
-                             "tensor_parallel_size).")
-        for w, (rows, cols) in shapes.items():
-            params.append((f"{w}_weight", torch.empty(self.num_local_experts, rows, cols, dtype=dtype), (1, 1)))
-            if block:
-                scale = torch.empty(self.num_local_experts, -(-rows // block[0]), -(-cols // block[1]))
-                params.append((f"{w}_weight_scale_inv", scale.float(), block))
-        for name, data, pack in params:
-            p = nn.Parameter(data, requires_grad=False)
-            p.pack = pack          # (rows, columns) a stored element covers
-            # What a whole checkpoint fills: every expert's gate and up halves, and its down weight
-            p.shard_ids = ([(e, half) for e in range(num_experts) for half in (0, 1)] if name.startswith("w13")
-                           else [(e, None) for e in range(num_experts)])
-            p.weight_loader = self.weight_loader
-            setattr(self, name, p)
+        self.fp8, self.block = fp8_experts(quant)
+        if self.fp8 == "online":      # (quantized after loading: the loader calls quant_method)
+            self.quant_method = _QuantizeAtLoad()
+        i, h = self.intermediate_size, hidden_size
+        if self.block and (i % self.block[0] or i % self.block[1]):
+            raise ValueError(f"Block-wise FP8 experts: {i} of each expert's intermediate size (this rank's) is not "
+                             f"a whole number of the checkpoint's {self.block[0]} x {self.block[1]} blocks (with "
+                             "tensor parallelism: use enable_expert_parallel, or a smaller tensor_parallel_size).")
+        dtype = torch.float8_e4m3fn if self.fp8 == "checkpoint" else torch.get_default_dtype()
+        self._add("w13_weight", (2 * i, h), dtype, 1)
+        self._add("w2_weight", (h, i), dtype, 1)
+        if self.fp8 == "checkpoint" and self.block:
+            bn, bk = self.block
+            self._add("w13_weight_scale_inv", (2 * i // bn, -(-h // bk)), torch.float32, bn)
+            self._add("w2_weight_scale_inv", (-(-h // bn), i // bk), torch.float32, bk)
+        elif self.fp8 == "checkpoint":
+            self._add("w13_weight_scale", (2 * i, 1), torch.float32, 1)
+            self._add("w2_weight_scale", (h, 1), torch.float32, None)
+            for w in ("w13", "w2"):     # (a static activation scale: read, not used, as the dense layers')
+                self._add(f"{w}_input_scale", (), torch.float32, None).optional = True
+
+    def _add(self, name: str, shape: tuple, dtype: torch.dtype, i_pack: int | None) -> nn.Parameter:
+        """A stacked parameter (an expert a row). ``i_pack``: how many of I one element along I's
+        dimension covers (the rows of w13, the columns of w2); None: I is not one of its dimensions."""
+        p = nn.Parameter(torch.empty(self.num_local_experts, *shape, dtype=dtype), requires_grad=False)
+        p.i_pack = i_pack
+        # What a whole checkpoint fills: every expert's gate and up halves, and its down weight
+        p.shard_ids = ([(e, half) for e in range(self.num_experts) for half in (0, 1)] if name.startswith("w13")
+                       else [(e, None) for e in range(self.num_experts)])
+        p.weight_loader = self.weight_loader
+        setattr(self, name, p)
+        return p
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None]) -> None:
-        """One expert's gate (half 0) or up (half 1) projection ``(I, H)`` into w13, or its down
-        projection ``(H, I)`` into w2: this rank's slice of I, or (expert parallelism) the whole
-        of its own experts and nothing of the others'."""
+        """One expert's gate (half 0) or up (half 1) projection ``(I, H)`` (or its scales) into w13,
+        or its down projection ``(H, I)`` into w2: this rank's slice of I, or (expert parallelism)
+        the whole of its own experts and nothing of the others'. A one-element scale (per tensor)
+        fills its rows."""
         expert, half = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"Checkpoint expert {expert} is out of range: the model has {self.num_experts} experts.")
         local = expert - self.first_expert
-        if not 0 <= local < self.num_local_experts:
+        if not 0 <= local < self.num_local_experts or param.dim() == 1:    # (another rank's; an input scale)
             return
-        rows, cols = param.pack      # (a block scale's element covers whole blocks of I)
-        if half is None:             # w2 (H, I): this rank's columns of I
-            size = self.intermediate_size // cols
-            param.data[local].copy_(loaded.narrow(1, self.i_rank * size, size))
-        else:                        # w13's gate (0) or up (1) rows of I
-            size = self.intermediate_size // rows
-            param.data[local].narrow(0, half * size, size).copy_(loaded.narrow(0, self.i_rank * size, size))
+        target = param.data[local]
+        if param.i_pack is not None:
+            size = self.intermediate_size // param.i_pack
+            if half is not None:           # w13's gate or up rows of I
+                target = target.narrow(0, half * size, size)
+            if loaded.numel() > 1:
+                loaded = loaded.narrow(1 if half is None else 0, self.i_rank * size, size)
+        target.copy_(loaded.reshape(()) if loaded.numel() == 1 else loaded)
+
+    def quantize_rows(self) -> None:
+        """quantization="fp8": each expert's rows as FP8 over a scale of their own (``quant.w8``'s)."""
+        from pagoda.quant.w8 import quantize_rows
+        for w in ("w13", "w2"):
+            weight = getattr(self, f"{w}_weight")
+            q, scale = quantize_rows(weight.data.flatten(0, 1))
+            setattr(self, f"{w}_weight", nn.Parameter(q.view(weight.shape), requires_grad=False))
+            setattr(self, f"{w}_weight_scale", nn.Parameter(scale.view(*weight.shape[:2], 1), requires_grad=False))
+
+    def scales(self) -> tuple | None:
+        """((w13's scales, their block), (w2's, theirs)) for FP8 experts (a row scale: a block of
+        one row by the whole input), else None."""
+        if not self.fp8:
+            return None
+        if self.block:
+            return (self.w13_weight_scale_inv, self.block), (self.w2_weight_scale_inv, self.block)
+        return ((self.w13_weight_scale, (1, self.w13_weight.shape[2])),
+                (self.w2_weight_scale, (1, self.w2_weight.shape[2])))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = reference.select_experts(router_logits, self.top_k, self.renormalize)
@@ -101,6 +137,24 @@ class FusedMoE(nn.Module):
             from pagoda.kernels.triton_moe import fused_moe
         else:
             fused_moe = reference.fused_moe
-        scales = (self.w13_weight_scale_inv, self.w2_weight_scale_inv, self.block) if self.block else None
-        out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_map, scales)
+        out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_map, self.scales())
         return out if self.tp_size == 1 else tp_all_reduce(out)
+
+
+def fp8_experts(quant: QuantMethod | None) -> tuple[str | None, tuple[int, int] | None]:
+    """How a mixture of experts under ``quant`` holds its experts: ("checkpoint", its FP8 blocks or
+    None for a scale a row), ("online", None) for bf16 experts to quantize at load, or (None,
+    None): unquantized. Other quantizations are refused by name."""
+    from pagoda.quant.w8 import FP8, W8LinearMethod
+    if quant is None or isinstance(quant, UnquantizedLinearMethod):
+        return None, None
+    if isinstance(quant, W8LinearMethod) and quant.dtype in (FP8, None):
+        return ("checkpoint" if quant.dtype == FP8 else "online"), quant.block
+    raise ValueError("Quantized mixture-of-experts checkpoints are supported in FP8 (vLLM's per-tensor, block-wise "
+                     "as Qwen3-30B-A3B-FP8, or quantization='fp8' at load), not GPTQ / AWQ / INT8 yet; use one of "
+                     "those or the bf16 / fp16 checkpoint.")
+
+
+class _QuantizeAtLoad(QuantMethod):
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.quantize_rows()
