@@ -22,7 +22,7 @@ from torch import nn
 
 from pagoda.distributed.parallel_state import expert_parallel, get_tp_rank, get_tp_size, tp_all_reduce
 from pagoda.kernels import reference
-from pagoda.model.layers.linear import _divide
+from pagoda.model.layers.linear import _copy, _divide
 from pagoda.quant.base import QuantMethod, UnquantizedLinearMethod
 
 # A checkpoint's per-expert tensor, ``...experts.<e>.<name>.weight`` once the model's
@@ -110,7 +110,7 @@ class FusedMoE(nn.Module):
                 target = target.narrow(0, half * size, size)
             if loaded.numel() > 1:
                 loaded = loaded.narrow(1 if half is None else 0, self.i_rank * size, size)
-        target.copy_(loaded.reshape(()) if loaded.numel() == 1 else loaded)
+        _copy(target, loaded)
 
     def quantize_rows(self) -> None:
         """quantization="fp8": each expert's rows as FP8 over a scale of their own (``quant.w8``'s)."""
