@@ -116,7 +116,9 @@ def main():
                      SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True), top=30)
     del llm
     if args.hf:
+        import gc
         import torch
+        gc.collect()          # (the engine's reference cycles hold its weights and KV cache until then)
         torch.cuda.empty_cache()
         model = hf_model(args.model_config)
         r = hf_latency(model, prompts_for(1, args.prompt_len, cfg["vocab_size"]), args.output_len)

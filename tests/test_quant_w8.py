@@ -67,11 +67,11 @@ def test_block_fp8_tensor_parallel(tmp_path):
     from tests.test_tensor_parallel import assert_same, outputs_at
     folder, _ = save_tiny(tmp_path, "llama3")
     path = fp8_block_folder(folder, str(tmp_path / "fp8b"), (16, 32))
-    kw = dict(dtype="float32", kv_cache_memory_bytes=1 << 24)
+    kw = dict(dtype="float32", kv_cache_memory_bytes=1 << 24, device="cpu")      # (two ranks: the CPU's)
     assert_same(outputs_at(path, 1, **kw), outputs_at(path, 2, **kw))
     wide = fp8_block_folder(folder, str(tmp_path / "fp8w"), (32, 32))   # k / v: 16 rows a rank
     with pytest.raises(Exception, match="do not fall on whole blocks"):
-        LLM(wide, tensor_parallel_size=2, **SMALL)
+        LLM(wide, tensor_parallel_size=2, device="cpu", **SMALL)
 
 
 def test_block_fp8_errors(tmp_path):
