@@ -1055,9 +1055,12 @@ case "${1:-}" in
     ;;
   moe30)
     # W2 on Qwen3-30B-A3B's shapes with HF transformers beside it (the engine now freed before HF
-    # loads), then W1
-    timeout 300 python3 benchmarks/latency.py --model-config benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 \
+    # loads); the MoE layer's tiles at decode batches, narrow and deep ones, in CUDA graphs
+    timeout 250 python3 benchmarks/latency.py --model-config benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 \
       --hf --out "$OUT/w2_moe" 2>&1 | grep -E "^pagoda|^hf|start-up|Error" | sed "s/^/W2 qwen3-30b-a3b: /"
+    timeout 230 python3 benchmarks/moe_kernels.py --sweep 1 8 64 256 2>&1 | tail -6
+    ;;
+  moe30w1)
     timeout 250 python3 benchmarks/throughput.py --model-config benchmarks/models/qwen3-30b-a3b.json --no-tqdm \
       --out "$OUT/w1_moe" 2>&1 | grep -E "^pagoda |^roofline|Error|preempt" | sed "s/^/W1 qwen3-30b-a3b: /"
     ;;

@@ -13,7 +13,7 @@ call must read at least once) and matmul rate. Each case is first checked agains
 With ``--sweep``, each token count's time under every tile configuration of a small grid
 (``triton_moe.fused_moe``'s ``tiles``) instead, and the best against ``default_tiles``.
 
-Run from the repository root:  OUT=/some/dir python benchmarks/moe_kernels.py [--sweep]
+Run from the repository root:  OUT=/some/dir python benchmarks/moe_kernels.py [--sweep [TOKENS...]]
 Prints a table; writes ``$OUT/moe_kernels.json`` (or ``moe_tiles.json``) when OUT is set.
 """
 import itertools
@@ -60,17 +60,25 @@ def check(got, want, *what):
     assert err < 1e-2, (*what, err)
 
 
-def sweep():
+def tile_grid(tokens: int) -> list[dict]:
+    """The configurations to try: at decode batches (a few pairs an expert, the weights' read
+    the whole cost) narrow and deep ones, for more programs each streaming longer; else wide."""
+    if tokens <= 256:
+        axes = [16, 32], [32, 64, 128], [64, 128, 256], [4], [3, 4]
+    else:
+        axes = [16, 32, 64, 128], [64, 128], [64, 128], [4, 8], [3]
+    return [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s) for m, n, k, w, s in itertools.product(*axes)]
+
+
+def sweep(tokens: list[int]):
     g = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = layer(g)
-    grid = [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s)
-            for m, n, k, w, s in itertools.product([16, 32, 64, 128], [64, 128], [64, 128], [4, 8], [3])]
     rows = []
     print(f"{'tokens':>6} {'default us':>10} {'best us':>8}  best tiles (GPU time, in a CUDA graph)")
-    for t in TOKENS:
+    for t in tokens:
         x, weights, ids, want = inputs(t, g, w13, w2)
         times = []
-        for tiles in grid:
+        for tiles in tile_grid(t):
             try:
                 got = triton_moe.fused_moe(x, w13, w2, weights, ids, tiles=tiles)
             except Exception as e:      # out of shared memory: that configuration does not exist
@@ -118,4 +126,8 @@ def main():
 
 
 if __name__ == "__main__":
-    sweep() if "--sweep" in sys.argv[1:] else main()
+    args = sys.argv[1:]
+    if "--sweep" in args:
+        sweep([int(a) for a in args if a.isdigit()] or TOKENS)
+    else:
+        main()
