@@ -1060,6 +1060,12 @@ case "${1:-}" in
       --hf --out "$OUT/w2_moe" 2>&1 | grep -E "^pagoda|^hf|start-up|Error" | sed "s/^/W2 qwen3-30b-a3b: /"
     timeout 230 python3 benchmarks/moe_kernels.py --sweep 1 8 64 256 2>&1 | tail -6
     ;;
+  free30)
+    # Is a deleted engine's memory given back on CUDA (latency.py's HF baseline OOMed beside one)?
+    # And the MoE kernel's tests compiled with the new decode tiles
+    timeout 120 python3 benchmarks/free_probe.py $MA/llama3-8b.json 2>&1 | grep -E "^free_probe|Error"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py 2>&1 | tail -3
+    ;;
   moe30w1)
     timeout 250 python3 benchmarks/throughput.py --model-config benchmarks/models/qwen3-30b-a3b.json --no-tqdm \
       --out "$OUT/w1_moe" 2>&1 | grep -E "^pagoda |^roofline|Error|preempt" | sed "s/^/W1 qwen3-30b-a3b: /"
