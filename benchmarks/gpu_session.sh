@@ -1066,14 +1066,10 @@ case "${1:-}" in
     timeout 120 python3 benchmarks/free_probe.py $MA/llama3-8b.json 2>&1 | grep -E "^free_probe|Error"
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py 2>&1 | tail -3
     ;;
-  moe30w1)
-    timeout 250 python3 benchmarks/throughput.py --model-config benchmarks/models/qwen3-30b-a3b.json --no-tqdm \
-      --out "$OUT/w1_moe" 2>&1 | grep -E "^pagoda |^roofline|Error|preempt" | sed "s/^/W1 qwen3-30b-a3b: /"
-    ;;
   moe28c)
     # W1 on Qwen3-30B-A3B's shapes
-    python3 benchmarks/throughput.py --model-config benchmarks/models/qwen3-30b-a3b.json --no-tqdm \
-      --out "$OUT/w1_moe" 2>&1 | grep -E "^pagoda |^roofline|Error" | sed "s/^/W1 qwen3-30b-a3b: /"
+    timeout 250 python3 benchmarks/throughput.py --model-config benchmarks/models/qwen3-30b-a3b.json --no-tqdm \
+      --out "$OUT/w1_moe" 2>&1 | grep -E "^pagoda |^roofline|Error|preempt" | sed "s/^/W1 qwen3-30b-a3b: /"
     ;;
   fp8b28)
     # Block-wise FP8 (weight_block_size 128 x 128): its kernel and layer tests on the GPU, then W2

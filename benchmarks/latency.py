@@ -118,7 +118,9 @@ def main():
     if args.hf:
         import gc
         import torch
-        gc.collect()          # (the engine's reference cycles hold its weights and KV cache until then)
+        # (the engine's reference cycles would hold its weights and KV cache until then; on CUDA
+        # even this left Qwen3-30B-A3B's in use: benchmarks/free_probe.py, not yet run)
+        gc.collect()
         torch.cuda.empty_cache()
         model = hf_model(args.model_config)
         r = hf_latency(model, prompts_for(1, args.prompt_len, cfg["vocab_size"]), args.output_len)

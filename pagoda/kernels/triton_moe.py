@@ -90,7 +90,7 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
 def default_tiles(num_pairs: int, num_experts: int) -> dict:
     """Tiles of about the pairs an expert gets (at a decode batch few; in a prefill many). Wide
     tiles of 8 warps once experts get 64 pairs or more: 1.2-1.5x on an H100 at 2,048-16,384
-    tokens of Qwen3-30B-A3B's layer. Below, narrow and deep ones (32 x 128): twice the programs
+    tokens of Qwen3-30B-A3B's layer. Below, narrow and deep ones (32 columns, K steps of 128): twice the programs
     to stream the few experts' weights, 16% faster at one token, 2-3% at 8-256 (in CUDA graphs;
     benchmarks/moe_kernels.py --sweep)."""
     block_m = min(128, max(16, triton.next_power_of_2(num_pairs // num_experts)))
