@@ -1,5 +1,5 @@
 """Probe: does `del llm; gc.collect()` give an engine's CUDA memory back? If not, what holds it.
-    python3 benchmarks/free_probe.py benchmarks/models/llama3-8b.json
+    python3 benchmarks/free_probe.py benchmarks/models/llama3-8b.json [--eager]
 """
 import gc
 import sys
@@ -16,8 +16,9 @@ def gib(n):
 
 def main():
     llm = LLM(common.dummy_model_dir(sys.argv[1]), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=2048)
+              max_model_len=2048, enforce_eager="--eager" in sys.argv)
     llm.generate([{"prompt_token_ids": [1] * 100}] * 4, SamplingParams(max_tokens=20), use_tqdm=False)
+    print("free_probe: eager" if "--eager" in sys.argv else "free_probe: CUDA graphs")
     print("free_probe: in use with the engine", gib(torch.cuda.memory_allocated()))
     del llm
     gc.collect()

@@ -65,6 +65,8 @@
 #   bash benchmarks/gpu_session.sh moe28a    # MoE: Triton experts' tests, CPU-vs-GPU test, micro-benchmark, tile sweep
 #   bash benchmarks/gpu_session.sh moe28b    # MoE: micro-benchmark + sweep in CUDA graphs, W2 Qwen3-30B-A3B (+ HF)
 #   bash benchmarks/gpu_session.sh moe28c    # MoE: W1 Qwen3-30B-A3B
+#   bash benchmarks/gpu_session.sh free30    # does a dropped engine give its CUDA memory back (free_probe.py); MoE tests
+#   bash benchmarks/gpu_session.sh free31    # sleep / dropped-engine tests, the probe, W2 Qwen3-30B-A3B (+ HF)
 #   bash benchmarks/gpu_session.sh fp8b28    # block-wise FP8: GPU tests; W2 both models bf16 / fp8 / fp8-block, MoE fp8-block
 #   bash benchmarks/gpu_session.sh s27a      # W1 with the layers' norms alone skipped (folding's upper bound)
 #   bash benchmarks/gpu_session.sh s26g      # W1 with KV blocks of 16 and 32 tokens, interleaved
@@ -1063,8 +1065,16 @@ case "${1:-}" in
   free30)
     # Is a deleted engine's memory given back on CUDA (latency.py's HF baseline OOMed beside one)?
     # And the MoE kernel's tests compiled with the new decode tiles
-    timeout 120 python3 benchmarks/free_probe.py $MA/llama3-8b.json 2>&1 | grep -E "^free_probe|Error"
+    for m in --eager --graphs; do timeout 120 python3 benchmarks/free_probe.py $MA/llama3-8b.json $m 2>&1 | grep -E "^free_probe|Error"; done
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py 2>&1 | tail -3
+    ;;
+  free31)
+    # After the fix (no parameter <-> layer cycles under gc.freeze): sleep mode's and the dropped
+    # engine's tests on the GPU, the probe, then W2 on Qwen3-30B-A3B's shapes with HF beside it
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_sleep_mode.py 2>&1 | tail -3
+    timeout 120 python3 benchmarks/free_probe.py $MA/llama3-8b.json 2>&1 | grep -E "^free_probe|Error"
+    timeout 300 python3 benchmarks/latency.py --model-config benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 \
+      --hf --out "$OUT/w2_moe" 2>&1 | grep -E "^pagoda|^hf|start-up|Error" | sed "s/^/W2 qwen3-30b-a3b: /"
     ;;
   moe28c)
     # W1 on Qwen3-30B-A3B's shapes

@@ -42,7 +42,7 @@ def test_layer_unpacks_as_the_format_defines(method, bits, v2, desc_act, k, grou
     params = dict(layer.named_parameters())
     assert set(params) == set(tensors)
     for name, t in tensors.items():
-        params[name].weight_loader(params[name], t)
+        layer.weight_loader(params[name], t)
     layer.quant_method.process_weights_after_loading(layer)
     w = (q - zeros[g_idx.long()]).float() * scales[g_idx.long()].float()        # (K, N)
     x = torch.randn(5, k, generator=g)

@@ -4,6 +4,7 @@ waking them, as an RL trainer does); after wake_up it generates what it did befo
 process (on the default device: the GPU's CUDA graphs freed and captured again there) and over
 tensor-parallel ranks and data-parallel replicas (CPU)."""
 import gc
+import weakref
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.model.loader import iter_safetensors, load_weights
 from tests.conftest import TEST_KV_BYTES
+from tests.test_architectures import save_tiny
 from tests.test_tensor_parallel import write_tiny_llama
 
 SMALL = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128,
@@ -105,6 +107,25 @@ def test_sleep_mode_errors(tmp_path):
     finally:
         del llm
         gc.collect()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_dropped_engine_frees_its_memory(tmp_path, arch):
+    """An RL trainer or a benchmark drops an engine and builds another (or loads HF's model):
+    after ``del llm`` every weight and KV cache tensor is gone. (The engine freezes what it holds
+    out of the cyclic GC, so a reference cycle through a parameter would keep it for good.)"""
+    folder = write_tiny_llama(str(tmp_path / "tiny")) if arch == "llama" else save_tiny(tmp_path, arch)[0]
+    cuda = torch.cuda.is_available()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    llm = LLM(folder, **{**SMALL, "enable_sleep_mode": False})
+    greedy(llm)
+    runner = llm.llm_engine.executor.runner
+    held = [weakref.ref(t) for t in [*runner.model.parameters(), *runner.kv_caches]]
+    del llm, runner
+    gc.collect()
+    assert sum(ref() is not None for ref in held) == 0
+    if cuda:
+        assert torch.cuda.memory_allocated() - before < 1 << 20
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's memory: CUDA only")

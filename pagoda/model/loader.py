@@ -140,7 +140,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
             continue
         if param is None:
             raise ValueError(f"Checkpoint tensor {name!r} has no place in {type(model).__name__}.")
-        loader = getattr(param, "weight_loader", None)
+        # The layer that owns the parameter cuts its shard. (Its method is looked up here, not
+        # stored on the parameter: a bound method there makes a layer <-> parameter cycle,
+        # which the engine's gc.freeze() would keep alive after the engine is dropped.)
+        loader = getattr(modules[name.rpartition(".")[0]], "weight_loader", None)
         if loader is None:
             param.data.copy_(tensor)
         elif shard_id is None:

@@ -15,7 +15,6 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = -(-vocab_size // self.tp_size)
         self.start = self.tp_rank * self.shard
         self.weight = nn.Parameter(torch.empty(self.shard, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, loaded, shard_id=None):
         part = loaded[self.start:self.start + self.shard]

@@ -88,7 +88,6 @@ class FusedMoE(nn.Module):
         # What a whole checkpoint fills: every expert's gate and up halves, and its down weight
         p.shard_ids = ([(e, half) for e in range(self.num_experts) for half in (0, 1)] if name.startswith("w13")
                        else [(e, None) for e in range(self.num_experts)])
-        p.weight_loader = self.weight_loader
         setattr(self, name, p)
         return p
 

@@ -38,11 +38,8 @@ class LinearBase(nn.Module):
         self.quant_method = quant_method or UnquantizedLinearMethod()
         dtype = torch.get_default_dtype()
         self.quant_method.create_weights(self, in_features, out_features, dtype)
-        for p in self.parameters(recurse=False):
-            p.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
