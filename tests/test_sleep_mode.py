@@ -109,15 +109,15 @@ def test_sleep_mode_errors(tmp_path):
         gc.collect()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_dropped_engine_frees_its_memory(tmp_path, arch):
+@pytest.mark.parametrize("arch, extra", [("llama", {}), ("qwen3_moe", {}), ("llama", {"enable_lora": True})])
+def test_dropped_engine_frees_its_memory(tmp_path, arch, extra):
     """An RL trainer or a benchmark drops an engine and builds another (or loads HF's model):
     after ``del llm`` every weight and KV cache tensor is gone. (The engine freezes what it holds
     out of the cyclic GC, so a reference cycle through a parameter would keep it for good.)"""
     folder = write_tiny_llama(str(tmp_path / "tiny")) if arch == "llama" else save_tiny(tmp_path, arch)[0]
     cuda = torch.cuda.is_available()
     before = torch.cuda.memory_allocated() if cuda else 0
-    llm = LLM(folder, **{**SMALL, "enable_sleep_mode": False})
+    llm = LLM(folder, **{**SMALL, "enable_sleep_mode": False, **extra})
     greedy(llm)
     runner = llm.llm_engine.executor.runner
     held = [weakref.ref(t) for t in [*runner.model.parameters(), *runner.kv_caches]]

@@ -30,7 +30,9 @@ from pagoda.quant.base import dense_linear
 class LoRALinear:
     def __init__(self, layer, shard_ids: tuple, max_loras: int, max_rank: int, token_slots: torch.Tensor,
                  dtype: torch.dtype, row_parallel: bool):
-        self.layer, self.shard_ids, self.row_parallel = layer, shard_ids, row_parallel
+        # (``layer`` itself is not kept: it holds this object, and the engine's gc.freeze() would
+        # keep such a cycle alive after the engine is dropped; set_slot is given it.)
+        self.shard_ids, self.row_parallel = shard_ids, row_parallel
         self.rank = max_rank
         self.width = len(shard_ids) * max_rank            # a slot's columns
         self.token_slots = token_slots                     # (max tokens,), the runner's
@@ -41,8 +43,9 @@ class LoRALinear:
         self.a_2d = self.a.view(-1, layer.in_features)        # (slots * width, in)
         self.b_2d = self.b.view(layer.out_features, -1)       # (out, slots * width)
 
-    def set_slot(self, slot: int, slices: list | None) -> None:
-        """Load one adapter's (A, scaled B) per slice (None: none for that slice) into ``slot``."""
+    def set_slot(self, layer, slot: int, slices: list | None) -> None:
+        """Load one adapter's (A, scaled B) per slice (None: none for that slice) into ``slot`` of
+        ``layer`` (the linear layer this adapts)."""
         self.a[slot].zero_()
         self.b[:, slot].zero_()
         for i, (ab, shard_id) in enumerate(zip(slices or (), self.shard_ids)):
@@ -52,11 +55,11 @@ class LoRALinear:
             cols = slice(i * self.rank, i * self.rank + a.shape[0])
             a_slot, b_slot = self.a[slot, cols], self.b[:, slot, cols]
             if self.row_parallel:
-                self.layer.weight_loader(a_slot, a.to(a_slot.device))         # this rank's input columns
+                layer.weight_loader(a_slot, a.to(a_slot.device))         # this rank's input columns
                 b_slot.copy_(b)
             else:
                 a_slot.copy_(a)
-                self.layer.weight_loader(b_slot, b.to(b_slot.device), shard_id)  # this rank's output rows
+                layer.weight_loader(b_slot, b.to(b_slot.device), shard_id)  # this rank's output rows
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the layer's base output for ``x``) plus each token's adapter term, in place."""

@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+from torch import nn
 
 from pagoda.config import LoRAConfig
 from pagoda.lora.adapter import FUSED, LoRAAdapter, load_adapter
@@ -25,13 +26,13 @@ class LoRAManager:
         # The step's tokens by slot (-1: none), which every adapted layer reads
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
         decoder = model.model
-        self.layers: dict[tuple[int, str], LoRALinear] = {}
+        self.layers: dict[tuple[int, str], nn.Module] = {}     # the adapted linear layers
         for index, layer in zip(range(decoder.start_layer, decoder.end_layer), decoder.local_layers):
             for fused, shard_ids in FUSED.items():
                 linear = layer.get_submodule(fused)
                 linear.lora = LoRALinear(linear, shard_ids, config.max_loras, config.max_lora_rank, self.token_slots,
                                          dtype, isinstance(linear, RowParallelLinear))
-                self.layers[index, fused] = linear.lora
+                self.layers[index, fused] = linear
         self.slots: list[int | None] = [None] * config.max_loras     # the lora_int_id in each
         self.last_used = [0] * config.max_loras
         self.num_steps = 0
@@ -77,8 +78,8 @@ class LoRAManager:
         while len(self.on_host) > self.config.max_cpu_loras:
             self.on_host.popitem(last=False)
         self.slots[slot] = None          # (half-loaded if this raises)
-        for (index, fused), lora in self.layers.items():
-            lora.set_slot(slot, adapter.slices(index, fused))
+        for (index, fused), linear in self.layers.items():
+            linear.lora.set_slot(linear, slot, adapter.slices(index, fused))
         self.slots[slot] = lora_id
 
     def set_token_slots(self, token_slots: torch.Tensor) -> None:

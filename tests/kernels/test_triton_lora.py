@@ -54,7 +54,7 @@ def test_adapted_layer_is_each_tokens_own_adapter(request):
         r = rank if s else 2                                  # a slot of a smaller rank
         slices = [(torch.randn(r, in_f, generator=g), torch.randn(o, r, generator=g)) for o in outs]
         slices[1] = None if s == 1 else slices[1]             # an adapter without k
-        lora.set_slot(s, slices)
+        lora.set_slot(layer, s, slices)
         adapters.append(slices)
     x = torch.randn(len(token_slots), in_f, generator=g).to(DEVICE)
     base = torch.randn(len(token_slots), sum(outs), generator=g).to(DEVICE)
