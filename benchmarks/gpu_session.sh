@@ -67,6 +67,7 @@
 #   bash benchmarks/gpu_session.sh moe28c    # MoE: W1 Qwen3-30B-A3B
 #   bash benchmarks/gpu_session.sh free30    # does a dropped engine give its CUDA memory back (free_probe.py); MoE tests
 #   bash benchmarks/gpu_session.sh free31    # sleep / dropped-engine tests, the probe, W2 Qwen3-30B-A3B (+ HF)
+#   BASE=dir bash benchmarks/gpu_session.sh moe31  # one-launch routing + alignment: tests, layer in graphs, W2 MoE A/B
 #   bash benchmarks/gpu_session.sh fp8b28    # block-wise FP8: GPU tests; W2 both models bf16 / fp8 / fp8-block, MoE fp8-block
 #   bash benchmarks/gpu_session.sh s27a      # W1 with the layers' norms alone skipped (folding's upper bound)
 #   bash benchmarks/gpu_session.sh s26g      # W1 with KV blocks of 16 and 32 tokens, interleaved
@@ -1075,6 +1076,17 @@ case "${1:-}" in
     timeout 120 python3 benchmarks/free_probe.py $MA/llama3-8b.json 2>&1 | grep -E "^free_probe|Error"
     timeout 300 python3 benchmarks/latency.py --model-config benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 \
       --hf --out "$OUT/w2_moe" 2>&1 | grep -E "^pagoda|^hf|start-up|Error" | sed "s/^/W2 qwen3-30b-a3b: /"
+    ;;
+  moe31)
+    # Routing (select_experts) and the pairs' alignment (moe_align) in one launch each at decode
+    # batches: their tests compiled, the layer in graphs, W2 on Qwen3-30B-A3B's shapes, BASE then tree
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py 2>&1 | tail -3
+    timeout 150 python3 benchmarks/moe_kernels.py 2>&1 | tail -8
+    for tree in "$BASE" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 200 python3 benchmarks/latency.py --model-config \
+        benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 --out "$OUT/w2_moe_$(basename $tree)" 2>&1 \
+        | grep -E "^pagoda|Error" | sed "s|^|W2 qwen3-30b-a3b $(basename $tree): |")
+    done
     ;;
   moe28c)
     # W1 on Qwen3-30B-A3B's shapes

@@ -214,6 +214,36 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+def moe_align_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most blocks of ``block_m`` pairs any routing of ``num_pairs`` pairs needs."""
+    return -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs ``p = token * top_k + slot`` grouped by expert (in pair order within one), each
+    group padded with ``num_pairs`` (no pair) to a multiple of ``block_m``: ``(pairs
+    (num_blocks * block_m,) int32, block_experts (num_blocks,))``, the expert of each block of
+    block_m (``num_experts`` past the last group). Pairs of expert -1 (another rank's) are in no
+    group. Sizes depend on the number of pairs alone; device ops only (no host sync: CUDA graphs)."""
+    flat = topk_ids.flatten().long()
+    n = flat.numel()
+    flat = torch.where(flat < 0, num_experts, flat)      # another rank's experts: a last bin, left out
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, flat,
+                                                                                              torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    expert = flat[order]
+    rank = torch.arange(n, device=flat.device) - (counts.cumsum(0) - counts)[expert]   # within its expert's group
+    num_blocks = moe_align_blocks(n, num_experts, block_m)
+    # (one slot more, where the left-out pairs go: a boolean mask would sync with the host)
+    pairs = torch.full((num_blocks * block_m + 1,), n, dtype=torch.int32, device=flat.device)
+    dest = torch.where(expert < num_experts, (ends - padded)[expert] + rank, num_blocks * block_m)
+    pairs[dest] = order.to(torch.int32)
+    starts = torch.arange(num_blocks, device=flat.device) * block_m
+    return pairs[:-1], torch.searchsorted(ends[:num_experts], starts, right=True).to(torch.int32)
+
+
 def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                       dtype: torch.dtype) -> torch.Tensor:
     """``weight (N, K) * scale`` of each ``block`` (bn, bk) of it (block-wise FP8: ``scale

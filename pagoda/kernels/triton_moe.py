@@ -14,34 +14,92 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import reference
 from pagoda.kernels.triton_utils import fix_interpreter_bugs
 
 fix_interpreter_bugs()
 
 
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.select_experts`` in one launch (a token a program)."""
+    tokens, num_experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if tokens:
+        _select_experts_kernel[(tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0),
+                                          TOP_K=top_k, RENORMALIZE=renormalize,
+                                          E_POW2=triton.next_power_of_2(num_experts),
+                                          K_POW2=triton.next_power_of_2(top_k), num_warps=1)
+    return weights, ids
+
+
+@triton.jit
+def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
+                           RENORMALIZE: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr):
+    """The softmax over one token's experts in float32, then its TOP_K largest, largest first."""
+    token = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_POW2)
+    p = tl.load(logits_ptr + token * stride + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
+    p = tl.exp(p - tl.max(p, 0))
+    p = p / tl.sum(p, 0)
+    slot = tl.arange(0, K_POW2)
+    weights = tl.zeros((K_POW2,), dtype=tl.float32)
+    ids = tl.zeros((K_POW2,), dtype=tl.int64)
+    for k in tl.static_range(TOP_K):
+        best = tl.argmax(p, 0)
+        weights = tl.where(slot == k, tl.max(p, 0), weights)
+        ids = tl.where(slot == k, best.to(tl.int64), ids)
+        p = tl.where(e == best, -1.0, p)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 0)
+    tl.store(weights_ptr + token * TOP_K + slot, weights, mask=slot < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slot, ids, mask=slot < TOP_K)
+
+
+# One program aligns up to this many pairs (decode batches): a step's ~20 small torch launches
+# for the alignment cost more than the matmuls at a few tokens. Above, the torch version.
+ALIGN_MAX_PAIRS = 4096
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairs ``p = token * top_k + slot`` grouped by expert, each group padded with
-    ``num_pairs`` (no pair) to a multiple of ``block_m``: ``(pairs (num_blocks * block_m,) int32,
-    block_experts (num_blocks,))``, the expert of each block of block_m (``num_experts`` past the
-    last group). Pairs of expert -1 (another rank's) are in no group. Sizes depend on the number
-    of pairs alone; device ops only."""
-    flat = topk_ids.flatten().long()
-    n = flat.numel()
-    flat = torch.where(flat < 0, num_experts, flat)      # another rank's experts: a last bin, left out
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, flat,
-                                                                                              torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = flat.argsort(stable=True)
-    expert = flat[order]
-    rank = torch.arange(n, device=flat.device) - (counts.cumsum(0) - counts)[expert]   # within its expert's group
-    num_blocks = triton.cdiv(n + min(n, num_experts) * (block_m - 1), block_m)
-    # (one slot more, where the left-out pairs go: a boolean mask would sync with the host)
-    pairs = torch.full((num_blocks * block_m + 1,), n, dtype=torch.int32, device=flat.device)
-    dest = torch.where(expert < num_experts, (ends - padded)[expert] + rank, num_blocks * block_m)
-    pairs[dest] = order.to(torch.int32)
-    starts = torch.arange(num_blocks, device=flat.device) * block_m
-    return pairs[:-1], torch.searchsorted(ends[:num_experts], starts, right=True).to(torch.int32)
+    """``reference.moe_align`` (the same tensors), in one launch for decode batches."""
+    n = topk_ids.numel()
+    n_pow2, e_pow2 = triton.next_power_of_2(n), triton.next_power_of_2(num_experts + 1)
+    if n > ALIGN_MAX_PAIRS or e_pow2 > 1024:
+        return reference.moe_align(topk_ids, num_experts, block_m)
+    num_blocks = reference.moe_align_blocks(n, num_experts, block_m)
+    pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=topk_ids.device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
+    _moe_align_kernel[(1,)](topk_ids.contiguous(), pairs, block_experts, n, num_experts, num_blocks, N_POW2=n_pow2,
+                            E_POW2=e_pow2, BLOCK_M=block_m, BLOCKS_CHUNK=max(1, 4096 // e_pow2), num_warps=4)
+    return pairs, block_experts
+
+
+@triton.jit(do_not_specialize=["n", "num_blocks"])
+def _moe_align_kernel(ids_ptr, pairs_ptr, block_experts_ptr, n, num_experts, num_blocks, N_POW2: tl.constexpr,
+                      E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+    """The pairs sorted by (expert, pair) in registers; each pair's place is its expert's padded
+    start plus its rank among the expert's pairs (its sorted position less the expert's first)."""
+    i = tl.arange(0, N_POW2)
+    e = tl.load(ids_ptr + i, mask=i < n, other=-1).to(tl.int32)
+    e = tl.where(e < 0, num_experts, e)     # another rank's experts, lanes past n: a last bin, left out
+    bins = tl.arange(0, E_POW2)
+    counts = tl.histogram(e, E_POW2)
+    padded = tl.where(bins < num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, 0)
+    first = tl.cumsum(counts, 0) - counts
+    key = tl.sort(e * N_POW2 + i)
+    expert, pair = key // N_POW2, key % N_POW2
+    dest = tl.gather(ends - padded, expert, 0) + i - tl.gather(first, expert, 0)
+    for s in range(0, num_blocks * BLOCK_M, N_POW2):        # padding everywhere first ...
+        tl.store(pairs_ptr + s + i, n, mask=s + i < num_blocks * BLOCK_M)
+    tl.debug_barrier()                                       # (the program's own stores, in order)
+    tl.store(pairs_ptr + dest, pair, mask=expert < num_experts)   # ... then the pairs
+    # each block's expert: how many experts' padded runs end at or before its start
+    for b0 in range(0, num_blocks, BLOCKS_CHUNK):
+        b = b0 + tl.arange(0, BLOCKS_CHUNK)
+        done = (ends[None, :] <= b[:, None] * BLOCK_M) & (bins < num_experts)[None, :]
+        tl.store(block_experts_ptr + b, tl.sum(done.to(tl.int32), 1), mask=b < num_blocks)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])

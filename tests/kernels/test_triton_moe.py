@@ -29,15 +29,22 @@ def weights(experts, hidden, inter, dtype, g):
 
 @pytest.mark.parametrize("foreign", [False, True])
 @pytest.mark.parametrize("tokens,experts_topk,block_m", [(1, (8, 2), 16), (37, (8, 3), 16), (200, (16, 4), 64),
-                                                          (5, (64, 8), 16)])
-def test_moe_align_groups_every_pair_by_expert(tokens, experts_topk, block_m, foreign, request):
-    """With ``foreign``, about a third of the pairs chose another rank's expert (-1): in no block."""
+                                                          (5, (64, 8), 16), (3, (128, 8), 16), (600, (8, 2), 128),
+                                                          (1100, (4, 4), 64)])
+@pytest.mark.parametrize("align", ["reference", "triton"])
+def test_moe_align_groups_every_pair_by_expert(tokens, experts_topk, block_m, foreign, align, request):
+    """With ``foreign``, about a third of the pairs chose another rank's expert (-1): in no block.
+    The one-program kernel (up to ALIGN_MAX_PAIRS; 1,100 tokens x 4 is past it: the torch ops)
+    gives what the reference does, to the element."""
     experts, top_k = experts_topk
     g = seed_for(request)
     _, ids = routing(tokens, experts, top_k, g)
     if foreign:
         ids = torch.where(torch.rand(ids.shape, generator=g).to(DEVICE) < 1 / 3, -1, ids)
-    pairs, block_experts = triton_moe.moe_align(ids, experts, block_m)
+    pairs, block_experts = reference.moe_align(ids, experts, block_m)
+    if align == "triton":
+        got_pairs, got_experts = triton_moe.moe_align(ids, experts, block_m)
+        assert torch.equal(got_pairs, pairs) and torch.equal(got_experts, block_experts)
     n = tokens * top_k
     flat, pairs, block_experts = ids.flatten().cpu(), pairs.cpu().long(), block_experts.cpu().long()
     assert pairs.numel() == block_experts.numel() * block_m
@@ -50,6 +57,26 @@ def test_moe_align_groups_every_pair_by_expert(tokens, experts_topk, block_m, fo
     used = block_experts < experts
     assert used.sum() == sum(-(-int((flat == e).sum()) // block_m) for e in range(experts))
     assert (block_experts[used].diff() >= 0).all() and not used[used.sum():].any()
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize", [(1, 8, 2, True), (45, 60, 3, False), (7, 128, 8, True),
+                                                             (0, 16, 4, True)])
+def test_select_experts_matches_reference(tokens, experts, top_k, renormalize, request):
+    """The largest top_k of the softmax, largest first, renormalised or not; router logits in bf16
+    and float32 (a row's stride past its width: a slice of a wider output). bf16 logits tie: then
+    either expert of a tie is right, so each id's own weight is checked."""
+    g = seed_for(request)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(tokens, experts + 3, generator=g).to(DEVICE, dtype)[:, :experts]
+        want_w, want_ids = reference.select_experts(logits, top_k, renormalize)
+        got_w, got_ids = triton_moe.select_experts(logits, top_k, renormalize)
+        assert got_w.dtype == torch.float32 and got_ids.dtype == torch.int64
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+        if dtype == torch.float32:
+            assert torch.equal(got_ids, want_ids)
+        probs = logits.float().softmax(-1).gather(1, got_ids)
+        torch.testing.assert_close(probs / (probs.sum(-1, keepdim=True) if renormalize else 1), got_w)
+        assert all(len(set(row)) == top_k for row in got_ids.tolist())
 
 
 @pytest.mark.parametrize("tokens", [3, 40])

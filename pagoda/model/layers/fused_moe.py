@@ -131,11 +131,11 @@ class FusedMoE(nn.Module):
                 (self.w2_weight_scale, (1, self.w2_weight.shape[2])))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = reference.select_experts(router_logits, self.top_k, self.renormalize)
         if x.is_cuda:
-            from pagoda.kernels.triton_moe import fused_moe
+            from pagoda.kernels.triton_moe import fused_moe, select_experts
         else:
-            fused_moe = reference.fused_moe
+            fused_moe, select_experts = reference.fused_moe, reference.select_experts
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_map, self.scales())
         return out if self.tp_size == 1 else tp_all_reduce(out)
 
