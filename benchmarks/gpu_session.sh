@@ -68,6 +68,7 @@
 #   bash benchmarks/gpu_session.sh free30    # does a dropped engine give its CUDA memory back (free_probe.py); MoE tests
 #   bash benchmarks/gpu_session.sh free31    # sleep / dropped-engine tests, the probe, W2 Qwen3-30B-A3B (+ HF)
 #   BASE=dir bash benchmarks/gpu_session.sh moe31  # one-launch routing + alignment: tests, layer in graphs, W2 MoE A/B
+#   BASE=dir bash benchmarks/gpu_session.sh moe31b # the MoE kernels with PDL: tests, layer, decode sweep, W2 MoE A/B
 #   bash benchmarks/gpu_session.sh fp8b28    # block-wise FP8: GPU tests; W2 both models bf16 / fp8 / fp8-block, MoE fp8-block
 #   bash benchmarks/gpu_session.sh s27a      # W1 with the layers' norms alone skipped (folding's upper bound)
 #   bash benchmarks/gpu_session.sh s26g      # W1 with KV blocks of 16 and 32 tokens, interleaved
@@ -1084,6 +1085,18 @@ case "${1:-}" in
     timeout 150 python3 benchmarks/moe_kernels.py 2>&1 | tail -8
     for tree in "$BASE" .; do
       (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 200 python3 benchmarks/latency.py --model-config \
+        benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 --out "$OUT/w2_moe_$(basename $tree)" 2>&1 \
+        | grep -E "^pagoda|Error" | sed "s|^|W2 qwen3-30b-a3b $(basename $tree): |")
+    done
+    ;;
+  moe31b)
+    # The MoE kernels with programmatic dependent launch: tests, the layer in graphs, the decode
+    # tile sweep (16-column tiles, K steps of 256, 2 warps), W2 on Qwen3-30B-A3B, BASE then tree
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py 2>&1 | tail -3
+    timeout 100 python3 benchmarks/moe_kernels.py 2>&1 | tail -7
+    timeout 150 python3 benchmarks/moe_kernels.py --sweep 1 8 64 2>&1 | tail -4
+    for tree in "$BASE" .; do
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 150 python3 benchmarks/latency.py --model-config \
         benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 --out "$OUT/w2_moe_$(basename $tree)" 2>&1 \
         | grep -E "^pagoda|Error" | sed "s|^|W2 qwen3-30b-a3b $(basename $tree): |")
     done

@@ -64,7 +64,7 @@ def tile_grid(tokens: int) -> list[dict]:
     """The configurations to try: at decode batches (a few pairs an expert, the weights' read
     the whole cost) narrow and deep ones, for more programs each streaming longer; else wide."""
     if tokens <= 256:
-        axes = [16, 32], [32, 64, 128], [64, 128, 256], [4], [3, 4]
+        axes = [16], [16, 32, 64], [128, 256], [2, 4], [3, 4]
     else:
         axes = [16, 32, 64, 128], [64, 128], [64, 128], [4, 8], [3]
     return [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s) for m, n, k, w, s in itertools.product(*axes)]

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels import reference
-from pagoda.kernels.triton_utils import fix_interpreter_bugs
+from pagoda.kernels.triton_utils import fix_interpreter_bugs, pdl_launch, pdl_wait
 
 fix_interpreter_bugs()
 
@@ -29,14 +29,17 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
         _select_experts_kernel[(tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0),
                                           TOP_K=top_k, RENORMALIZE=renormalize,
                                           E_POW2=triton.next_power_of_2(num_experts),
-                                          K_POW2=triton.next_power_of_2(top_k), num_warps=1)
+                                          K_POW2=triton.next_power_of_2(top_k), num_warps=1,
+                                          **pdl_launch(router_logits.device))
     return weights, ids
 
 
 @triton.jit
 def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: tl.constexpr,
-                           RENORMALIZE: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr):
+                           RENORMALIZE: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr,
+                           USE_PDL: tl.constexpr):
     """The softmax over one token's experts in float32, then its TOP_K largest, largest first."""
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_POW2)
     p = tl.load(logits_ptr + token * stride + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
@@ -71,15 +74,17 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=topk_ids.device)
     block_experts = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
     _moe_align_kernel[(1,)](topk_ids.contiguous(), pairs, block_experts, n, num_experts, num_blocks, N_POW2=n_pow2,
-                            E_POW2=e_pow2, BLOCK_M=block_m, BLOCKS_CHUNK=max(1, 4096 // e_pow2), num_warps=4)
+                            E_POW2=e_pow2, BLOCK_M=block_m, BLOCKS_CHUNK=max(1, 4096 // e_pow2), num_warps=4,
+                            **pdl_launch(topk_ids.device))
     return pairs, block_experts
 
 
 @triton.jit(do_not_specialize=["n", "num_blocks"])
 def _moe_align_kernel(ids_ptr, pairs_ptr, block_experts_ptr, n, num_experts, num_blocks, N_POW2: tl.constexpr,
-                      E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+                      E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     """The pairs sorted by (expert, pair) in registers; each pair's place is its expert's padded
     start plus its rank among the expert's pairs (its sorted position less the expert's first)."""
+    pdl_wait(USE_PDL)
     i = tl.arange(0, N_POW2)
     e = tl.load(ids_ptr + i, mask=i < n, other=-1).to(tl.int32)
     e = tl.where(e < 0, num_experts, e)     # another rank's experts, lanes past n: a last bin, left out
@@ -107,11 +112,12 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
                        num_experts, N, K, stride_a, stride_we, stride_wn, stride_c, stride_se, stride_sn, group_n,
                        group_k, ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                        WHOLE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """``c[p] = a[p // ROWS_PER_A] @ w[expert].T`` (times the pair's weight if WEIGHTED) for
     the pairs of one block and BLOCK_N of the N output columns. BLOCK_SCALED: w is FP8 (its
     bytes), each group_n x group_k block of it scaled by ``s[expert, n // group_n, k // group_k]``
     as its tiles are converted (WHOLE_K: a tile lies in one column of blocks)."""
+    pdl_wait(USE_PDL)       # (every program, the tiles past the last expert's run too)
     expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
@@ -171,7 +177,7 @@ def _moe_matmul(a, w, c, pairs, block_experts, pair_weights, rows_per_a: int, ti
                              WEIGHTED=pair_weights is not None, BLOCK_SCALED=scale is not None,
                              WHOLE_K=group_k % block_k == 0, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"],
                              BLOCK_K=block_k, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-                             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+                             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl_launch(a.device))
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
