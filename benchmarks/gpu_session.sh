@@ -164,6 +164,11 @@ w2() {  # tree label model batches
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$3.json" --batch $4 \
     --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W2 $3 $2: /")
 }
+w2_moe() {  # tree: W2 on Qwen3-30B-A3B's shapes at batches 1, 8 and 64, labelled by the tree
+  (cd "$1" && PYTHONPATH=$PWD:/tmp/site timeout 200 python3 benchmarks/latency.py --model-config \
+    benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 --out "$OUT/w2_moe_$(basename $1)" 2>&1 \
+    | grep -E "^pagoda|Error" | sed "s|^|W2 qwen3-30b-a3b $(basename $1): |")
+}
 trees() {  # pattern benchmark args...: the benchmark in BASE, then in this tree; its lines matching
            # the pattern, labelled by tree
   pattern=$1; shift
@@ -1083,11 +1088,7 @@ case "${1:-}" in
     # batches: their tests compiled, the layer in graphs, W2 on Qwen3-30B-A3B's shapes, BASE then tree
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py 2>&1 | tail -3
     timeout 150 python3 benchmarks/moe_kernels.py 2>&1 | tail -8
-    for tree in "$BASE" .; do
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 200 python3 benchmarks/latency.py --model-config \
-        benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 --out "$OUT/w2_moe_$(basename $tree)" 2>&1 \
-        | grep -E "^pagoda|Error" | sed "s|^|W2 qwen3-30b-a3b $(basename $tree): |")
-    done
+    for tree in "$BASE" .; do w2_moe "$tree"; done
     ;;
   moe31b)
     # The MoE kernels with programmatic dependent launch: tests, the layer in graphs, the decode
@@ -1095,11 +1096,7 @@ case "${1:-}" in
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py 2>&1 | tail -3
     timeout 100 python3 benchmarks/moe_kernels.py 2>&1 | tail -7
     timeout 150 python3 benchmarks/moe_kernels.py --sweep 1 8 64 2>&1 | tail -4
-    for tree in "$BASE" .; do
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 150 python3 benchmarks/latency.py --model-config \
-        benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 --out "$OUT/w2_moe_$(basename $tree)" 2>&1 \
-        | grep -E "^pagoda|Error" | sed "s|^|W2 qwen3-30b-a3b $(basename $tree): |")
-    done
+    for tree in "$BASE" .; do w2_moe "$tree"; done
     ;;
   moe28c)
     # W1 on Qwen3-30B-A3B's shapes
