@@ -128,6 +128,27 @@ def test_dropped_engine_frees_its_memory(tmp_path, arch, extra):
         assert torch.cuda.memory_allocated() - before < 1 << 20
 
 
+class Cyclic:
+    def __init__(self):
+        self.me, self.data = self, torch.zeros(1000)
+
+
+def test_callers_cycles_freed_after_the_engine(tmp_path):
+    """The engine freezes the process's objects out of the cyclic GC at start-up; a cycle of the
+    caller's that was alive then and dies while the engine runs is freed once the engine is."""
+    folder = write_tiny_llama(str(tmp_path / "tiny"))
+    cycle = Cyclic()
+    held = weakref.ref(cycle.data)
+    llm = LLM(folder, **{**SMALL, "enable_sleep_mode": False, "device": "cpu"})
+    del cycle
+    gc.collect()
+    assert held() is not None          # (frozen: why the engine unfreezes when it goes)
+    greedy(llm)
+    del llm
+    gc.collect()
+    assert held() is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's memory: CUDA only")
 def test_sleep_frees_gpu_memory(tmp_path):
     """Asleep, the KV cache (256 MiB here), the weights and the graphs' memory are given back

@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 import traceback
+import weakref
 from collections import deque
 from dataclasses import asdict
 
@@ -66,9 +67,13 @@ class LLMEngine:
         # What exists now (torch, the model, its CUDA graphs: ~450,000 objects) lives as long as
         # the engine. Frozen, the cyclic GC no longer rescans it: one full collection, which adding
         # W1's 256 requests triggered, took 0.1-0.16 s on this CPU. (The engine holds no reference
-        # cycles: dropped, it is still freed, by reference counting.)
+        # cycles: dropped, it is still freed, by reference counting.) The freeze takes in the whole
+        # process's objects, the caller's too: a cycle of theirs that dies while the engine lives
+        # (an HF model loaded before it, say) is only freed after the engine is gone, which
+        # unfreezes everything.
         gc.collect()
         gc.freeze()
+        weakref.finalize(self, gc.unfreeze)
         logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens (KV cache dtype %s).", time.time() - t0,
                     num_blocks - 1, config.cache.block_size, config.cache.cache_dtype)
 
