@@ -69,6 +69,7 @@
 #   bash benchmarks/gpu_session.sh free31    # sleep / dropped-engine tests, the probe, W2 Qwen3-30B-A3B (+ HF)
 #   BASE=dir bash benchmarks/gpu_session.sh moe31  # one-launch routing + alignment: tests, layer in graphs, W2 MoE A/B
 #   BASE=dir bash benchmarks/gpu_session.sh moe31b # the MoE kernels with PDL: tests, layer, decode sweep, W2 MoE A/B
+#   bash benchmarks/gpu_session.sh check31   # issue 3's W1 / W2 on main, both models; the MoE layer with its routing
 #   bash benchmarks/gpu_session.sh fp8b28    # block-wise FP8: GPU tests; W2 both models bf16 / fp8 / fp8-block, MoE fp8-block
 #   bash benchmarks/gpu_session.sh s27a      # W1 with the layers' norms alone skipped (folding's upper bound)
 #   bash benchmarks/gpu_session.sh s26g      # W1 with KV blocks of 16 and 32 tokens, interleaved
@@ -1097,6 +1098,13 @@ case "${1:-}" in
     timeout 100 python3 benchmarks/moe_kernels.py 2>&1 | tail -7
     timeout 150 python3 benchmarks/moe_kernels.py --sweep 1 8 64 2>&1 | tail -4
     for tree in "$BASE" .; do w2_moe "$tree"; done
+    ;;
+  check31)
+    # Issue 3's table on main as it stands (the next session's first call): W1 both models after a
+    # warm-up, W2 both models; then the MoE layer with its routing in graphs
+    w1_check
+    w2 . main qwen3-0.6b "1 64"; w2 . main llama3-8b "1 64"
+    timeout 100 python3 benchmarks/moe_kernels.py 2>&1 | tail -7
     ;;
   moe28c)
     # W1 on Qwen3-30B-A3B's shapes

@@ -7,8 +7,9 @@ Columns: time of one call (``triton.testing.do_bench``, median, L2 flushed) for 
 the Triton path's GPU time alone (its call captured in a CUDA graph and replayed, as decode
 steps run it: eager calls of a few tokens wait on the host's launches), and that path's effective
 bandwidth (the bytes of the experts its tokens touch, which each
-call must read at least once) and matmul rate. Each case is first checked against the reference
-(relative error < 1e-2).
+call must read at least once) and matmul rate; ``layer us``: the same graph with the routing
+in it (``triton_moe.select_experts`` on router logits), as the engine's MoE layer runs. Each case
+is first checked against the reference (relative error < 1e-2).
 
 With ``--sweep``, each token count's time under every tile configuration of a small grid
 (``triton_moe.fused_moe``'s ``tiles``) instead, and the best against ``default_tiles``.
@@ -104,20 +105,23 @@ def main():
     w13, w2 = layer(g)
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
     rows = []
-    print(f"{'tokens':>6} {'torch us':>9} {'triton us':>9} {'speed-up':>8} {'graph us':>8} {'GB/s':>7} {'TFLOP/s':>7}")
+    print(f"{'tokens':>6} {'torch us':>9} {'triton us':>9} {'speed-up':>8} {'graph us':>8} {'GB/s':>7} {'TFLOP/s':>7}"
+          f" {'layer us':>8}")
     for t in TOKENS:
         x, weights, ids, want = inputs(t, g, w13, w2)
         check(triton_moe.fused_moe(x, w13, w2, weights, ids), want, t)
         us_torch = do_bench(lambda: reference.fused_moe(x, w13, w2, weights, ids), return_mode="median") * 1e3
         us_triton = do_bench(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids), return_mode="median") * 1e3
         us_graph = graph_us(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids))
+        logits = torch.randn(t, EXPERTS, device="cuda", generator=g).bfloat16()
+        us_layer = graph_us(lambda: triton_moe.fused_moe(x, w13, w2, *triton_moe.select_experts(logits, TOP_K, True)))
         touched = ids.unique().numel()
         flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
         row = dict(tokens=t, experts_touched=touched, torch_us=us_torch, triton_us=us_triton, graph_us=us_graph,
-                   gb_s=touched * expert_bytes / us_graph / 1e3, tflop_s=flops / us_graph / 1e6)
+                   gb_s=touched * expert_bytes / us_graph / 1e3, tflop_s=flops / us_graph / 1e6, layer_us=us_layer)
         rows.append(row)
         print(f"{t:6d} {us_torch:9.1f} {us_triton:9.1f} {us_torch / us_triton:8.2f} {us_graph:8.1f} {row['gb_s']:7.0f} "
-              f"{row['tflop_s']:7.1f}")
+              f"{row['tflop_s']:7.1f} {us_layer:8.1f}")
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
         with open(os.path.join(os.environ["OUT"], "moe_kernels.json"), "w") as f:
