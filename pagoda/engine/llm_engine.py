@@ -36,12 +36,6 @@ class EngineAsleepError(RuntimeError):
     """A request for an engine in sleep mode (the server answers 503)."""
 
 
-def _all_ints(ids) -> bool:
-    """Whether every element is an int, checked per distinct type (in C: W1's 145,000 prompt
-    tokens took 0.1 s as a generator of isinstance calls, all of it before the first step)."""
-    return all(issubclass(t, int) for t in set(map(type, ids)))
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None):
         t0 = time.time()
@@ -236,7 +230,7 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if isinstance(ids, str) or not _all_ints(ids):
+                if isinstance(ids, str) or not all(isinstance(t, int) for t in ids):
                     raise ValueError("prompt_token_ids must be a list of integer token ids.")
                 return prompt.get("prompt"), list(ids)
             prompt = prompt.get("prompt")
@@ -244,7 +238,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("Text prompts need a tokenizer (skip_tokenizer_init=True was set).")
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and _all_ints(prompt):
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"A prompt must be a string, a list of token ids, or a dict with 'prompt' or "
                          f"'prompt_token_ids'; got {type(prompt).__name__}.")
