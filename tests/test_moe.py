@@ -157,13 +157,83 @@ def test_block_fp8_experts_over_two_ranks(tmp_path):
         LLM(wide, tensor_parallel_size=2, **SMALL)
 
 
+@pytest.mark.parametrize("case,method,kwargs", [("qwen3_moe", "gptq", dict()),
+                                                 ("qwen3_moe", "gptq", dict(v2=True, desc_act=True)),
+                                                 ("qwen2_moe", "awq", dict(group=16)),
+                                                 ("qwen3_moe", "gptq", dict(bits=8, v2=True))],
+                         ids=["gptq", "gptq-v2-act-order", "awq-shared-expert", "gptq-8bit"])
+def test_int4_experts_match_their_dequantized_weights(tmp_path, case, method, kwargs):
+    """GPTQ / AWQ checkpoints of a mixture of experts (Qwen3-30B-A3B-GPTQ-Int4's format; Qwen2-MoE's
+    shared expert quantized too, its routers not): the experts stay packed, and the model gives
+    the outputs of the same model holding the dequantized weights."""
+    from tests.quant_utils import quantize_folder
+    from tests.test_quant_w8 import same_outputs
+    folder, _ = save_tiny(tmp_path, case)
+    path = quantize_folder(folder, str(tmp_path / method), method, **kwargs)
+    same_outputs(path, path + "-dequant")
+    experts = LLM(path, **SMALL).llm_engine.executor.runner.model.model.layers[0].mlp.experts
+    pack = 32 // kwargs.get("bits", 4)
+    assert experts.w13_qweight.dtype == torch.int32 and experts.w13_qweight.shape[1:] == (64 // pack, 64)
+    assert (experts.w13_g_idx is not None) == kwargs.get("desc_act", False)
+
+
+def test_int4_experts_over_two_ranks(tmp_path):
+    """tp=2 with each expert's intermediate size split (in whole groups) and with the experts
+    shared out; act-order checkpoints refused by name (a rank's slice of an input would need the
+    checkpoint's order)."""
+    from tests.quant_utils import quantize_folder
+    folder, _ = save_tiny(tmp_path, "qwen3_moe")
+    path = quantize_folder(folder, str(tmp_path / "gptq"), "gptq", group=16)
+    one = outputs_at(path, 1)
+    assert_same(one, outputs_at(path, 2))
+    assert_same(one, outputs_at(path, 2, enable_expert_parallel=True))
+    act = quantize_folder(folder, str(tmp_path / "act"), "gptq", group=16, v2=True, desc_act=True)
+    with pytest.raises(Exception, match="with act-order .desc_act. do not split over tensor_parallel_size=2"):
+        LLM(act, tensor_parallel_size=2, **SMALL)
+
+
+def test_int4_experts_gate_and_up_act_orders_apart():
+    """Under act-order each of an expert's gate and up projections keeps its own g_idx (the
+    kernels read w13's halves' groups apart), loaded as GPTQ lays them out."""
+    from pagoda.kernels.reference import fused_moe, select_experts
+    from pagoda.model.layers.fused_moe import FusedMoE
+    from pagoda.quant.int4 import Int4Config, Int4LinearMethod
+    from tests.quant_utils import dequant, pack_cols, pack_gptq_qweight
+    g = torch.Generator().manual_seed(0)
+    experts, hidden, inter, group = 4, 64, 32, 16
+    config = Int4Config.from_checkpoint("gptq", dict(bits=4, group_size=group, desc_act=True,
+                                                     checkpoint_format="gptq_v2"))
+    moe = FusedMoE(experts, 2, hidden, inter, renormalize=True, quant=Int4LinearMethod(config))
+    params = dict(moe.named_parameters())
+    dense = {}
+    for e in range(experts):
+        for proj, (k, n), shard in (("gate", (hidden, inter), (e, 0)), ("up", (hidden, inter), (e, 1)),
+                                    ("down", (inter, hidden), (e, None))):
+            q = torch.randint(0, 16, (k, n), generator=g, dtype=torch.int32)
+            zeros = torch.randint(0, 16, (k // group, n), generator=g, dtype=torch.int32)
+            scales = torch.rand(k // group, n, generator=g) / 16
+            g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=g)].int()
+            w = "w2" if proj == "down" else "w13"
+            for name, t in (("qweight", pack_gptq_qweight(q, 4)), ("qzeros", pack_cols(zeros, 4)),
+                            ("scales", scales), ("g_idx", g_idx)):
+                moe.weight_loader(params[f"{w}_{name}"], t, shard)
+            dense[proj, e] = dequant(q, zeros, scales, g_idx.long())
+    moe.quant_method.process_weights_after_loading(moe)
+    assert not torch.equal(moe.w13_g_idx[0, 0], moe.w13_g_idx[0, 1])
+    w13 = torch.stack([torch.cat([dense["gate", e], dense["up", e]]) for e in range(experts)])
+    w2 = torch.stack([dense["down", e] for e in range(experts)])
+    x, logits = torch.randn(5, hidden, generator=g), torch.randn(5, experts, generator=g)
+    weights, ids = select_experts(logits, 2, True)
+    torch.testing.assert_close(moe(x, logits), fused_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
 def test_refused_by_name(qwen3_moe, tmp_path):
     with pytest.raises(ValueError, match="LoRA adapters on a mixture of experts"):
         LLM(qwen3_moe, enable_lora=True, **SMALL)
-    from tests.quant_utils import quantize_folder
-    gptq = quantize_folder(qwen3_moe, str(tmp_path / "gptq"), "gptq")
-    with pytest.raises(ValueError, match="supported in FP8 .* not GPTQ / AWQ / INT8 yet"):
-        LLM(gptq, **SMALL)
+    from tests.quant_utils import compressed_folder
+    int8 = compressed_folder(qwen3_moe, str(tmp_path / "int8"))
+    with pytest.raises(ValueError, match="supported in FP8 .* and GPTQ / AWQ, not 8-bit integer .W8A8. yet"):
+        LLM(int8, **SMALL)
     uneven = dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16, num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=30)
     (tmp_path / "config.json").write_text(json.dumps(uneven))

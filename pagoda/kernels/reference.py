@@ -15,6 +15,7 @@ back (``dequantize_kv``). Other caches hold the values as they are and ignore th
 one-byte cache also stores each block's values as ``(num_kv_heads, head_dim, block_size)``:
 ``value_blocks`` gives them in the keys' layout whatever the cache (triton_attention says why).
 """
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -253,16 +254,47 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
     return (weight.float() * full).to(dtype)
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None, scales: tuple | None = None
-              ) -> torch.Tensor:
+@dataclass(frozen=True)
+class Int4Experts:
+    """A mixture of experts' stacked GPTQ / AWQ weight (w13 or w2) in ``quant.int4``'s layout, an
+    expert a row: ``qweight (E, K / pack, N)`` int32, ``scales`` / ``zeros (E, groups, N)``;
+    ``g_idx (E, halves, K)``, each input's group for each half of the N columns (act-order: w13's
+    gate and up rows have their own), or None: groups of ``group_size`` inputs in order."""
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor | None
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, N, K), as a dense stacked weight's."""
+        e, words, n = self.qweight.shape
+        return e, n, words * 32 // self.bits
+
+    def dense(self, e: int) -> torch.Tensor:
+        """Expert ``e``'s weight ``(N, K)`` in the scales' dtype (``int4.dequantize``'s values)."""
+        from pagoda.quant.int4 import dequantize
+        _, n, k = self.shape
+        g_idx = (torch.arange(k, device=self.scales.device) // self.group_size)[None] if self.g_idx is None \
+            else self.g_idx[e]
+        cols = n // g_idx.shape[0]
+        return torch.cat([dequantize(self.qweight[e, :, h * cols:(h + 1) * cols], self.scales[e, :, h * cols:(h + 1) * cols],
+                                     self.zeros[e, :, h * cols:(h + 1) * cols], g, self.bits)
+                          for h, g in enumerate(g_idx)], 1).t()
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor | Int4Experts, w2: torch.Tensor | Int4Experts,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
+              scales: tuple | None = None) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` for every token, an expert
     being ``w2[e] @ silu_and_mul(w13[e] @ x)``; expert by expert over the tokens that chose it,
     each output weighted in x's dtype and summed in it (HF's order). With ``expert_map`` (expert
     parallelism: a global expert id's index in w13 / w2, -1 for another rank's expert), the sum
     over this rank's experts alone. ``scales = ((w13_scale, block), (w2_scale, block))``: FP8
     experts with a scale per block of each (``dequantize_blocks``; a block of one row by the whole
-    input for a scale a row)."""
+    input for a scale a row). GPTQ / AWQ experts come as ``Int4Experts``."""
     if expert_map is not None:
         topk_ids = expert_map[topk_ids]
     out = torch.zeros_like(x)
@@ -270,7 +302,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if e < 0:
             continue
         tokens, slots = (topk_ids == e).nonzero(as_tuple=True)
-        w13e, w2e = w13[e], w2[e]
+        if isinstance(w13, Int4Experts):
+            w13e, w2e = w13.dense(e).to(x.dtype), w2.dense(e).to(x.dtype)
+        else:
+            w13e, w2e = w13[e], w2[e]
         if scales is not None:
             (s13, b13), (s2, b2) = scales
             w13e, w2e = dequantize_blocks(w13e, s13[e], b13, x.dtype), dequantize_blocks(w2e, s2[e], b2, x.dtype)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels import reference
+from pagoda.kernels.triton_w4a16 import _minus_zero
 from pagoda.kernels.triton_utils import fix_interpreter_bugs, pdl_launch, pdl_wait
 
 fix_interpreter_bugs()
@@ -108,15 +109,20 @@ def _moe_align_kernel(ids_ptr, pairs_ptr, block_experts_ptr, n, num_experts, num
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_weights_ptr, s_ptr, num_pairs,
-                       num_experts, N, K, stride_a, stride_we, stride_wn, stride_c, stride_se, stride_sn, group_n,
-                       group_k, ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_weights_ptr, s_ptr, z_ptr, g_ptr,
+                       num_pairs, num_experts, N, K, stride_a, stride_we, stride_w1, stride_c, stride_se, stride_s1,
+                       stride_ge, group_n, group_k, n_per_g_idx, ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr,
+                       BLOCK_SCALED: tl.constexpr, INT_BITS: tl.constexpr, HAS_G_IDX: tl.constexpr,
                        WHOLE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """``c[p] = a[p // ROWS_PER_A] @ w[expert].T`` (times the pair's weight if WEIGHTED) for
-    the pairs of one block and BLOCK_N of the N output columns. BLOCK_SCALED: w is FP8 (its
-    bytes), each group_n x group_k block of it scaled by ``s[expert, n // group_n, k // group_k]``
-    as its tiles are converted (WHOLE_K: a tile lies in one column of blocks)."""
+    the pairs of one block and BLOCK_N of the N output columns. ``w``: a dense ``(E, N, K)``
+    (``stride_w1``: its rows'); BLOCK_SCALED: FP8 (its bytes), each group_n x group_k block of it
+    scaled by ``s[expert, n // group_n, k // group_k]`` as its tiles are converted (WHOLE_K: a
+    tile lies in one column of blocks); INT_BITS: GPTQ / AWQ words ``(E, K / pack, N)``
+    (``stride_w1``: a row of words'), ``(q - z) * s`` of each input's group (``z`` / ``s``
+    ``(E, groups, N)``): ``k // group_k``, whole tiles of one group if WHOLE_K; HAS_G_IDX: read
+    from ``g[expert, n // n_per_g_idx, k]``, each half of w13 its own under act-order."""
     pdl_wait(USE_PDL)       # (every program, the tiles past the last expert's run too)
     expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert >= num_experts:
@@ -128,14 +134,41 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
     offs_k = tl.arange(0, BLOCK_K)
     n_valid = offs_n < N
     a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    if INT_BITS:
+        PACK: tl.constexpr = 32 // INT_BITS
+        offs_words = tl.arange(0, BLOCK_K // PACK)
+        shifts = tl.arange(0, PACK) * INT_BITS
+        sz_base = expert.to(tl.int64) * stride_se + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_valid = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_valid[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0)
+        if INT_BITS:
+            # the tile's words, each loaded once and unpacked in registers: word row r, value j
+            # is input (k0 / PACK + r) * PACK + j (K is a whole number of words)
+            words = tl.load(w_base + (k0 // PACK + offs_words)[:, None] * stride_w1 + offs_n[None, :],
+                            mask=(offs_words < (K - k0) // PACK)[:, None] & n_valid[None, :], other=0)
+            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << INT_BITS) - 1), [BLOCK_K, BLOCK_N])
+            if WHOLE_K:
+                sz = sz_base + (k0 // group_k) * stride_s1
+                sz_mask = n_valid[None, :]
+            else:
+                if HAS_G_IDX:
+                    g = tl.load(g_ptr + expert.to(tl.int64) * stride_ge + (offs_n // n_per_g_idx)[None, :] * K
+                                + (k0 + offs_k)[:, None], mask=k_valid[:, None] & n_valid[None, :], other=0)
+                else:
+                    g = ((k0 + offs_k) // group_k)[:, None]
+                sz = sz_base + g.to(tl.int64) * stride_s1
+                sz_mask = k_valid[:, None] & n_valid[None, :]
+            scale = tl.load(s_ptr + sz, mask=sz_mask, other=0.0)
+            zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0)
+            w = (_minus_zero(q, zero, INT_BITS) * scale).to(a.dtype)
+        else:
+            w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_w1 + (k0 + offs_k)[:, None],
+                        mask=k_valid[:, None] & n_valid[None, :], other=0)
         if BLOCK_SCALED:
-            s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (offs_n // group_n)[None, :] * stride_sn
+            s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (offs_n // group_n)[None, :] * stride_s1
             if WHOLE_K:
                 s = tl.load(s_ptrs + k0 // group_k, mask=n_valid[None, :], other=0.0)
             else:
@@ -144,7 +177,6 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
             w = (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(a.dtype)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     if WEIGHTED:
         acc *= tl.load(pair_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_c + offs_n[None, :]
@@ -166,21 +198,32 @@ def default_tiles(num_pairs: int, num_experts: int) -> dict:
 def _moe_matmul(a, w, c, pairs, block_experts, pair_weights, rows_per_a: int, tiles: dict,
                 scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> None:
     num_experts, n, k = w.shape
-    assert a.stride(-1) == w.stride(-1) == c.stride(-1) == 1
     block_k = min(tiles["block_k"], max(16, triton.next_power_of_2(k)))
-    group_n, group_k = block or (1, 1)
+    int4 = isinstance(w, reference.Int4Experts)
+    if int4:      # (its scales and zeros, its groups along K)
+        weight, scale, zeros, g_idx = w.qweight, w.scales, w.zeros, w.g_idx
+        group_n, group_k = 1, w.group_size
+        whole_k = g_idx is None and group_k % block_k == 0
+    else:
+        weight, zeros, g_idx = (w if scale is None else w.view(torch.uint8)), None, None
+        group_n, group_k = block or (1, 1)
+        whole_k = group_k % block_k == 0
+    assert a.stride(-1) == weight.stride(-1) == c.stride(-1) == 1
     grid = (block_experts.numel(), triton.cdiv(n, tiles["block_n"]))
-    _moe_matmul_kernel[grid](a, w if scale is None else w.view(torch.uint8), c, pairs, block_experts, pair_weights,
-                             scale, c.shape[0], num_experts, n, k, a.stride(0), w.stride(0), w.stride(1),
-                             c.stride(0), 0 if scale is None else scale.stride(0),
-                             0 if scale is None else scale.stride(1), group_n, group_k, ROWS_PER_A=rows_per_a,
-                             WEIGHTED=pair_weights is not None, BLOCK_SCALED=scale is not None,
-                             WHOLE_K=group_k % block_k == 0, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"],
-                             BLOCK_K=block_k, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+    _moe_matmul_kernel[grid](a, weight, c, pairs, block_experts, pair_weights, scale, zeros, g_idx, c.shape[0],
+                             num_experts, n, k, a.stride(0), weight.stride(0), weight.stride(1), c.stride(0),
+                             0 if scale is None else scale.stride(0), 0 if scale is None else scale.stride(1),
+                             0 if g_idx is None else g_idx.stride(0), group_n, group_k,
+                             n if g_idx is None else n // g_idx.shape[1], ROWS_PER_A=rows_per_a,
+                             WEIGHTED=pair_weights is not None, BLOCK_SCALED=scale is not None and not int4,
+                             INT_BITS=w.bits if int4 else 0, HAS_G_IDX=g_idx is not None, WHOLE_K=whole_k,
+                             BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=block_k,
+                             DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
                              num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl_launch(a.device))
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def fused_moe(x: torch.Tensor, w13: torch.Tensor | reference.Int4Experts, w2: torch.Tensor | reference.Int4Experts,
+              topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None, scales: tuple | None = None,
               tiles: dict | None = None) -> torch.Tensor:
     """See ``reference.fused_moe``; ``tiles`` overrides ``default_tiles`` (benchmarks' sweeps)."""

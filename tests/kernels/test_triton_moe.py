@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagoda.kernels import reference, triton_moe
+from pagoda.quant.int4 import pack_rows
 from tests.kernels.test_triton_ops import DEVICE, DTYPES, ON_GPU, TOLERANCE, matrix, seed_for
 
 CASES = matrix([1, 6, 45] + ([300, 2049] if ON_GPU else []),    # tokens
@@ -139,6 +140,51 @@ def test_fused_moe_with_fp8_experts(block, inter, request):
     assert torch.allclose(want, reference.fused_moe(args[0], *[d.to(DEVICE) for d in dense], *args[3:]))
     got = triton_moe.fused_moe(*args, scales=scales)
     assert (got - want).norm() / want.norm() < TOLERANCE[torch.float32]
+
+
+def int4_experts(experts, n, k, bits, group, dtype, g, halves=0):
+    """Random GPTQ / AWQ experts in pagoda's layout, with the dense weights they stand for.
+    ``halves``: act-order, each half of the N columns its own random order of groups."""
+    top = (1 << bits) - 1
+    groups = -(-k // group)
+    q = torch.randint(0, top + 1, (experts, k, n), generator=g, dtype=torch.int32)
+    zeros = torch.randint(0, top + 1, (experts, groups, n), generator=g).to(dtype)
+    scales = ((torch.rand(experts, groups, n, generator=g) + 0.5) / (top * k ** 0.5)).to(dtype)
+    by_rule = torch.arange(k) // group
+    g_idx = (torch.stack([torch.stack([by_rule[torch.randperm(k, generator=g)] for _ in range(halves)])
+                          for _ in range(experts)]).int() if halves else None)
+    dense = torch.empty(experts, n, k)
+    for e in range(experts):
+        for h, cols in enumerate((torch.arange(n) // (n // max(halves, 1))).unique()):
+            sel = (torch.arange(n) // (n // max(halves, 1))) == cols
+            gi = (by_rule if g_idx is None else g_idx[e, h]).long()
+            dense[e][sel] = ((q[e][:, sel] - zeros[e][gi][:, sel]) * scales[e][gi][:, sel]).float().t()
+    packed = pack_rows(q.flatten(0, 1), bits).view(experts, k * bits // 32, n)
+    moved = [t if t is None else t.to(DEVICE) for t in (packed, scales, zeros, g_idx)]
+    return reference.Int4Experts(*moved, bits, group), dense.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("bits,group,act_order,tokens", [(4, 32, False, 13), (4, 128, False, 3), (8, 16, False, 9),
+                                                         (4, 32, True, 13), (4, 48, False, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if ON_GPU else [torch.float16]))
+def test_fused_moe_with_int4_experts(bits, group, act_order, tokens, dtype, request):
+    """GPTQ / AWQ experts (``reference.Int4Experts``): the words unpacked and each tile
+    dequantized in registers, groups whole tiles, smaller than one (32 and 16 of 64-input steps,
+    48: tiles across groups), one group over the whole input (128), or (act-order) each input's
+    group read from its expert's g_idx, w13's gate and up halves their own. The reference's
+    experts are the dense weights the words stand for, and the kernel's sum is the reference's."""
+    g = seed_for(request)
+    experts, top_k, hidden, inter = 8, 2, 128, 64
+    topk_weights, topk_ids = routing(tokens, experts, top_k, g)
+    w13, d13 = int4_experts(experts, 2 * inter, hidden, bits, min(group, hidden), dtype, g, 2 * act_order)
+    w2, d2 = int4_experts(experts, hidden, inter, bits, min(group, inter), dtype, g, act_order)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)
+    want = reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    torch.testing.assert_close(want, reference.fused_moe(x, d13, d2, topk_weights, topk_ids))
+    got = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids,
+                               tiles=dict(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2))
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert err < TOLERANCE[dtype], err
 
 
 @pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2),

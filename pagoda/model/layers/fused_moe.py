@@ -14,6 +14,12 @@ of bn x bk weights, ``w13_weight_scale_inv (E, 2 * I / bn, H / bk)`` / ``w2_weig
 H / bn, I / bk)``; vLLM's per-tensor FP8 checkpoints, and ``quantization="fp8"`` on a bf16
 checkpoint (each expert's rows quantized at load), a scale per row, ``w13_weight_scale (E, 2 * I,
 1)`` / ``w2_weight_scale (E, H, 1)``: blocks of one row by the whole input.
+
+GPTQ / AWQ experts (Qwen3-30B-A3B-GPTQ-Int4's, Mixtral's AWQ) stay packed: each expert's tensors
+are loaded as the checkpoint lays them out, ``w13_qweight`` holding its gate then its up
+columns, and repacked after loading into ``quant.int4``'s layout, ``qweight (E, K / pack, N)``,
+``scales`` / ``zeros (E, groups, N)``, the kernels dequantizing their tiles in registers
+(``reference.Int4Experts``). Under act-order each of w13's halves keeps its own ``g_idx``.
 """
 import re
 
@@ -29,7 +35,8 @@ from pagoda.quant.base import QuantMethod, UnquantizedLinearMethod
 # packed_modules_mapping has named gate / up projections gate_up_proj (with their half as the
 # shard id) and down projections down_proj: the stacked parameter it fills.
 _EXPERT_TENSOR = re.compile(
-    r"^(.*\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale|input_scale)$")
+    r"^(.*\.experts)\.(\d+)\.(gate_up_proj|down_proj)\."
+    r"(weight|weight_scale_inv|weight_scale|input_scale|qweight|qzeros|scales|g_idx)$")
 _STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
 
 
@@ -59,32 +66,68 @@ class FusedMoE(nn.Module):
             expert_map[self.first_expert:self.first_expert + self.num_local_experts] = torch.arange(
                 self.num_local_experts, dtype=torch.int32)
         self.register_buffer("expert_map", expert_map, persistent=False)
-        self.fp8, self.block = fp8_experts(quant)
-        if self.fp8 == "online":      # (quantized after loading: the loader calls quant_method)
-            self.quant_method = _QuantizeAtLoad()
+        from pagoda.quant.int4 import Int4LinearMethod
+        self.int4 = quant.config if isinstance(quant, Int4LinearMethod) else None
+        self.fp8, self.block = fp8_experts(None if self.int4 else quant)
+        if self.fp8 == "online" or self.int4:     # (the loader calls quant_method once all is loaded)
+            self.quant_method = _AfterLoading()
         i, h = self.intermediate_size, hidden_size
+        if self.int4:
+            self._add_int4(i, h, ep)
+            return
         if self.block and (i % self.block[0] or i % self.block[1]):
             raise ValueError(f"Block-wise FP8 experts: {i} of each expert's intermediate size (this rank's) is not "
                              f"a whole number of the checkpoint's {self.block[0]} x {self.block[1]} blocks (with "
                              "tensor parallelism: use enable_expert_parallel, or a smaller tensor_parallel_size).")
         dtype = torch.float8_e4m3fn if self.fp8 == "checkpoint" else torch.get_default_dtype()
-        self._add("w13_weight", (2 * i, h), dtype, 1)
+        self._add("w13_weight", (2 * i, h), dtype, 0)
         self._add("w2_weight", (h, i), dtype, 1)
         if self.fp8 == "checkpoint" and self.block:
             bn, bk = self.block
-            self._add("w13_weight_scale_inv", (2 * i // bn, -(-h // bk)), torch.float32, bn)
-            self._add("w2_weight_scale_inv", (-(-h // bn), i // bk), torch.float32, bk)
+            self._add("w13_weight_scale_inv", (2 * i // bn, -(-h // bk)), torch.float32, 0)
+            self._add("w2_weight_scale_inv", (-(-h // bn), i // bk), torch.float32, 1)
         elif self.fp8 == "checkpoint":
-            self._add("w13_weight_scale", (2 * i, 1), torch.float32, 1)
+            self._add("w13_weight_scale", (2 * i, 1), torch.float32, 0)
             self._add("w2_weight_scale", (h, 1), torch.float32, None)
             for w in ("w13", "w2"):     # (a static activation scale: read, not used, as the dense layers')
                 self._add(f"{w}_input_scale", (), torch.float32, None).optional = True
 
-    def _add(self, name: str, shape: tuple, dtype: torch.dtype, i_pack: int | None) -> nn.Parameter:
-        """A stacked parameter (an expert a row). ``i_pack``: how many of I one element along I's
-        dimension covers (the rows of w13, the columns of w2); None: I is not one of its dimensions."""
+    def _add_int4(self, i: int, h: int, ep: bool) -> None:
+        """GPTQ / AWQ experts' tensors as the checkpoint holds them (``quant.int4``'s module
+        docstring): w13's input is H, its outputs the gate's and the up's I; w2's input is I."""
+        c = self.int4
+        self.group_sizes = {w: k if c.group_size == -1 else c.group_size for w, k in (("w13", h), ("w2", i))}
+        gh, gi = -(-h // self.group_sizes["w13"]), -(-i // self.group_sizes["w2"])
+        split = self.tp_size > 1 and not ep      # (each rank holds a slice of every expert's I)
+        if h % c.pack or i % c.pack or (c.method == "awq" and (h % gh or i % gi)):
+            raise ValueError(f"{c.method.upper()} experts of hidden size {h} and intermediate size {i} (this rank's) "
+                             f"do not hold whole words of {c.pack} values and whole groups of {c.group_size}.")
+        if split and (c.desc_act or (c.group_size != -1 and i % c.group_size)):
+            raise ValueError(f"{c.method.upper()} experts{' with act-order (desc_act)' if c.desc_act else ''} in "
+                             f"groups of {c.group_size} do not split over tensor_parallel_size={self.tp_size} (an "
+                             f"intermediate slice of {i} per rank): use enable_expert_parallel, or a smaller "
+                             "tensor_parallel_size.")
+        per_channel = c.group_size == -1
+        if c.method == "gptq":
+            self._add("w13_qweight", (h // c.pack, 2 * i), torch.int32, 1)
+            self._add("w2_qweight", (i // c.pack, h), torch.int32, 0)
+            for w, k, i_dim in (("w13", (2, h), None), ("w2", (i,), 0)):   # (w13's: a row per half)
+                self._add(f"{w}_g_idx", k, torch.int32, i_dim).optional = not c.desc_act
+        else:
+            self._add("w13_qweight", (h, 2 * i // c.pack), torch.int32, 1)
+            self._add("w2_qweight", (i, h // c.pack), torch.int32, 0)
+        dtype = torch.get_default_dtype()
+        self._add("w13_qzeros", (gh, 2 * i // c.pack), torch.int32, 1)
+        self._add("w13_scales", (gh, 2 * i), dtype, 1)
+        self._add("w2_qzeros", (gi, h // c.pack), torch.int32, None if per_channel else 0)
+        self._add("w2_scales", (gi, h), dtype, None if per_channel else 0)
+
+    def _add(self, name: str, shape: tuple, dtype: torch.dtype, i_dim: int | None) -> nn.Parameter:
+        """A stacked parameter (an expert a row). ``i_dim``: its dimension along I (the rows of
+        w13, the columns of w2, or what stands for them: packed words, groups); None: I is not one
+        of its dimensions."""
         p = nn.Parameter(torch.empty(self.num_local_experts, *shape, dtype=dtype), requires_grad=False)
-        p.i_pack = i_pack
+        p.i_dim = i_dim
         # What a whole checkpoint fills: every expert's gate and up halves, and its down weight
         p.shard_ids = ([(e, half) for e in range(self.num_experts) for half in (0, 1)] if name.startswith("w13")
                        else [(e, None) for e in range(self.num_experts)])
@@ -92,10 +135,10 @@ class FusedMoE(nn.Module):
         return p
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None]) -> None:
-        """One expert's gate (half 0) or up (half 1) projection ``(I, H)`` (or its scales) into w13,
-        or its down projection ``(H, I)`` into w2: this rank's slice of I, or (expert parallelism)
-        the whole of its own experts and nothing of the others'. A one-element scale (per tensor)
-        fills its rows."""
+        """One expert's gate (half 0) or up (half 1) projection (or its scales, ...) into w13, or
+        its down projection into w2: this rank's slice of I, or (expert parallelism) the whole of
+        its own experts and nothing of the others'. A one-element scale (per tensor) fills its
+        rows; w13's act-order g_idx has a row per half."""
         expert, half = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"Checkpoint expert {expert} is out of range: the model has {self.num_experts} experts.")
@@ -103,12 +146,14 @@ class FusedMoE(nn.Module):
         if not 0 <= local < self.num_local_experts or param.dim() == 1:    # (another rank's; an input scale)
             return
         target = param.data[local]
-        if param.i_pack is not None:
-            size = self.intermediate_size // param.i_pack
-            if half is not None:           # w13's gate or up rows of I
-                target = target.narrow(0, half * size, size)
+        if param.i_dim is not None:
+            size = target.shape[param.i_dim] // (1 if half is None else 2)
+            if half is not None:           # w13's gate or up part of I
+                target = target.narrow(param.i_dim, half * size, size)
             if loaded.numel() > 1:
-                loaded = loaded.narrow(1 if half is None else 0, self.i_rank * size, size)
+                loaded = loaded.narrow(param.i_dim, self.i_rank * size, size)
+        elif half is not None:             # (w13's act-order g_idx)
+            target = target[half]
         _copy(target, loaded)
 
     def quantize_rows(self) -> None:
@@ -130,30 +175,63 @@ class FusedMoE(nn.Module):
         return ((self.w13_weight_scale, (1, self.w13_weight.shape[2])),
                 (self.w2_weight_scale, (1, self.w2_weight.shape[2])))
 
+    def repack_int4(self) -> None:
+        """GPTQ / AWQ experts as loaded -> ``quant.int4``'s layout (``Int4LinearMethod``'s
+        repacking, every expert at once): true zero points in the scales' dtype, AWQ's words
+        repacked along K; act-order g_idx checked and kept ``(E, halves, K)``, else dropped."""
+        from pagoda.quant.int4 import AWQ_ORDER, pack_rows, unpack_cols
+        c = self.int4
+        order = AWQ_ORDER if c.method == "awq" else None
+        for w in ("w13", "w2"):
+            qweight, qzeros, scales = (getattr(self, f"{w}_{t}").data for t in ("qweight", "qzeros", "scales"))
+            e, groups, n = scales.shape
+            zeros = unpack_cols(qzeros.flatten(0, 1), c.bits, order).view(e, groups, n) + int(c.zeros_minus_one)
+            if c.method == "awq":
+                qweight = pack_rows(unpack_cols(qweight.flatten(0, 1), c.bits, order), c.bits).view(e, -1, n)
+            g_idx = getattr(self, f"{w}_g_idx", None)
+            if g_idx is not None:
+                del self._parameters[f"{w}_g_idx"]
+                g_idx = g_idx.data.view(e, -1, qweight.shape[1] * c.pack) if c.desc_act else None
+                if g_idx is not None and bool(((g_idx < 0) | (g_idx >= groups)).any()):
+                    raise ValueError(f"Corrupt GPTQ checkpoint: an expert's g_idx entry is outside its {groups} "
+                                     "groups.")
+            del self._parameters[f"{w}_qzeros"]
+            setattr(self, f"{w}_qweight", nn.Parameter(qweight, requires_grad=False))
+            setattr(self, f"{w}_zeros", nn.Parameter(zeros.to(scales.dtype), requires_grad=False))
+            setattr(self, f"{w}_g_idx", g_idx)
+
+    def experts(self) -> tuple:
+        """(w13, w2) as the kernels take them: stacked tensors, or ``reference.Int4Experts``."""
+        if not self.int4:
+            return self.w13_weight, self.w2_weight
+        return tuple(reference.Int4Experts(getattr(self, f"{w}_qweight"), getattr(self, f"{w}_scales"),
+                                           getattr(self, f"{w}_zeros"), getattr(self, f"{w}_g_idx"), self.int4.bits,
+                                           self.group_sizes[w]) for w in ("w13", "w2"))
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from pagoda.kernels.triton_moe import fused_moe, select_experts
         else:
             fused_moe, select_experts = reference.fused_moe, reference.select_experts
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_map, self.scales())
+        out = fused_moe(x, *self.experts(), topk_weights, topk_ids, self.expert_map, self.scales())
         return out if self.tp_size == 1 else tp_all_reduce(out)
 
 
 def fp8_experts(quant: QuantMethod | None) -> tuple[str | None, tuple[int, int] | None]:
-    """How a mixture of experts under ``quant`` holds its experts: ("checkpoint", its FP8 blocks or
-    None for a scale a row), ("online", None) for bf16 experts to quantize at load, or (None,
-    None): unquantized. Other quantizations are refused by name."""
+    """How a mixture of experts under ``quant`` (not GPTQ / AWQ) holds its experts: ("checkpoint",
+    its FP8 blocks or None for a scale a row), ("online", None) for bf16 experts to quantize at
+    load, or (None, None): unquantized. Other quantizations are refused by name."""
     from pagoda.quant.w8 import FP8, W8LinearMethod
     if quant is None or isinstance(quant, UnquantizedLinearMethod):
         return None, None
     if isinstance(quant, W8LinearMethod) and quant.dtype in (FP8, None):
         return ("checkpoint" if quant.dtype == FP8 else "online"), quant.block
     raise ValueError("Quantized mixture-of-experts checkpoints are supported in FP8 (vLLM's per-tensor, block-wise "
-                     "as Qwen3-30B-A3B-FP8, or quantization='fp8' at load), not GPTQ / AWQ / INT8 yet; use one of "
-                     "those or the bf16 / fp16 checkpoint.")
+                     "as Qwen3-30B-A3B-FP8, or quantization='fp8' at load) and GPTQ / AWQ, not 8-bit integer (W8A8) "
+                     "yet; use one of those or the bf16 / fp16 checkpoint.")
 
 
-class _QuantizeAtLoad(QuantMethod):
+class _AfterLoading(QuantMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.quantize_rows()
+        layer.repack_int4() if layer.int4 else layer.quantize_rows()
