@@ -71,7 +71,7 @@
 #   BASE=dir bash benchmarks/gpu_session.sh moe31b # the MoE kernels with PDL: tests, layer, decode sweep, W2 MoE A/B
 #   bash benchmarks/gpu_session.sh check31   # issue 3's W1 / W2 on main, both models; the MoE layer with its routing
 #   bash benchmarks/gpu_session.sh moe32     # W1 and W2 on Qwen3-30B-A3B's shapes
-#   bash benchmarks/gpu_session.sh int4moe32 # GPTQ / AWQ experts: MoE tests, GPU-vs-CPU, W2 MoE bf16 / gptq / awq
+#   bash benchmarks/gpu_session.sh int4moe32 # GPTQ / AWQ experts: MoE tests, GPU-vs-CPU, layer, W2 MoE bf16 / gptq / awq
 #   bash benchmarks/gpu_session.sh fp8b28    # block-wise FP8: GPU tests; W2 both models bf16 / fp8 / fp8-block, MoE fp8-block
 #   bash benchmarks/gpu_session.sh s27a      # W1 with the layers' norms alone skipped (folding's upper bound)
 #   bash benchmarks/gpu_session.sh s26g      # W1 with KV blocks of 16 and 32 tokens, interleaved
@@ -1119,6 +1119,7 @@ case "${1:-}" in
     # FP8, GPTQ act-order, AWQ), W2 on Qwen3-30B-A3B's shapes in bf16, GPTQ and AWQ
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py 2>&1 | tail -3
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k mixture 2>&1 | tail -3
+    timeout 100 python3 benchmarks/moe_kernels.py --int4 2>&1 | tail -7
     for q in none gptq awq; do
       timeout 150 python3 benchmarks/latency.py --model-config benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 \
         $([ $q = none ] || echo --quantization $q) --out "$OUT/w2_moe_$q" 2>&1 | grep -E "^pagoda|Error" \

@@ -12,9 +12,11 @@ in it (``triton_moe.select_experts`` on router logits), as the engine's MoE laye
 is first checked against the reference (relative error < 1e-2).
 
 With ``--sweep``, each token count's time under every tile configuration of a small grid
-(``triton_moe.fused_moe``'s ``tiles``) instead, and the best against ``default_tiles``.
+(``triton_moe.fused_moe``'s ``tiles``) instead, and the best against ``default_tiles``. With
+``--int4``, GPTQ experts (4-bit words in groups of 128 with bf16 scales and zeros, random)
+instead of bf16 ones: the bandwidth then counts their packed bytes.
 
-Run from the repository root:  OUT=/some/dir python benchmarks/moe_kernels.py [--sweep [TOKENS...]]
+Run from the repository root:  OUT=/some/dir python benchmarks/moe_kernels.py [--int4] [--sweep [TOKENS...]]
 Prints a table; writes ``$OUT/moe_kernels.json`` (or ``moe_tiles.json``) when OUT is set.
 """
 import itertools
@@ -44,9 +46,26 @@ def graph_us(fn) -> float:
 
 
 def layer(g):
+    if INT4:
+        return int4_experts(2 * INTER, HIDDEN, g), int4_experts(HIDDEN, INTER, g)
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=g).div_(HIDDEN ** 0.5).bfloat16()
     w2 = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=g).div_(INTER ** 0.5).bfloat16()
     return w13, w2
+
+
+def int4_experts(n: int, k: int, g, group: int = 128) -> reference.Int4Experts:
+    """Random GPTQ experts ``(EXPERTS, n, k)``: words of 8 values, zero points 8, scales about
+    the bf16 weights' size over 8."""
+    qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (EXPERTS, k // 8, n), dtype=torch.int32, device="cuda", generator=g)
+    scales = torch.rand(EXPERTS, k // group, n, device="cuda", generator=g).add_(0.5).div_(4 * k ** 0.5).bfloat16()
+    return reference.Int4Experts(qweight, scales, torch.full_like(scales, 8.0), None, 4, group)
+
+
+def expert_bytes(w) -> int:
+    """Bytes of one expert of a stacked weight (bf16, or packed words + scales + zeros)."""
+    if isinstance(w, reference.Int4Experts):
+        return w.qweight[0].numel() * 4 + w.scales[0].numel() * 2 * 2
+    return w[0].numel() * w.element_size()
 
 
 def inputs(t, g, w13, w2):
@@ -95,7 +114,7 @@ def sweep(tokens: list[int]):
         print(f"{t:6d} {default:10.1f} {best[0]:8.1f}  {best[1]}")
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
-        with open(os.path.join(os.environ["OUT"], "moe_tiles.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], "moe_tiles_int4.json" if INT4 else "moe_tiles.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shape": [EXPERTS, TOP_K, HIDDEN, INTER],
                        "rows": rows}, f, indent=2)
 
@@ -103,7 +122,7 @@ def sweep(tokens: list[int]):
 def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = layer(g)
-    expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+    one_expert = expert_bytes(w13) + expert_bytes(w2)
     rows = []
     print(f"{'tokens':>6} {'torch us':>9} {'triton us':>9} {'speed-up':>8} {'graph us':>8} {'GB/s':>7} {'TFLOP/s':>7}"
           f" {'layer us':>8}")
@@ -118,16 +137,18 @@ def main():
         touched = ids.unique().numel()
         flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
         row = dict(tokens=t, experts_touched=touched, torch_us=us_torch, triton_us=us_triton, graph_us=us_graph,
-                   gb_s=touched * expert_bytes / us_graph / 1e3, tflop_s=flops / us_graph / 1e6, layer_us=us_layer)
+                   gb_s=touched * one_expert / us_graph / 1e3, tflop_s=flops / us_graph / 1e6, layer_us=us_layer)
         rows.append(row)
         print(f"{t:6d} {us_torch:9.1f} {us_triton:9.1f} {us_torch / us_triton:8.2f} {us_graph:8.1f} {row['gb_s']:7.0f} "
               f"{row['tflop_s']:7.1f} {us_layer:8.1f}")
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
-        with open(os.path.join(os.environ["OUT"], "moe_kernels.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], "moe_kernels_int4.json" if INT4 else "moe_kernels.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shape": [EXPERTS, TOP_K, HIDDEN, INTER],
-                       "rows": rows}, f, indent=2)
+                       "int4": INT4, "rows": rows}, f, indent=2)
 
+
+INT4 = "--int4" in sys.argv
 
 if __name__ == "__main__":
     args = sys.argv[1:]
