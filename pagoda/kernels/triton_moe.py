@@ -134,12 +134,15 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
     offs_k = tl.arange(0, BLOCK_K)
     n_valid = offs_n < N
     a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we
     if INT_BITS:
         PACK: tl.constexpr = 32 // INT_BITS
         offs_words = tl.arange(0, BLOCK_K // PACK)
         shifts = tl.arange(0, PACK) * INT_BITS
         sz_base = expert.to(tl.int64) * stride_se + offs_n[None, :]
+        w_ptrs += offs_words[:, None] * stride_w1 + offs_n[None, :]
+    else:
+        w_ptrs += offs_n[None, :].to(tl.int64) * stride_w1 + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_valid = offs_k < K - k0
@@ -147,8 +150,7 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
         if INT_BITS:
             # the tile's words, each loaded once and unpacked in registers: word row r, value j
             # is input (k0 / PACK + r) * PACK + j (K is a whole number of words)
-            words = tl.load(w_base + (k0 // PACK + offs_words)[:, None] * stride_w1 + offs_n[None, :],
-                            mask=(offs_words < (K - k0) // PACK)[:, None] & n_valid[None, :], other=0)
+            words = tl.load(w_ptrs, mask=(offs_words < (K - k0) // PACK)[:, None] & n_valid[None, :], other=0)
             q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << INT_BITS) - 1), [BLOCK_K, BLOCK_N])
             if WHOLE_K:
                 sz = sz_base + (k0 // group_k) * stride_s1
@@ -165,8 +167,7 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
             zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0)
             w = (_minus_zero(q, zero, INT_BITS) * scale).to(a.dtype)
         else:
-            w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_w1 + (k0 + offs_k)[:, None],
-                        mask=k_valid[:, None] & n_valid[None, :], other=0)
+            w = tl.load(w_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0)
         if BLOCK_SCALED:
             s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + (offs_n // group_n)[None, :] * stride_s1
             if WHOLE_K:
@@ -177,6 +178,10 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
             w = (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(a.dtype)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
+        if INT_BITS:
+            w_ptrs += (BLOCK_K // PACK) * stride_w1
+        else:
+            w_ptrs += BLOCK_K
     if WEIGHTED:
         acc *= tl.load(pair_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_c + offs_n[None, :]
@@ -223,9 +228,8 @@ def _moe_matmul(a, w, c, pairs, block_experts, pair_weights, rows_per_a: int, ti
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor | reference.Int4Experts, w2: torch.Tensor | reference.Int4Experts,
-              topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None, scales: tuple | None = None,
-              tiles: dict | None = None) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
+              scales: tuple | None = None, tiles: dict | None = None) -> torch.Tensor:
     """See ``reference.fused_moe``; ``tiles`` overrides ``default_tiles`` (benchmarks' sweeps)."""
     from pagoda.kernels.triton_ops import silu_and_mul
     tokens, top_k = topk_ids.shape
