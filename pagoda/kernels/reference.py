@@ -280,9 +280,9 @@ class Int4Experts:
         g_idx = (torch.arange(k, device=self.scales.device) // self.group_size)[None] if self.g_idx is None \
             else self.g_idx[e]
         cols = n // g_idx.shape[0]
-        return torch.cat([dequantize(self.qweight[e, :, h * cols:(h + 1) * cols], self.scales[e, :, h * cols:(h + 1) * cols],
-                                     self.zeros[e, :, h * cols:(h + 1) * cols], g, self.bits)
-                          for h, g in enumerate(g_idx)], 1).t()
+        halves = [slice(h * cols, (h + 1) * cols) for h in range(g_idx.shape[0])]
+        return torch.cat([dequantize(self.qweight[e, :, c], self.scales[e, :, c], self.zeros[e, :, c], g, self.bits)
+                          for c, g in zip(halves, g_idx)], 1).t()
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor | Int4Experts, w2: torch.Tensor | Int4Experts,
