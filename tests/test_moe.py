@@ -225,6 +225,12 @@ def test_int4_experts_gate_and_up_act_orders_apart():
     x, logits = torch.randn(5, hidden, generator=g), torch.randn(5, experts, generator=g)
     weights, ids = select_experts(logits, 2, True)
     torch.testing.assert_close(moe(x, logits), fused_moe(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    corrupt = FusedMoE(experts, 2, hidden, inter, renormalize=True, quant=Int4LinearMethod(config))
+    for p in corrupt.parameters():
+        p.data.zero_()
+    corrupt.w2_g_idx.data[1, 5] = inter // group          # (one past its last group)
+    with pytest.raises(ValueError, match="Corrupt GPTQ checkpoint: an expert's g_idx entry is outside its 2 groups"):
+        corrupt.quant_method.process_weights_after_loading(corrupt)
 
 
 def test_refused_by_name(qwen3_moe, tmp_path):
