@@ -70,7 +70,7 @@
 #   BASE=dir bash benchmarks/gpu_session.sh moe31  # one-launch routing + alignment: tests, layer in graphs, W2 MoE A/B
 #   BASE=dir bash benchmarks/gpu_session.sh moe31b # the MoE kernels with PDL: tests, layer, decode sweep, W2 MoE A/B
 #   bash benchmarks/gpu_session.sh check31   # issue 3's W1 / W2 on main, both models; the MoE layer with its routing
-#   bash benchmarks/gpu_session.sh moe32     # W1 and W2 on Qwen3-30B-A3B's shapes
+#   bash benchmarks/gpu_session.sh moe32     # W1 on Qwen3-30B-A3B's shapes, bf16 and GPTQ
 #   bash benchmarks/gpu_session.sh int4moe32 # GPTQ / AWQ experts: MoE tests, GPU-vs-CPU, layer, W2 MoE bf16 / gptq / awq
 #   bash benchmarks/gpu_session.sh fp8b28    # block-wise FP8: GPU tests; W2 both models bf16 / fp8 / fp8-block, MoE fp8-block
 #   bash benchmarks/gpu_session.sh s27a      # W1 with the layers' norms alone skipped (folding's upper bound)
@@ -1109,10 +1109,12 @@ case "${1:-}" in
     timeout 100 python3 benchmarks/moe_kernels.py 2>&1 | tail -7
     ;;
   moe32)
-    # W1 and W2 on Qwen3-30B-A3B's shapes (on an H200 the KV cache holds W1's whole batch)
-    timeout 300 python3 benchmarks/throughput.py --model-config benchmarks/models/qwen3-30b-a3b.json --no-tqdm \
-      --out "$OUT/w1_moe" 2>&1 | grep -E "^pagoda |^roofline|Error|preempt" | sed "s/^/W1 qwen3-30b-a3b: /"
-    w2_moe .
+    # W1 on Qwen3-30B-A3B's shapes in bf16 (on an H200 the KV cache holds W1's whole batch) and GPTQ
+    for q in none gptq; do
+      timeout 280 python3 benchmarks/throughput.py --model-config benchmarks/models/qwen3-30b-a3b.json --no-tqdm \
+        $([ $q = none ] || echo --quantization $q) --out "$OUT/w1_moe_$q" 2>&1 \
+        | grep -E "^pagoda |^roofline|Error|preempt" | sed "s/^/W1 qwen3-30b-a3b $q: /"
+    done
     ;;
   int4moe32)
     # GPTQ / AWQ experts: the MoE kernel tests compiled, the CPU-vs-GPU engine test (bf16, block
