@@ -1120,7 +1120,7 @@ case "${1:-}" in
     # GPTQ / AWQ experts: the MoE kernel tests compiled, the CPU-vs-GPU engine test (bf16, block
     # FP8, GPTQ act-order, AWQ), W2 on Qwen3-30B-A3B's shapes in bf16, GPTQ and AWQ
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py 2>&1 | tail -3
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k mixture 2>&1 | tail -3
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k mixture --tb=line 2>&1 | grep -E "^E |^/|passed|failed"
     timeout 100 python3 benchmarks/moe_kernels.py --int4 2>&1 | tail -7
     for q in none gptq awq; do
       timeout 150 python3 benchmarks/latency.py --model-config benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 \

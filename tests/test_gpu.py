@@ -322,4 +322,8 @@ def test_mixture_of_experts_on_the_gpu_matches_cpu(tmp_path, monkeypatch, quant)
     used = []
     monkeypatch.setattr(graphs, "run", lambda key, *a, run=graphs.run: used.append(key[0]) or run(key, *a))
     got = [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)]
-    assert "decode" in used and got == want
+    assert "decode" in used
+    # (where they differ, say where: the prompt, the first differing step and both tokens)
+    diverged = [(i, next(j for j, (a, b) in enumerate(zip(w, g)) if a != b)) for i, (w, g) in enumerate(zip(want, got))
+                if w != g]
+    assert not diverged, [(i, j, want[i][j], got[i][j]) for i, j in diverged]
