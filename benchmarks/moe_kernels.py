@@ -34,6 +34,7 @@ del common  # (imported for its sys.path entry alone)
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 TOKENS = [1, 8, 64, 256, 2048, 16384]
+INT4 = "--int4" in sys.argv     # GPTQ experts instead of bf16 ones
 
 
 def graph_us(fn) -> float:
@@ -146,9 +147,6 @@ def main():
         with open(os.path.join(os.environ["OUT"], "moe_kernels_int4.json" if INT4 else "moe_kernels.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shape": [EXPERTS, TOP_K, HIDDEN, INTER],
                        "int4": INT4, "rows": rows}, f, indent=2)
-
-
-INT4 = "--int4" in sys.argv
 
 if __name__ == "__main__":
     args = sys.argv[1:]

@@ -69,6 +69,22 @@ class Int4Config:
     def pack(self) -> int:
         return 32 // self.bits
 
+    def repack(self, qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A checkpoint's ``qweight`` and ``qzeros`` (one layer's, or several stacked along their
+        rows) -> pagoda's layout (module docstring): words packed along K, and the true zero
+        points, int32 ``(groups, N)``."""
+        order = AWQ_ORDER if self.method == "awq" else None
+        zeros = unpack_cols(qzeros, self.bits, order) + int(self.zeros_minus_one)
+        if self.method == "awq":
+            qweight = pack_rows(unpack_cols(qweight, self.bits, order), self.bits)
+        return qweight, zeros
+
+    def check_g_idx(self, g_idx: torch.Tensor, groups: int, whose: str) -> None:
+        """An act-order checkpoint's own group map must stay within its ``groups``."""
+        if bool(((g_idx < 0) | (g_idx >= groups)).any()):
+            raise ValueError(f"Corrupt {self.method.upper()} checkpoint: {whose} g_idx entry is outside its {groups} "
+                             "groups.")
+
 
 def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 ``(R, C)`` holding ``32 / bits`` values a word, value j at bits ``bits * j`` ->
@@ -146,17 +162,10 @@ class Int4LinearMethod(QuantMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         c = self.config
-        zeros = unpack_cols(layer.qzeros.data, c.bits, AWQ_ORDER if c.method == "awq" else None)
-        if c.zeros_minus_one:
-            zeros = zeros + 1
-        if c.method == "awq":
-            q = unpack_cols(layer.qweight.data, c.bits, AWQ_ORDER)
-            layer.qweight = nn.Parameter(pack_rows(q, c.bits), requires_grad=False)
+        qweight, zeros = c.repack(layer.qweight.data, layer.qzeros.data)
+        layer.qweight = nn.Parameter(qweight, requires_grad=False)
         if c.desc_act:   # the checkpoint's own group map: check it
-            groups = layer.scales.shape[0]
-            if bool(((layer.g_idx < 0) | (layer.g_idx >= groups)).any()):
-                raise ValueError(f"Corrupt {c.method.upper()} checkpoint: a g_idx entry is outside the layer's "
-                                 f"{groups} groups.")
+            c.check_g_idx(layer.g_idx, layer.scales.shape[0], "a layer's")
         else:   # by the rule (GPTQ checkpoints store a g_idx even without act-order; AWQ none)
             k = layer.qweight.shape[0] * c.pack
             layer.g_idx = nn.Parameter(torch.arange(k, dtype=torch.int32, device=layer.qweight.device)

@@ -176,29 +176,21 @@ class FusedMoE(nn.Module):
                 (self.w2_weight_scale, (1, self.w2_weight.shape[2])))
 
     def repack_int4(self) -> None:
-        """GPTQ / AWQ experts as loaded -> ``quant.int4``'s layout (``Int4LinearMethod``'s
-        repacking, every expert at once): true zero points in the scales' dtype, AWQ's words
-        repacked along K; act-order g_idx checked and kept ``(E, halves, K)``, else dropped."""
-        from pagoda.quant.int4 import AWQ_ORDER, pack_rows, unpack_cols
+        """GPTQ / AWQ experts as loaded -> ``quant.int4``'s layout (``Int4Config.repack``, every
+        expert at once): act-order g_idx checked and kept ``(E, halves, K)``, else dropped."""
         c = self.int4
-        order = AWQ_ORDER if c.method == "awq" else None
         for w in ("w13", "w2"):
             qweight, qzeros, scales = (getattr(self, f"{w}_{t}").data for t in ("qweight", "qzeros", "scales"))
             e, groups, n = scales.shape
-            zeros = unpack_cols(qzeros.flatten(0, 1), c.bits, order).view(e, groups, n) + int(c.zeros_minus_one)
-            if c.method == "awq":
-                qweight = pack_rows(unpack_cols(qweight.flatten(0, 1), c.bits, order), c.bits).view(e, -1, n)
-            g_idx = getattr(self, f"{w}_g_idx", None)
-            if g_idx is not None:
-                del self._parameters[f"{w}_g_idx"]
-                g_idx = g_idx.data.view(e, -1, qweight.shape[1] * c.pack) if c.desc_act else None
-                if g_idx is not None and bool(((g_idx < 0) | (g_idx >= groups)).any()):
-                    raise ValueError(f"Corrupt GPTQ checkpoint: an expert's g_idx entry is outside its {groups} "
-                                     "groups.")
+            qweight, zeros = c.repack(qweight.flatten(0, 1), qzeros.flatten(0, 1))
+            g_idx = self._parameters.pop(f"{w}_g_idx", None)
+            if g_idx is not None and c.desc_act:
+                g_idx = g_idx.data.view(e, -1, qweight.shape[0] // e * c.pack)
+                c.check_g_idx(g_idx, groups, "an expert's")
             del self._parameters[f"{w}_qzeros"]
-            setattr(self, f"{w}_qweight", nn.Parameter(qweight, requires_grad=False))
-            setattr(self, f"{w}_zeros", nn.Parameter(zeros.to(scales.dtype), requires_grad=False))
-            setattr(self, f"{w}_g_idx", g_idx)
+            setattr(self, f"{w}_qweight", nn.Parameter(qweight.view(e, -1, n), requires_grad=False))
+            setattr(self, f"{w}_zeros", nn.Parameter(zeros.view(e, groups, n).to(scales.dtype), requires_grad=False))
+            setattr(self, f"{w}_g_idx", g_idx if c.desc_act else None)
 
     def experts(self) -> tuple:
         """(w13, w2) as the kernels take them: stacked tensors, or ``reference.Int4Experts``."""
