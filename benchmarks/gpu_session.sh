@@ -1108,6 +1108,11 @@ case "${1:-}" in
     w2 . main qwen3-0.6b "1 64"; w2 . main llama3-8b "1 64"
     timeout 100 python3 benchmarks/moe_kernels.py 2>&1 | tail -7
     ;;
+  s33a)
+    # The AWQ mixture-of-experts GPU test with its traceback, then check31
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "mixture and awq" --tb=short 2>&1 | tail -25
+    bash "$0" check31
+    ;;
   moe32)
     # W1 on Qwen3-30B-A3B's shapes in bf16 (on an H200 the KV cache holds W1's whole batch) and GPTQ
     for q in none gptq; do

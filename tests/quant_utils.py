@@ -1,6 +1,7 @@
-"""A round-to-nearest quantizer that writes GPTQ and AWQ checkpoints as AutoGPTQ / AutoAWQ lay
-them out (DESIGN.md's quantization reference), for the loader's tests. Its packing is written
-from the formats' descriptions, not from pagoda's unpacking, so the two check each other."""
+"""A round-to-nearest quantizer that writes GPTQ, AWQ and compressed-tensors checkpoints as
+AutoGPTQ / AutoAWQ / llm-compressor lay them out (DESIGN.md's quantization reference), for the
+loader's tests. Its packing is written from the formats' descriptions (compressed-tensors': the
+package's own packer), not from pagoda's unpacking, so the two check each other."""
 import json
 import os
 
@@ -60,11 +61,12 @@ def pack_cols(values: torch.Tensor, bits: int, order=None) -> torch.Tensor:
     return _words(word)
 
 
-def convert_folder(src: str, dst: str, convert, quant_config: dict, dtype: torch.dtype) -> str:
+def convert_folder(src: str, dst: str, convert, quant_config: dict, dtype: torch.dtype, keep: tuple = ()) -> str:
     """Copy the HF folder ``src`` to ``dst``, each decoder linear weight replaced by what
     ``convert(prefix, projection, weight)`` returns (the checkpoint's tensors for it, and the
     weight they stand for), the other tensors cast to ``dtype``, with ``quant_config``; and beside
-    it ``dst + "-dequant"``: the same model unquantized, float32, holding the weights they stand for."""
+    it ``dst + "-dequant"``: the same model unquantized, float32, holding the weights they stand for.
+    ``keep``: linear layers (their names) left unquantized, as a quantizer's ignore list leaves them."""
     tensors = {}
     for f in sorted(os.listdir(src)):
         if f.endswith(".safetensors"):
@@ -72,7 +74,7 @@ def convert_folder(src: str, dst: str, convert, quant_config: dict, dtype: torch
     quant, dense = {}, {}
     for name, w in tensors.items():
         module = name.rsplit(".", 2)
-        if len(module) < 3 or module[-2] not in LINEARS or module[-1] != "weight":
+        if len(module) < 3 or module[-2] not in LINEARS or module[-1] != "weight" or name[:-len(".weight")] in keep:
             quant[name] = w.to(dtype) if w.is_floating_point() else w     # (as checkpoints are)
             dense[name] = quant[name].float()
             continue
@@ -91,44 +93,70 @@ def convert_folder(src: str, dst: str, convert, quant_config: dict, dtype: torch
     return dst
 
 
-def quantize_folder(src: str, dst: str, method: str, bits: int = 4, group: int = 32, desc_act: bool = False,
-                    v2: bool = False, seed: int = 0) -> str:
-    """``src`` as a GPTQ or AWQ checkpoint (``convert_folder``; GPTQ's v1 format symmetric, as it
-    must be). With ``desc_act``, each layer's input channels are put in groups in a random order
-    (GPTQ act-order), shared by the layers that read the same input."""
+def quantize_folder(src: str, dst: str, method: str, bits: int = 4, group: int | None = 32, desc_act: bool = False,
+                    v2: bool = False, seed: int = 0, sym: bool = True, keep: tuple = ()) -> str:
+    """``src`` as a GPTQ, AWQ or compressed-tensors pack-quantized (llm-compressor's W4A16 /
+    W8A16) checkpoint (``convert_folder``; GPTQ's v1 format symmetric, as it must be; ``sym``
+    False: compressed-tensors' asymmetric scheme, with zero points; ``group`` None: its channel
+    strategy). With ``desc_act``, each layer's input channels are put in groups in a random order
+    (act-order), shared by the layers that read the same input. ``keep``: layers left unquantized
+    (compressed-tensors' ``ignore``). Compressed-tensors words are packed by its own
+    ``pack_to_int32``."""
     gen = torch.Generator().manual_seed(seed)
     orders: dict[tuple, torch.Tensor] = {}
 
     def convert(prefix, projection, w):
         k = w.shape[1]
-        g_idx = torch.arange(k) // group
+        g_idx = torch.arange(k) // (group or k)
         if desc_act:   # one random order per input (the layer index and which input it reads)
             key = (prefix.rsplit(".", 2)[0], "mlp_in" if projection in ("gate_proj", "up_proj") else
                    "attn_in" if projection in ("q_proj", "k_proj", "v_proj") else projection)
             if key not in orders:
                 orders[key] = g_idx[torch.randperm(k, generator=gen)]
             g_idx = orders[key]
-        q, zeros, scales = rtn(w, bits, group, g_idx, sym=method == "gptq" and not v2)
+        q, zeros, scales = rtn(w, bits, group or k, g_idx, sym=(method == "gptq" and not v2) or
+                               (method == "compressed-tensors" and sym))
         if method == "gptq":
             stored = {".qweight": pack_gptq_qweight(q, bits),
                       ".qzeros": pack_cols(zeros if v2 else zeros - 1, bits),   # v1 stores zero - 1
-                      ".g_idx": g_idx.int()}
-        else:
-            stored = {".qweight": pack_cols(q, bits, AWQ_ORDER), ".qzeros": pack_cols(zeros, bits, AWQ_ORDER)}
-        stored[".scales"] = scales
+                      ".g_idx": g_idx.int(), ".scales": scales}
+        elif method == "awq":
+            stored = {".qweight": pack_cols(q, bits, AWQ_ORDER), ".qzeros": pack_cols(zeros, bits, AWQ_ORDER),
+                      ".scales": scales}
+        else:     # (N, K) tensors of signed values; the packer offsets them by 2**(bits - 1)
+            from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+            scales = scales.bfloat16()
+
+            def signed(values):
+                return (values - (1 << (bits - 1))).t().contiguous().to(torch.int8)
+            stored = {".weight_packed": pack_to_int32(signed(q), bits), ".weight_scale": scales.t().contiguous(),
+                      ".weight_shape": torch.tensor(w.shape)}
+            if not sym:
+                stored[".weight_zero_point"] = pack_to_int32(signed(zeros), bits, packed_dim=0)
+            if desc_act:
+                stored[".weight_g_idx"] = g_idx.int()
         return {prefix + k: v for k, v in stored.items()}, dequant(q, zeros, scales, g_idx)
 
-    config = ({"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": not v2,
-               "checkpoint_format": "gptq_v2" if v2 else "gptq"} if method == "gptq" else
-              {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"})
-    return convert_folder(src, dst, convert, config, torch.float16)
+    if method == "gptq":
+        config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": not v2,
+                  "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+    elif method == "awq":
+        config = {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
+    else:
+        weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group" if group else "channel",
+                   "group_size": group, "dynamic": False, "actorder": "group" if desc_act else None}
+        config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                  "ignore": ["lm_head", *keep], "config_groups": {"group_0": {
+                      "targets": ["Linear"], "weights": weights, "input_activations": None}}}
+    return convert_folder(src, dst, convert, config, torch.bfloat16 if method == "compressed-tensors" else torch.float16,
+                          keep)
 
 
-def fp8_folder(src: str, dst: str, static: bool = False) -> str:
+def fp8_folder(src: str, dst: str, static: bool = False, keep: tuple = ()) -> str:
     """``src`` in vLLM's FP8 format (``quant_method: "fp8"``; ``convert_folder``): every decoder
     linear weight in float8_e4m3fn with a per-tensor scale (its largest magnitude over 448; so q,
     k and v, and gate and up, get different scales), with ``static`` a per-tensor
-    ``input_scale`` too."""
+    ``input_scale`` too; ``keep``: its ``ignored_layers``."""
     def convert(prefix, projection, w):
         scale = w.float().abs().max() / 448.0
         q = (w.float() / scale).to(torch.float8_e4m3fn)
@@ -137,8 +165,8 @@ def fp8_folder(src: str, dst: str, static: bool = False) -> str:
             stored[prefix + ".input_scale"] = torch.tensor(0.05)
         return stored, q.float() * scale
 
-    config = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic"}
-    return convert_folder(src, dst, convert, config, torch.bfloat16)
+    config = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic", "ignored_layers": list(keep)}
+    return convert_folder(src, dst, convert, config, torch.bfloat16, keep)
 
 
 def fp8_block_folder(src: str, dst: str, block: tuple[int, int] = (32, 32)) -> str:
@@ -162,10 +190,11 @@ def fp8_block_folder(src: str, dst: str, block: tuple[int, int] = (32, 32)) -> s
     return convert_folder(src, dst, convert, config, torch.bfloat16)
 
 
-def compressed_folder(src: str, dst: str, kind: str = "int", strategy: str = "channel") -> str:
+def compressed_folder(src: str, dst: str, kind: str = "int", strategy: str = "channel", keep: tuple = ()) -> str:
     """``src`` as llm-compressor writes a compressed-tensors checkpoint of symmetric 8-bit
     weights (``convert_folder``): ``kind`` "int" (INT8, the W8A8 scheme, dynamic per-token
-    activations) or "float" (FP8), scales per channel ``(N, 1)`` or per tensor ``(1,)``."""
+    activations) or "float" (FP8), scales per channel ``(N, 1)`` or per tensor ``(1,)``; ``keep``:
+    layers it ignores."""
     top = 127.0 if kind == "int" else 448.0
 
     def convert(prefix, projection, w):
@@ -177,7 +206,7 @@ def compressed_folder(src: str, dst: str, kind: str = "int", strategy: str = "ch
                 q.float() * (scale if strategy == "channel" else scale[0]))
 
     weights = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": strategy, "dynamic": False}
-    config = {"quant_method": "compressed-tensors", "format": f"{kind}-quantized", "ignore": ["lm_head"],
+    config = {"quant_method": "compressed-tensors", "format": f"{kind}-quantized", "ignore": ["lm_head", *keep],
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
                   "num_bits": 8, "type": kind, "symmetric": True, "strategy": "token", "dynamic": True}}}}
-    return convert_folder(src, dst, convert, config, torch.bfloat16)
+    return convert_folder(src, dst, convert, config, torch.bfloat16, keep)

@@ -296,17 +296,19 @@ def test_lora_on_the_gpu_matches_cpu(tmp_path, monkeypatch):
     assert "decode" in used and got == want
 
 
-@pytest.mark.parametrize("quant", [None, "fp8-block", "gptq", "awq"])
+@pytest.mark.parametrize("quant", [None, "fp8-block", "int8", "gptq", "awq"])
 def test_mixture_of_experts_on_the_gpu_matches_cpu(tmp_path, monkeypatch, quant):
     """A tiny random Qwen3-MoE (an MoE layer and a dense one) through the Triton experts, the
     CUDA graphs and async scheduling gives the CPU path's greedy tokens in float32, at batches
-    large enough that every expert gets tokens; its block-wise FP8, GPTQ (act-order) and AWQ
-    checkpoints too."""
-    from tests.quant_utils import fp8_block_folder, quantize_folder
+    large enough that every expert gets tokens; its block-wise FP8, INT8 (compressed-tensors
+    W8A8), GPTQ (act-order) and AWQ checkpoints too."""
+    from tests.quant_utils import compressed_folder, fp8_block_folder, quantize_folder
     from tests.test_architectures import save_tiny
     folder, _ = save_tiny(tmp_path, "qwen3_moe")
     if quant == "fp8-block":
         folder = fp8_block_folder(folder, str(tmp_path / "fp8b"), (16, 32))
+    elif quant == "int8":
+        folder = compressed_folder(folder, str(tmp_path / "int8"))
     elif quant:
         folder = quantize_folder(folder, str(tmp_path / quant), quant, group=16, v2=True, desc_act=quant == "gptq")
     kw = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=256)

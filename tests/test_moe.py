@@ -123,6 +123,22 @@ def test_per_tensor_fp8_experts_match_their_dequantized_weights(tmp_path, static
     assert experts.w13_weight_scale[0, 0] != experts.w13_weight_scale[0, 32]     # gate's scale, then up's
 
 
+@pytest.mark.parametrize("case,kind,strategy", [("qwen3_moe", "int", "channel"), ("qwen2_moe", "int", "tensor"),
+                                                ("qwen3_moe", "float", "channel")])
+def test_compressed_tensors_experts_match_their_dequantized_weights(tmp_path, case, kind, strategy):
+    """llm-compressor's INT8 (W8A8) and FP8 checkpoints of a mixture of experts, the routers in
+    its ``ignore`` list as its MoE recipes put them: the experts stay 8-bit, a scale a row, and
+    the model gives the outputs of the same model holding the dequantized weights."""
+    from tests.quant_utils import compressed_folder
+    from tests.test_quant_w8 import same_outputs
+    folder, _ = save_tiny(tmp_path, case)
+    path = compressed_folder(folder, str(tmp_path / "ct"), kind, strategy, keep=("re:.*mlp.gate$",))
+    same_outputs(path, path + "-dequant")
+    experts = LLM(path, **SMALL).llm_engine.executor.runner.model.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == (torch.int8 if kind == "int" else torch.float8_e4m3fn)
+    assert experts.w2_weight_scale.shape[1:] == (64, 1)
+
+
 def test_fp8_at_load_quantizes_each_experts_rows(tmp_path):
     """quantization="fp8" on a bf16 mixture of experts: every expert's rows as FP8 over a scale of
     their own (``quant.w8.quantize_rows``); the model equals one holding those weights dequantized."""
@@ -160,12 +176,17 @@ def test_block_fp8_experts_over_two_ranks(tmp_path):
 @pytest.mark.parametrize("case,method,kwargs", [("qwen3_moe", "gptq", dict()),
                                                  ("qwen3_moe", "gptq", dict(v2=True, desc_act=True)),
                                                  ("qwen2_moe", "awq", dict(group=16)),
-                                                 ("qwen3_moe", "gptq", dict(bits=8, v2=True))],
-                         ids=["gptq", "gptq-v2-act-order", "awq-shared-expert", "gptq-8bit"])
+                                                 ("qwen3_moe", "gptq", dict(bits=8, v2=True)),
+                                                 ("qwen3_moe", "compressed-tensors",
+                                                  dict(group=16, sym=False, desc_act=True)),
+                                                 ("qwen2_moe", "compressed-tensors", dict(bits=8, group=None))],
+                         ids=["gptq", "gptq-v2-act-order", "awq-shared-expert", "gptq-8bit", "w4a16-asym-act-order",
+                              "w8a16-channel-shared-expert"])
 def test_int4_experts_match_their_dequantized_weights(tmp_path, case, method, kwargs):
-    """GPTQ / AWQ checkpoints of a mixture of experts (Qwen3-30B-A3B-GPTQ-Int4's format; Qwen2-MoE's
-    shared expert quantized too, its routers not): the experts stay packed, and the model gives
-    the outputs of the same model holding the dequantized weights."""
+    """GPTQ / AWQ / compressed-tensors pack-quantized checkpoints of a mixture of experts
+    (Qwen3-30B-A3B-GPTQ-Int4's format; Qwen2-MoE's shared expert quantized too, its routers
+    not): the experts stay packed, and the model gives the outputs of the same model holding the
+    dequantized weights."""
     from tests.quant_utils import quantize_folder
     from tests.test_quant_w8 import same_outputs
     folder, _ = save_tiny(tmp_path, case)
@@ -229,17 +250,13 @@ def test_int4_experts_gate_and_up_act_orders_apart():
     for p in corrupt.parameters():
         p.data.zero_()
     corrupt.w2_g_idx.data[1, 5] = inter // group          # (one past its last group)
-    with pytest.raises(ValueError, match="Corrupt GPTQ checkpoint: an expert's g_idx entry is outside its 2 groups"):
+    with pytest.raises(ValueError, match="Corrupt GPTQ checkpoint: a g_idx entry is outside its layer's 2 groups"):
         corrupt.quant_method.process_weights_after_loading(corrupt)
 
 
 def test_refused_by_name(qwen3_moe, tmp_path):
     with pytest.raises(ValueError, match="LoRA adapters on a mixture of experts"):
         LLM(qwen3_moe, enable_lora=True, **SMALL)
-    from tests.quant_utils import compressed_folder
-    int8 = compressed_folder(qwen3_moe, str(tmp_path / "int8"))
-    with pytest.raises(ValueError, match="supported in FP8 .* and GPTQ / AWQ, not 8-bit integer .W8A8. yet"):
-        LLM(int8, **SMALL)
     uneven = dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16, num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=30)
     (tmp_path / "config.json").write_text(json.dumps(uneven))

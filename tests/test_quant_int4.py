@@ -50,14 +50,17 @@ def test_layer_unpacks_as_the_format_defines(method, bits, v2, desc_act, k, grou
 
 
 CASES = [("llama3", "gptq", dict()), ("qwen3", "gptq", dict(v2=True, desc_act=True)),
-         ("qwen2", "awq", dict()), ("llama3", "gptq", dict(bits=8, v2=True))]
+         ("qwen2", "awq", dict()), ("llama3", "gptq", dict(bits=8, v2=True)),
+         ("llama3", "compressed-tensors", dict()), ("qwen3", "compressed-tensors", dict(sym=False, desc_act=True)),
+         ("qwen2", "compressed-tensors", dict(bits=8, group=None))]
 
 
 @pytest.mark.parametrize("case,method,kwargs", CASES, ids=["llama3-gptq", "qwen3-gptq-v2-act-order",
-                                                           "qwen2-awq", "llama3-gptq-8bit"])
+                                                           "qwen2-awq", "llama3-gptq-8bit", "llama3-w4a16",
+                                                           "qwen3-w4a16-asym-act-order", "qwen2-w8a16-channel"])
 def test_quantized_model_matches_its_dequantized_weights(tmp_path, case, method, kwargs):
-    """A tiny model's GPTQ / AWQ checkpoint (fused q/k/v and gate/up loaded from their packed
-    shards) gives the prompt logprobs and greedy tokens of the same model with the dequantized
+    """A tiny model's GPTQ / AWQ / compressed-tensors W4A16 checkpoint (fused q/k/v and gate/up
+    loaded from their packed shards) gives the prompt logprobs and greedy tokens of the same model with the dequantized
     weights, unquantized."""
     folder, _ = save_tiny(tmp_path, case)
     quantized = quantize_folder(folder, str(tmp_path / f"{case}-{method}"), method, **kwargs)
@@ -124,6 +127,21 @@ def test_quantization_errors_name_the_problem(tmp_path):
     _edit_quant_config(awq, quant_method="bitsandbytes")
     with pytest.raises(NotImplementedError, match="'bitsandbytes'"):
         LLM(awq, **small)
+    w4a16 = quantize_folder(folder, str(tmp_path / "w4a16"), "compressed-tensors")
+    with open(os.path.join(w4a16, "config.json")) as f:
+        groups = json.load(f)["quantization_config"]["config_groups"]
+    for change, error, match in [
+            (dict(num_bits=3), ValueError, "compressed-tensors pack-quantized checkpoints of 3 bits are not supported"),
+            (dict(group_size=None), ValueError, "group strategy needs a positive group_size"),
+            (dict(type="float"), NotImplementedError, "pack-quantized weights .* are not supported")]:
+        _edit_quant_config(w4a16, config_groups={"group_0": {**groups["group_0"],
+                                                             "weights": {**groups["group_0"]["weights"], **change}}})
+        with pytest.raises(error, match=match):
+            LLM(w4a16, **small)
+    w4a8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    _edit_quant_config(w4a16, config_groups={"group_0": {**groups["group_0"], "input_activations": w4a8}})
+    with pytest.raises(NotImplementedError, match="activations unquantized .W4A16 / W8A16."):
+        LLM(w4a16, **small)
 
 
 def test_dummy_weights_from_a_quantized_config(tmp_path):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from pagoda import LLM, SamplingParams
 from pagoda.quant.w8 import FP8, quantize_rows
-from tests.quant_utils import LINEARS, compressed_folder, fp8_block_folder, fp8_folder
+from tests.quant_utils import LINEARS, compressed_folder, fp8_block_folder, fp8_folder, quantize_folder
 from tests.test_architectures import save_tiny
 
 SMALL = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
@@ -101,6 +101,30 @@ def test_compressed_tensors_checkpoint_matches_its_dequantized_weights(tmp_path,
     layer = llm.llm_engine.executor.runner.model.model.layers[1].mlp.down_proj
     assert layer.weight.dtype == (torch.int8 if kind == "int" else FP8)
     assert llm.llm_engine.config.model.quantization == "compressed-tensors"
+
+
+WRITERS = {"fp8": fp8_folder, "w8a8": compressed_folder,
+           "gptq": lambda src, dst, keep: quantize_folder(src, dst, "gptq", keep=keep),
+           "w4a16": lambda src, dst, keep: quantize_folder(src, dst, "compressed-tensors", keep=keep)}
+
+
+@pytest.mark.parametrize("method", WRITERS)
+def test_layers_the_checkpoint_leaves_unquantized(tmp_path, method):
+    """Layers a quantizer left out (compressed-tensors' ``ignore``, FP8's ``ignored_layers``;
+    found by their 16-bit weights) load unquantized: a whole fused q/k/v, one down projection. A
+    fused layer half quantized is refused by name."""
+    folder, _ = save_tiny(tmp_path, "qwen3")
+    keep = ("model.layers.0.mlp.down_proj",) + tuple(f"model.layers.1.self_attn.{p}_proj" for p in "qkv")
+    path = WRITERS[method](folder, str(tmp_path / method), keep=keep)
+    same_outputs(path, path + "-dequant")
+    llm = LLM(path, dtype="float32", **SMALL)
+    layers = llm.llm_engine.executor.runner.model.model.layers
+    assert layers[1].self_attn.qkv_proj.weight.dtype == layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert not hasattr(layers[0].self_attn.qkv_proj, "weight") or layers[0].self_attn.qkv_proj.weight.dtype != torch.float32
+    del llm
+    half = WRITERS[method](folder, str(tmp_path / "half"), keep=("model.layers.1.self_attn.q_proj",))
+    with pytest.raises(NotImplementedError, match=r"parts \['q'\] of model.layers.1.self_attn.qkv_proj unquantized"):
+        LLM(half, **SMALL)
 
 
 def test_online_fp8_matches_rowwise_quantized_weights(tmp_path):

@@ -117,7 +117,7 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
                        DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """``c[p] = a[p // ROWS_PER_A] @ w[expert].T`` (times the pair's weight if WEIGHTED) for
     the pairs of one block and BLOCK_N of the N output columns. ``w``: a dense ``(E, N, K)``
-    (``stride_w1``: its rows'); BLOCK_SCALED: FP8 (its bytes), each group_n x group_k block of it
+    (``stride_w1``: its rows'); BLOCK_SCALED: FP8 (its bytes) or INT8, each group_n x group_k block of it
     scaled by ``s[expert, n // group_n, k // group_k]`` as its tiles are converted (WHOLE_K: a
     tile lies in one column of blocks); INT_BITS: GPTQ / AWQ words ``(E, K / pack, N)``
     (``stride_w1``: a row of words'), ``(q - z) * s`` of each input's group (``z`` / ``s``
@@ -175,7 +175,10 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
             else:
                 s = tl.load(s_ptrs + ((k0 + offs_k) // group_k)[:, None], mask=k_valid[:, None] & n_valid[None, :],
                             other=0.0)
-            w = (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(a.dtype)
+            if w_ptr.dtype.element_ty == tl.int8:      # (INT8 experts; FP8's come as their bytes)
+                w = (w.to(tl.float32) * s).to(a.dtype)
+            else:
+                w = (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(a.dtype)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         if INT_BITS:
@@ -210,7 +213,7 @@ def _moe_matmul(a, w, c, pairs, block_experts, pair_weights, rows_per_a: int, ti
         group_n, group_k = 1, w.group_size
         whole_k = g_idx is None and group_k % block_k == 0
     else:
-        weight, zeros, g_idx = (w if scale is None else w.view(torch.uint8)), None, None
+        weight, zeros, g_idx = (w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w), None, None
         group_n, group_k = block or (1, 1)
         whole_k = group_k % block_k == 0
     assert a.stride(-1) == weight.stride(-1) == c.stride(-1) == 1

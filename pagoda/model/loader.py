@@ -91,6 +91,56 @@ def iter_safetensors(folder: str, skip: tuple[str, ...] = ()) -> Iterator[tuple[
             raise ValueError(f"Cannot read weights file {file} (truncated or corrupt?): {e}") from None
 
 
+def stored_unquantized(folder: str) -> set[str]:
+    """The modules whose ``.weight`` a (quantized) checkpoint stores in 16- or 32-bit floats: the
+    layers its quantization left out (compressed-tensors' ``ignore``, FP8's ``ignored_layers``,
+    AWQ's ``modules_to_not_convert``: each format names them its own way, the tensors say it
+    one way). Reads the files' headers only."""
+    from safetensors import SafetensorError, safe_open
+    found = set()
+    for file in safetensors_files(folder):
+        try:
+            with safe_open(file, framework="pt") as f:
+                found.update(name.removesuffix(".weight") for name in f.keys()
+                             if name.endswith(".weight") and f.get_slice(name).get_dtype() in ("BF16", "F16", "F32"))
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ValueError(f"Cannot read weights file {file} (truncated or corrupt?): {e}") from None
+    return found
+
+
+def leave_unquantized(model: nn.Module, modules: set[str]) -> None:
+    """Give the quantized linear layers that the checkpoint stores unquantized (``modules``, by
+    the checkpoint's names) unquantized weights. A fused layer (q/k/v, gate/up) must have all of
+    its parts one way or the other; the experts of a mixture all quantized or none."""
+    from pagoda.model.layers.linear import LinearBase
+    from pagoda.quant.base import UnquantizedLinearMethod
+    mapping = getattr(model, "packed_modules_mapping", {})
+    owners = dict(model.named_modules())
+    parts: dict[str, set] = {}
+    for module in modules:
+        name, shard_id = _param_name(module + ".weight", mapping)
+        owner = name.rpartition(".")[0]
+        layer = owners.get(owner)
+        if getattr(layer, "int4", None) or getattr(layer, "w8", None):   # (a quantized mixture of experts)
+            raise NotImplementedError(f"The checkpoint stores {module} unquantized but its mixture's other experts "
+                                      "quantized; pagoda needs a layer's experts all quantized or none.")
+        if isinstance(layer, LinearBase) and not isinstance(layer.quant_method, UnquantizedLinearMethod):
+            parts.setdefault(owner, set()).add(shard_id)
+    shards: dict[str, set] = {}
+    for fused, sid in mapping.values():
+        shards.setdefault(fused, set()).add(sid)
+    for owner, found in parts.items():
+        layer, want = owners[owner], shards.get(owner.rpartition(".")[2], {None})
+        if found != want:
+            raise NotImplementedError(f"The checkpoint stores parts {sorted(map(str, found))} of {owner} unquantized "
+                                      f"and the others {sorted(map(str, want - found))} quantized; pagoda fuses them "
+                                      "into one layer, which must be one or the other.")
+        for name in [n for n in layer._parameters if n != "bias"]:
+            del layer._parameters[name]
+        layer.quant_method = UnquantizedLinearMethod()
+        layer.quant_method.create_weights(layer, layer.in_features, layer.out_features, torch.get_default_dtype())
+
+
 # An FP8 KV cache's scales as checkpoints name them (vLLM's own, the older kv_scale for both,
 # NVIDIA ModelOpt's, compressed-tensors' output scales of k_proj / v_proj): which of the layer's
 # Attention scales each sets.
@@ -127,7 +177,8 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     tied = ties_lm_head(model)
     loaded: set[str] = set()
     for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name or _load_kv_scale(modules, name, tensor):
+        # (compressed-tensors' packed weights carry their unpacked shape, which the config gives)
+        if "rotary_emb.inv_freq" in name or name.endswith(".weight_shape") or _load_kv_scale(modules, name, tensor):
             continue
         if name == "lm_head.weight" and tied:
             continue
@@ -248,7 +299,10 @@ def _build(cls, config: ModelConfig, device: torch.device | str) -> nn.Module:
     torch.set_default_dtype(config.dtype)
     try:
         with torch.device(device):
-            return cls(config.arch, get_quant_method(config.quantization, config.quant_config))
+            model = cls(config.arch, get_quant_method(config.quantization, config.quant_config))
+            if config.quant_config is not None and config.load_format != "dummy" and not config.is_gguf:
+                leave_unquantized(model, stored_unquantized(config.path))
+            return model
     finally:
         torch.set_default_dtype(prev)
 

@@ -1,7 +1,8 @@
 """The quantization plug-in interface. A linear layer owns a QuantMethod that creates its
 parameters, fixes them up after loading, and runs the matmul. Unquantized weights are the
-first method, GPTQ/AWQ (``int4.py``) and 8-bit FP8/INT8 (``w8.py``) the others. Which one a
-model gets: ``resolve_quantization``."""
+first method, packed integers (GPTQ / AWQ / compressed-tensors pack-quantized, ``int4.py``) and
+8-bit FP8/INT8 (``w8.py``) the others. Which one a model gets: ``resolve_quantization`` (and,
+for layers a quantized checkpoint stores unquantized, ``model.loader.leave_unquantized``)."""
 import functools
 import importlib
 
@@ -117,8 +118,8 @@ def get_quant_method(quantization: str | None, checkpoint_config: dict | None = 
     if quantization is None:
         return UnquantizedLinearMethod()
     name = _known(quantization)
-    if name in ("fp8", "compressed-tensors"):
+    from pagoda.quant.int4 import Int4Config, Int4LinearMethod, packed_compressed_tensors
+    if name == "fp8" or (name == "compressed-tensors" and not packed_compressed_tensors(checkpoint_config)):
         from pagoda.quant.w8 import W8LinearMethod, block_size, weight_dtype
         return W8LinearMethod(weight_dtype(name, checkpoint_config), block_size(name, checkpoint_config))
-    from pagoda.quant.int4 import Int4Config, Int4LinearMethod
     return Int4LinearMethod(Int4Config.from_checkpoint(name, checkpoint_config or {}))

@@ -1,15 +1,17 @@
-"""GPTQ and AWQ weights (W4A16: 4-bit integer weights in groups along the input, each group with
-a scale and a zero point; activations stay in the model's dtype). Both formats are loaded as
-they are downloaded (AutoGPTQ's / GPTQModel's and AutoAWQ's layouts) and repacked at load into
-one layout, so that one dequantization serves both:
+"""GPTQ, AWQ and compressed-tensors' packed weights (W4A16: 4-bit, or 8-bit, integer weights in
+groups along the input, each group with a scale and a zero point; activations stay in the model's
+dtype). Each format is loaded as it is downloaded (AutoGPTQ's / GPTQModel's, AutoAWQ's and
+llm-compressor's ``pack-quantized`` layouts: ``Int4Config.checkpoint_tensors``) and repacked at load
+into one layout, so that one dequantization serves them all:
 
 - ``qweight`` int32 ``(K / pack, N)``: packed along the input dim, value j of a word at bits
   ``bits * j`` (GPTQ's own layout; AWQ's is packed along the output dim, its columns
-  interleaved, and is repacked);
+  interleaved; compressed-tensors' is GPTQ's transposed, ``(N, K / pack)``);
 - ``scales`` ``(groups, N)`` in the model's dtype;
 - ``zeros`` ``(groups, N)`` in the model's dtype: the true zero points (GPTQ's v1 checkpoints
-  store them less one);
-- ``g_idx`` int32 ``(K,)``: each input channel's group (GPTQ's act-order permutes them; for the
+  store them less one; compressed-tensors stores values offset by ``2**(bits - 1)``, so a
+  symmetric checkpoint's zero point is that offset, and an asymmetric one stores its own);
+- ``g_idx`` int32 ``(K,)``: each input channel's group (act-order permutes them; for the
   others it is ``k // group_size``).
 
 ``W[k, n] = (q[k, n] - zeros[g_idx[k], n]) * scales[g_idx[k], n]``, and the layer computes
@@ -28,15 +30,38 @@ from pagoda.quant.base import QuantMethod, triton_kernels
 
 # AWQ's order of the 8 columns in a packed word: slot i holds column AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+NAMES = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors pack-quantized"}
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One tensor a checkpoint stores for a quantized ``(K, N)`` weight, and where the output
+    and input features lie in it (``n_dim`` / ``k_dim``; None: the same for every output, or not
+    split along the input) and how many of them one of its elements covers (``n_pack`` /
+    ``k_pack``: packed values, or a group's inputs), so that loaders can cut shards of it."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None   # None: the model's
+    n_dim: int | None
+    n_pack: int
+    k_dim: int | None
+    k_pack: int
+    optional: bool = False
+
+
+def packed_compressed_tensors(qc: dict | None) -> bool:
+    """A compressed-tensors config of packed integer weights (W4A16 / W8A16), not 8-bit ones."""
+    groups = list(((qc or {}).get("config_groups") or {}).values())
+    return any((g.get("format") or qc.get("format")) == "pack-quantized" for g in groups)
 
 
 @dataclass(frozen=True)
 class Int4Config:
-    method: str             # "gptq" or "awq"
+    method: str             # "gptq", "awq" or "compressed-tensors"
     bits: int
     group_size: int         # -1: one group over the whole input (per-channel)
-    desc_act: bool = False  # GPTQ act-order: g_idx permuted
+    desc_act: bool = False  # act-order: g_idx permuted
     zeros_minus_one: bool = False   # GPTQ v1 checkpoints store each zero point less one
+    symmetric: bool = False         # compressed-tensors: no zero points stored (the offset is one)
 
     @classmethod
     def from_checkpoint(cls, method: str, qc: dict) -> "Int4Config":
@@ -52,6 +77,8 @@ class Int4Config:
                 raise ValueError("AWQ checkpoints without zero points are not supported.")
             group = qc.get("group_size", qc.get("q_group_size", 128))
             config = cls("awq", bits, group)
+        elif method == "compressed-tensors":
+            config = cls._from_compressed_tensors(qc)
         else:
             bits = qc.get("bits", 4)
             fmt = qc.get("checkpoint_format", "gptq")
@@ -61,29 +88,99 @@ class Int4Config:
                          zeros_minus_one=fmt == "gptq")
         supported = (4,) if method == "awq" else (4, 8)
         if config.bits not in supported:
-            raise ValueError(f"{method.upper()} checkpoints of {config.bits} bits are not supported; "
+            raise ValueError(f"{config.name} checkpoints of {config.bits} bits are not supported; "
                              f"supported: {supported}.")
         return config
+
+    @classmethod
+    def _from_compressed_tensors(cls, qc: dict) -> "Int4Config":
+        """llm-compressor's W4A16 / W8A16 schemes: one group of integer weights packed in int32
+        words, in groups along the input or a scale a row, activations unquantized."""
+        groups = list((qc.get("config_groups") or {}).values())
+        if len(groups) != 1:
+            raise NotImplementedError(f"compressed-tensors checkpoints with {len(groups)} config groups are not "
+                                      "supported; one group of packed integer weights is.")
+        group, w = groups[0], groups[0].get("weights") or {}
+        strategy = w.get("strategy")
+        if (w.get("type", "int") != "int" or strategy not in ("group", "channel") or group.get("input_activations")
+                or "Linear" not in group.get("targets", [])):
+            raise NotImplementedError(
+                f"compressed-tensors pack-quantized weights {w} with input activations "
+                f"{group.get('input_activations')} targeting {group.get('targets')} are not supported; integer "
+                "weights of every Linear in groups or per channel, activations unquantized (W4A16 / W8A16), are.")
+        group_size = w.get("group_size") if strategy == "group" else -1
+        if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+            raise ValueError(f"A compressed-tensors group strategy needs a positive group_size, got {group_size!r}.")
+        return cls("compressed-tensors", w.get("num_bits"), group_size, desc_act=w.get("actorder") == "group",
+                   symmetric=bool(w.get("symmetric", True)))
 
     @property
     def pack(self) -> int:
         return 32 // self.bits
 
-    def repack(self, qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A checkpoint's ``qweight`` and ``qzeros`` (one layer's, or several stacked along their
-        rows) -> pagoda's layout (module docstring): words packed along K, and the true zero
-        points, int32 ``(groups, N)``."""
-        order = AWQ_ORDER if self.method == "awq" else None
-        zeros = unpack_cols(qzeros, self.bits, order) + int(self.zeros_minus_one)
-        if self.method == "awq":
-            qweight = pack_rows(unpack_cols(qweight, self.bits, order), self.bits)
-        return qweight, zeros
+    @property
+    def name(self) -> str:
+        return NAMES[self.method]
 
-    def check_g_idx(self, g_idx: torch.Tensor, groups: int, whose: str) -> None:
-        """An act-order checkpoint's own group map must stay within its ``groups``."""
+    @property
+    def act_order(self) -> str:
+        """For messages: " with act-order (its config key)", or "" without."""
+        return f" with act-order ({'actorder' if self.method == 'compressed-tensors' else 'desc_act'})" \
+            if self.desc_act else ""
+
+    def checkpoint_tensors(self, k: int, n: int) -> dict[str, CheckpointTensor]:
+        """What the checkpoint stores for a ``(K, N)`` weight (a tensor-parallel rank's slice:
+        groups, when the input is split, are whole), by the format's names."""
+        p, group = self.pack, k if self.group_size == -1 else self.group_size
+        groups, k_groups = -(-k // group), None if self.group_size == -1 else 0   # (per channel: not split)
+        t = CheckpointTensor
+        if self.method == "compressed-tensors":      # (N, K) tensors: GPTQ's transposed
+            out = {"weight_packed": t((n, k // p), torch.int32, 0, 1, 1, p),
+                   "weight_scale": t((n, groups), None, 0, 1, None if k_groups is None else 1, group)}
+            if not self.symmetric:
+                out["weight_zero_point"] = t((n // p, groups), torch.int32, 0, p, out["weight_scale"].k_dim, group)
+            out["weight_g_idx"] = t((k,), torch.int32, None, 1, 0, 1, optional=not self.desc_act)
+            return out
+        if self.method == "gptq":
+            out = {"qweight": t((k // p, n), torch.int32, 1, 1, 0, p),
+                   "g_idx": t((k,), torch.int32, None, 1, 0, 1, optional=not self.desc_act)}
+        else:
+            out = {"qweight": t((k, n // p), torch.int32, 1, p, 0, 1)}
+        out["qzeros"] = t((groups, n // p), torch.int32, 1, p, k_groups, group)
+        out["scales"] = t((groups, n), None, 1, 1, k_groups, group)
+        return out
+
+    def repack(self, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                          torch.Tensor | None]:
+        """A layer's checkpoint tensors (``checkpoint_tensors``' names; several experts' stacked
+        along a first dimension) -> pagoda's layout (module docstring): ``(qweight (..., K / pack,
+        N), scales (..., groups, N), zeros (..., groups, N)`` in the scales' dtype``, g_idx)``,
+        g_idx the act-order one (checked), else None (groups by the rule)."""
+        if self.method == "compressed-tensors":
+            qweight = t["weight_packed"].transpose(-1, -2).contiguous()
+            scales = t["weight_scale"].transpose(-1, -2).contiguous()
+            if self.symmetric:
+                zeros = torch.full_like(scales, 1 << (self.bits - 1))
+            else:   # (packed along N, as GPTQ packs inputs)
+                zp = t["weight_zero_point"]
+                zeros = unpack_rows(zp.flatten(0, -2), self.bits).view(*zp.shape[:-2], -1, zp.shape[-1])
+                zeros = zeros.transpose(-1, -2).to(scales.dtype).contiguous()
+            g_idx = t["weight_g_idx"]
+        else:
+            order = AWQ_ORDER if self.method == "awq" else None
+            qweight, scales, n = t["qweight"], t["scales"], t["scales"].shape[-1]
+            zeros = unpack_cols(t["qzeros"].flatten(0, -2), self.bits, order) + int(self.zeros_minus_one)
+            zeros = zeros.view(scales.shape).to(scales.dtype)
+            if self.method == "awq":
+                words = pack_rows(unpack_cols(qweight.flatten(0, -2), self.bits, order), self.bits)
+                qweight = words.view(*qweight.shape[:-2], -1, n)
+            g_idx = t.get("g_idx")
+        if not self.desc_act:
+            return qweight, scales, zeros, None
+        groups = scales.shape[-2]
         if bool(((g_idx < 0) | (g_idx >= groups)).any()):
-            raise ValueError(f"Corrupt {self.method.upper()} checkpoint: {whose} g_idx entry is outside its {groups} "
-                             "groups.")
+            raise ValueError(f"Corrupt {self.name} checkpoint: a g_idx entry is outside its layer's {groups} groups.")
+        return qweight, scales, zeros, g_idx
 
 
 def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -134,44 +231,31 @@ class Int4LinearMethod(QuantMethod):
         c = self.config
         k, n = in_features, out_features
         group = k if c.group_size == -1 else c.group_size
-        # (GPTQ's last group may be partial; AutoAWQ requires whole groups)
+        # (GPTQ's and compressed-tensors' last group may be partial; AutoAWQ requires whole groups)
         if (c.method == "awq" and k % group) or k % c.pack or n % c.pack:
-            raise ValueError(f"A {k} x {n} linear layer cannot hold {c.method.upper()} weights in groups of "
-                             f"{group} packed {c.pack} a word.")
+            raise ValueError(f"A {k} x {n} linear layer cannot hold {c.name} weights in groups of {group} packed "
+                             f"{c.pack} a word.")
         if getattr(layer, "tp_size", 1) > 1 and (k % group or c.desc_act):
             # (a rank's slice of the input must hold whole groups, in the checkpoint's order)
-            raise ValueError(f"{c.method.upper()} weights in groups of {group}{' with act-order (desc_act)' if c.desc_act else ''} "
+            raise ValueError(f"{c.name} weights in groups of {group}{c.act_order} "
                              f"do not split over tensor_parallel_size={layer.tp_size} (a {k}-wide input slice per "
                              "rank); use a smaller tensor_parallel_size or a checkpoint without act-order.")
-        groups = -(-k // group)
         layer.group_size = group
-        per_channel = c.group_size == -1     # one group per rank's slice: not split along the input
-
-        def param(shape, dt, output_dim, output_pack, input_dim, input_pack):
-            p = nn.Parameter(torch.empty(shape, dtype=dt), requires_grad=False)
-            p.output_dim, p.output_pack, p.input_dim, p.input_pack = output_dim, output_pack, input_dim, input_pack
-            return p
-
-        if c.method == "gptq":
-            layer.qweight = param((k // c.pack, n), torch.int32, 1, 1, 0, c.pack)
-            layer.g_idx = param((k,), torch.int32, None, 1, 0, 1)
-        else:
-            layer.qweight = param((k, n // c.pack), torch.int32, 1, c.pack, 0, 1)
-        layer.qzeros = param((groups, n // c.pack), torch.int32, 1, c.pack, None if per_channel else 0, group)
-        layer.scales = param((groups, n), dtype, 1, 1, None if per_channel else 0, group)
+        for name, spec in c.checkpoint_tensors(k, n).items():
+            p = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype or dtype), requires_grad=False)
+            p.output_dim, p.output_pack, p.input_dim, p.input_pack = spec.n_dim, spec.n_pack, spec.k_dim, spec.k_pack
+            p.optional = spec.optional
+            setattr(layer, name, p)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         c = self.config
-        qweight, zeros = c.repack(layer.qweight.data, layer.qzeros.data)
-        layer.qweight = nn.Parameter(qweight, requires_grad=False)
-        if c.desc_act:   # the checkpoint's own group map: check it
-            c.check_g_idx(layer.g_idx, layer.scales.shape[0], "a layer's")
-        else:   # by the rule (GPTQ checkpoints store a g_idx even without act-order; AWQ none)
-            k = layer.qweight.shape[0] * c.pack
-            layer.g_idx = nn.Parameter(torch.arange(k, dtype=torch.int32, device=layer.qweight.device)
-                                       // layer.group_size, requires_grad=False)
-        layer.zeros = nn.Parameter(zeros.to(layer.scales.dtype), requires_grad=False)
-        del layer.qzeros
+        k = layer.in_features
+        loaded = {name: layer._parameters.pop(name).data for name in c.checkpoint_tensors(k, layer.out_features)}
+        qweight, scales, zeros, g_idx = c.repack(loaded)
+        if g_idx is None:   # by the rule (GPTQ checkpoints store a g_idx even without act-order; the others none)
+            g_idx = torch.arange(k, dtype=torch.int32, device=qweight.device) // layer.group_size
+        for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("g_idx", g_idx)):
+            setattr(layer, name, nn.Parameter(t, requires_grad=False))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda and (w4a16 := triton_kernels("triton_w4a16")).use_w4a16(x):

@@ -67,17 +67,14 @@ def weight_dtype(method: str, qc: dict | None) -> torch.dtype | None:
     groups = list((qc.get("config_groups") or {}).values())
     if fmt not in ("int-quantized", "float-quantized", "naive-quantized") or len(groups) != 1:
         raise NotImplementedError(f"compressed-tensors checkpoints of format {fmt!r} with {len(groups)} config "
-                                  "groups are not supported; one group of 8-bit weights (int- or float-quantized) is.")
+                                  "groups are not supported; one group of 8-bit weights (int- or float-quantized) "
+                                  "or of packed integer weights (pack-quantized) is.")
     group, weights = groups[0], groups[0].get("weights") or {}
     scheme = (weights.get("num_bits"), weights.get("symmetric", True), weights.get("strategy"))
     if scheme not in ((8, True, "channel"), (8, True, "tensor")) or "Linear" not in group.get("targets", []):
         raise NotImplementedError(f"compressed-tensors weights {weights} targeting {group.get('targets')} are "
                                   "not supported; symmetric 8-bit weights of every Linear, per channel or per "
                                   "tensor, are.")
-    ignored = [name for name in qc.get("ignore", []) if name != "lm_head"]   # (the LM head is never quantized)
-    if ignored:
-        raise NotImplementedError(f"compressed-tensors checkpoints that leave layers unquantized ({ignored}) are "
-                                  "not supported.")
     return torch.int8 if weights.get("type") == "int" else FP8
 
 

@@ -118,16 +118,19 @@ def test_fused_moe_matches_reference(tokens, experts_topk, hidden_inter, dtype, 
     assert err < TOLERANCE[dtype], err
 
 
-@pytest.mark.parametrize("block,inter", [((32, 32), 64), ((16, 64), 48), (None, 48)])
-def test_fused_moe_with_fp8_experts(block, inter, request):
+@pytest.mark.parametrize("block,inter,dtype", [((32, 32), 64, torch.float8_e4m3fn), ((16, 64), 48, torch.float8_e4m3fn),
+                                               (None, 48, torch.float8_e4m3fn), (None, 48, torch.int8)])
+def test_fused_moe_with_8bit_experts(block, inter, dtype, request):
     """FP8 experts: block-wise (Qwen3-30B-A3B-FP8's), each tile scaled by its block's scale as it
     is converted, blocks as wide as a tile or narrower; or (None) a scale a row, a block of one
-    row by the whole input (vLLM's per-tensor checkpoints, quantization="fp8")."""
+    row by the whole input (vLLM's per-tensor checkpoints, quantization="fp8"); INT8 experts
+    (compressed-tensors W8A8) a scale a row."""
     g = seed_for(request)
     experts, top_k, hidden = 8, 2, 96
     topk_weights, topk_ids = routing(13, experts, top_k, g)
-    w13, w2 = (torch.randn(experts, *shape, generator=g).mul(100).clamp(-400, 400).to(torch.float8_e4m3fn)
-               for shape in ((2 * inter, hidden), (hidden, inter)))
+    w13, w2 = (torch.randn(experts, *shape, generator=g).mul(100).clamp(-400, 400) for shape in
+               ((2 * inter, hidden), (hidden, inter)))
+    w13, w2 = ((w.round().clamp(-127, 127) if dtype == torch.int8 else w).to(dtype) for w in (w13, w2))
     blocks = [block or (1, w.shape[2]) for w in (w13, w2)]
     s13, s2 = (torch.rand(experts, -(-w.shape[1] // b[0]), -(-w.shape[2] // b[1]), generator=g) * 1e-3
                for w, b in zip((w13, w2), blocks))

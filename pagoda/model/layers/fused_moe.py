@@ -8,18 +8,20 @@ columns), and all-reduces the summed outputs once. With expert parallelism (vLLM
 ``enable_expert_parallel``) the ranks share the experts out instead, each holding E / tp whole
 experts and summing the outputs of its own: the same all-reduce then adds the ranks' shares.
 
-FP8 experts stay 8-bit: FP8 w13 / w2 and float32 scales that the kernels apply to each weight
-tile as they convert it. Block-wise FP8 checkpoints (Qwen3-30B-A3B-FP8's) have a scale per block
-of bn x bk weights, ``w13_weight_scale_inv (E, 2 * I / bn, H / bk)`` / ``w2_weight_scale_inv (E,
-H / bn, I / bk)``; vLLM's per-tensor FP8 checkpoints, and ``quantization="fp8"`` on a bf16
-checkpoint (each expert's rows quantized at load), a scale per row, ``w13_weight_scale (E, 2 * I,
-1)`` / ``w2_weight_scale (E, H, 1)``: blocks of one row by the whole input.
+8-bit experts stay 8-bit: FP8 or INT8 w13 / w2 and float32 scales that the kernels apply to each
+weight tile as they convert it. Block-wise FP8 checkpoints (Qwen3-30B-A3B-FP8's) have a scale per
+block of bn x bk weights, ``w13_weight_scale_inv (E, 2 * I / bn, H / bk)`` / ``w2_weight_scale_inv
+(E, H / bn, I / bk)``; vLLM's per-tensor FP8 checkpoints, compressed-tensors' FP8 and INT8 (W8A8)
+ones, and ``quantization="fp8"`` on a bf16 checkpoint (each expert's rows quantized at load), a
+scale per row, ``w13_weight_scale (E, 2 * I, 1)`` / ``w2_weight_scale (E, H, 1)``: blocks of one
+row by the whole input. (INT8 experts run as W8A16: activations stay in the model's dtype.)
 
-GPTQ / AWQ experts (Qwen3-30B-A3B-GPTQ-Int4's, Mixtral's AWQ) stay packed: each expert's tensors
-are loaded as the checkpoint lays them out, ``w13_qweight`` holding its gate then its up
-columns, and repacked after loading into ``quant.int4``'s layout, ``qweight (E, K / pack, N)``,
-``scales`` / ``zeros (E, groups, N)``, the kernels dequantizing their tiles in registers
-(``reference.Int4Experts``). Under act-order each of w13's halves keeps its own ``g_idx``.
+GPTQ / AWQ / compressed-tensors pack-quantized experts (Qwen3-30B-A3B-GPTQ-Int4's, Mixtral's AWQ)
+stay packed: each expert's tensors are loaded as the checkpoint lays them out
+(``Int4Config.checkpoint_tensors``; w13's hold its gate then its up columns), and repacked after
+loading into ``quant.int4``'s layout, ``qweight (E, K / pack, N)``, ``scales`` / ``zeros (E,
+groups, N)``, the kernels dequantizing their tiles in registers (``reference.Int4Experts``). Under
+act-order each of w13's halves keeps its own ``g_idx``.
 """
 import re
 
@@ -36,7 +38,8 @@ from pagoda.quant.base import QuantMethod, UnquantizedLinearMethod
 # shard id) and down projections down_proj: the stacked parameter it fills.
 _EXPERT_TENSOR = re.compile(
     r"^(.*\.experts)\.(\d+)\.(gate_up_proj|down_proj)\."
-    r"(weight|weight_scale_inv|weight_scale|input_scale|qweight|qzeros|scales|g_idx)$")
+    r"(weight|weight_scale_inv|weight_scale|input_scale|qweight|qzeros|scales|g_idx|weight_packed|weight_zero_point|"
+    r"weight_g_idx)$")
 _STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
 
 
@@ -68,8 +71,8 @@ class FusedMoE(nn.Module):
         self.register_buffer("expert_map", expert_map, persistent=False)
         from pagoda.quant.int4 import Int4LinearMethod
         self.int4 = quant.config if isinstance(quant, Int4LinearMethod) else None
-        self.fp8, self.block = fp8_experts(None if self.int4 else quant)
-        if self.fp8 == "online" or self.int4:     # (the loader calls quant_method once all is loaded)
+        self.w8, self.block = w8_experts(None if self.int4 else quant)
+        if self.w8 == "online" or self.int4:     # (the loader calls quant_method once all is loaded)
             self.quant_method = _AfterLoading()
         i, h = self.intermediate_size, hidden_size
         if self.int4:
@@ -79,48 +82,42 @@ class FusedMoE(nn.Module):
             raise ValueError(f"Block-wise FP8 experts: {i} of each expert's intermediate size (this rank's) is not "
                              f"a whole number of the checkpoint's {self.block[0]} x {self.block[1]} blocks (with "
                              "tensor parallelism: use enable_expert_parallel, or a smaller tensor_parallel_size).")
-        dtype = torch.float8_e4m3fn if self.fp8 == "checkpoint" else torch.get_default_dtype()
+        dtype = quant.dtype if self.w8 == "checkpoint" else torch.get_default_dtype()
         self._add("w13_weight", (2 * i, h), dtype, 0)
         self._add("w2_weight", (h, i), dtype, 1)
-        if self.fp8 == "checkpoint" and self.block:
+        if self.w8 == "checkpoint" and self.block:
             bn, bk = self.block
             self._add("w13_weight_scale_inv", (2 * i // bn, -(-h // bk)), torch.float32, 0)
             self._add("w2_weight_scale_inv", (-(-h // bn), i // bk), torch.float32, 1)
-        elif self.fp8 == "checkpoint":
+        elif self.w8 == "checkpoint":
             self._add("w13_weight_scale", (2 * i, 1), torch.float32, 0)
             self._add("w2_weight_scale", (h, 1), torch.float32, None)
             for w in ("w13", "w2"):     # (a static activation scale: read, not used, as the dense layers')
                 self._add(f"{w}_input_scale", (), torch.float32, None).optional = True
 
     def _add_int4(self, i: int, h: int, ep: bool) -> None:
-        """GPTQ / AWQ experts' tensors as the checkpoint holds them (``quant.int4``'s module
-        docstring): w13's input is H, its outputs the gate's and the up's I; w2's input is I."""
+        """GPTQ / AWQ / compressed-tensors experts' tensors as the checkpoint holds them
+        (``Int4Config.checkpoint_tensors``): w13's input is H, its outputs the gate's and the up's
+        I; w2's input is I."""
         c = self.int4
-        self.group_sizes = {w: k if c.group_size == -1 else c.group_size for w, k in (("w13", h), ("w2", i))}
-        gh, gi = -(-h // self.group_sizes["w13"]), -(-i // self.group_sizes["w2"])
+        self.int4_dims = {"w13": (h, 2 * i), "w2": (i, h)}     # (K, N)
+        self.group_sizes = {w: k if c.group_size == -1 else c.group_size for w, (k, _) in self.int4_dims.items()}
         split = self.tp_size > 1 and not ep      # (each rank holds a slice of every expert's I)
-        if h % c.pack or i % c.pack or (c.method == "awq" and (h % gh or i % gi)):
-            raise ValueError(f"{c.method.upper()} experts of hidden size {h} and intermediate size {i} (this rank's) "
-                             f"do not hold whole words of {c.pack} values and whole groups of {c.group_size}.")
+        whole_groups = h % self.group_sizes["w13"] == 0 and i % self.group_sizes["w2"] == 0
+        if h % c.pack or i % c.pack or (c.method == "awq" and not whole_groups):
+            raise ValueError(f"{c.name} experts of hidden size {h} and intermediate size {i} (this rank's) do not "
+                             f"hold whole words of {c.pack} values and whole groups of {c.group_size}.")
         if split and (c.desc_act or (c.group_size != -1 and i % c.group_size)):
-            raise ValueError(f"{c.method.upper()} experts{' with act-order (desc_act)' if c.desc_act else ''} in "
-                             f"groups of {c.group_size} do not split over tensor_parallel_size={self.tp_size} (an "
-                             f"intermediate slice of {i} per rank): use enable_expert_parallel, or a smaller "
-                             "tensor_parallel_size.")
-        per_channel = c.group_size == -1
-        if c.method == "gptq":
-            self._add("w13_qweight", (h // c.pack, 2 * i), torch.int32, 1)
-            self._add("w2_qweight", (i // c.pack, h), torch.int32, 0)
-            for w, k, i_dim in (("w13", (2, h), None), ("w2", (i,), 0)):   # (w13's: a row per half)
-                self._add(f"{w}_g_idx", k, torch.int32, i_dim).optional = not c.desc_act
-        else:
-            self._add("w13_qweight", (h, 2 * i // c.pack), torch.int32, 1)
-            self._add("w2_qweight", (i, h // c.pack), torch.int32, 0)
-        dtype = torch.get_default_dtype()
-        self._add("w13_qzeros", (gh, 2 * i // c.pack), torch.int32, 1)
-        self._add("w13_scales", (gh, 2 * i), dtype, 1)
-        self._add("w2_qzeros", (gi, h // c.pack), torch.int32, None if per_channel else 0)
-        self._add("w2_scales", (gi, h), dtype, None if per_channel else 0)
+            raise ValueError(f"{c.name} experts{c.act_order} in groups of {c.group_size} "
+                             f"do not split over tensor_parallel_size={self.tp_size} (an intermediate slice of {i} "
+                             "per rank): use enable_expert_parallel, or a smaller tensor_parallel_size.")
+        for w, (k, n) in self.int4_dims.items():
+            for name, spec in c.checkpoint_tensors(k, n).items():
+                # I is w13's output (its gate's, then its up's) and w2's input
+                shape, i_dim = spec.shape, spec.n_dim if w == "w13" else spec.k_dim
+                if w == "w13" and spec.n_dim is None:     # (act-order g_idx: a row per half)
+                    shape, i_dim = (2, *shape), None
+                self._add(f"{w}_{name}", shape, spec.dtype or torch.get_default_dtype(), i_dim).optional = spec.optional
 
     def _add(self, name: str, shape: tuple, dtype: torch.dtype, i_dim: int | None) -> nn.Parameter:
         """A stacked parameter (an expert a row). ``i_dim``: its dimension along I (the rows of
@@ -166,9 +163,9 @@ class FusedMoE(nn.Module):
             setattr(self, f"{w}_weight_scale", nn.Parameter(scale.view(*weight.shape[:2], 1), requires_grad=False))
 
     def scales(self) -> tuple | None:
-        """((w13's scales, their block), (w2's, theirs)) for FP8 experts (a row scale: a block of
+        """((w13's scales, their block), (w2's, theirs)) for 8-bit experts (a row scale: a block of
         one row by the whole input), else None."""
-        if not self.fp8:
+        if not self.w8:
             return None
         if self.block:
             return (self.w13_weight_scale_inv, self.block), (self.w2_weight_scale_inv, self.block)
@@ -176,21 +173,15 @@ class FusedMoE(nn.Module):
                 (self.w2_weight_scale, (1, self.w2_weight.shape[2])))
 
     def repack_int4(self) -> None:
-        """GPTQ / AWQ experts as loaded -> ``quant.int4``'s layout (``Int4Config.repack``, every
-        expert at once): act-order g_idx checked and kept ``(E, halves, K)``, else dropped."""
+        """The experts' tensors as loaded -> ``quant.int4``'s layout (``Int4Config.repack``, every
+        expert at once): an act-order g_idx kept ``(E, halves, K)``, else none."""
         c = self.int4
-        for w in ("w13", "w2"):
-            qweight, qzeros, scales = (getattr(self, f"{w}_{t}").data for t in ("qweight", "qzeros", "scales"))
-            e, groups, n = scales.shape
-            qweight, zeros = c.repack(qweight.flatten(0, 1), qzeros.flatten(0, 1))
-            g_idx = self._parameters.pop(f"{w}_g_idx", None)
-            if g_idx is not None and c.desc_act:
-                g_idx = g_idx.data.view(e, -1, qweight.shape[0] // e * c.pack)
-                c.check_g_idx(g_idx, groups, "an expert's")
-            del self._parameters[f"{w}_qzeros"]
-            setattr(self, f"{w}_qweight", nn.Parameter(qweight.view(e, -1, n), requires_grad=False))
-            setattr(self, f"{w}_zeros", nn.Parameter(zeros.view(e, groups, n).to(scales.dtype), requires_grad=False))
-            setattr(self, f"{w}_g_idx", g_idx if c.desc_act else None)
+        for w, (k, n) in self.int4_dims.items():
+            loaded = {name: self._parameters.pop(f"{w}_{name}").data for name in c.checkpoint_tensors(k, n)}
+            qweight, scales, zeros, g_idx = c.repack(loaded)
+            for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+                setattr(self, f"{w}_{name}", nn.Parameter(t, requires_grad=False))
+            setattr(self, f"{w}_g_idx", None if g_idx is None else g_idx.view(self.num_local_experts, -1, k))
 
     def experts(self) -> tuple:
         """(w13, w2) as the kernels take them: stacked tensors, or ``reference.Int4Experts``."""
@@ -210,18 +201,13 @@ class FusedMoE(nn.Module):
         return out if self.tp_size == 1 else tp_all_reduce(out)
 
 
-def fp8_experts(quant: QuantMethod | None) -> tuple[str | None, tuple[int, int] | None]:
-    """How a mixture of experts under ``quant`` (not GPTQ / AWQ) holds its experts: ("checkpoint",
-    its FP8 blocks or None for a scale a row), ("online", None) for bf16 experts to quantize at
-    load, or (None, None): unquantized. Other quantizations are refused by name."""
-    from pagoda.quant.w8 import FP8, W8LinearMethod
+def w8_experts(quant: QuantMethod | None) -> tuple[str | None, tuple[int, int] | None]:
+    """How a mixture of experts under ``quant`` (not packed integers) holds its experts:
+    ("checkpoint", its FP8 blocks or None for a scale a row): the checkpoint's FP8 or INT8
+    weights; ("online", None): bf16 experts to quantize to FP8 at load; (None, None): unquantized."""
     if quant is None or isinstance(quant, UnquantizedLinearMethod):
         return None, None
-    if isinstance(quant, W8LinearMethod) and quant.dtype in (FP8, None):
-        return ("checkpoint" if quant.dtype == FP8 else "online"), quant.block
-    raise ValueError("Quantized mixture-of-experts checkpoints are supported in FP8 (vLLM's per-tensor, block-wise "
-                     "as Qwen3-30B-A3B-FP8, or quantization='fp8' at load) and GPTQ / AWQ, not 8-bit integer (W8A8) "
-                     "yet; use one of those or the bf16 / fp16 checkpoint.")
+    return ("online" if quant.dtype is None else "checkpoint"), quant.block
 
 
 class _AfterLoading(QuantMethod):
