@@ -1113,6 +1113,15 @@ case "${1:-}" in
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "mixture and awq" --tb=short 2>&1 | tail -25
     bash "$0" check31
     ;;
+  s33b)
+    # The MoE engine tests against the CPU (bf16, block FP8, INT8, GPTQ, AWQ) with tracebacks, the
+    # AWQ probe (each quantized layer against its reference on the GPU), the quantized MoE kernel
+    # tests compiled, the INT4 layer with the weight tile as the dot's B operand, then its A
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k mixture --tb=short 2>&1 | tail -30
+    timeout 120 python3 benchmarks/probe_awq_moe.py 2>&1 | grep "rel err"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py -k "int4 or 8bit" 2>&1 | tail -3
+    for t in "" --transposed; do timeout 100 python3 benchmarks/moe_kernels.py --int4 $t 2>&1 | tail -7 | sed "s/^/int4$t: /"; done
+    ;;
   moe32)
     # W1 on Qwen3-30B-A3B's shapes in bf16 (on an H200 the KV cache holds W1's whole batch) and GPTQ
     for q in none gptq; do

@@ -14,9 +14,11 @@ is first checked against the reference (relative error < 1e-2).
 With ``--sweep``, each token count's time under every tile configuration of a small grid
 (``triton_moe.fused_moe``'s ``tiles``) instead, and the best against ``default_tiles``. With
 ``--int4``, GPTQ experts (4-bit words in groups of 128 with bf16 scales and zeros, random)
-instead of bf16 ones: the bandwidth then counts their packed bytes.
+instead of bf16 ones: the bandwidth then counts their packed bytes; ``--transposed``: the default
+tiles with the converted weight tile as the dot's A operand (``fused_moe``'s ``transposed`` tile).
 
-Run from the repository root:  OUT=/some/dir python benchmarks/moe_kernels.py [--int4] [--sweep [TOKENS...]]
+Run from the repository root:  OUT=/some/dir python benchmarks/moe_kernels.py [--int4] [--transposed]
+                                   [--sweep [TOKENS...]]
 Prints a table; writes ``$OUT/moe_kernels.json`` (or ``moe_tiles.json``) when OUT is set.
 """
 import itertools
@@ -35,6 +37,7 @@ del common  # (imported for its sys.path entry alone)
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 TOKENS = [1, 8, 64, 256, 2048, 16384]
 INT4 = "--int4" in sys.argv     # GPTQ experts instead of bf16 ones
+TRANSPOSED = "--transposed" in sys.argv    # the default tiles, the weight tile the dot's A operand
 
 
 def graph_us(fn) -> float:
@@ -88,7 +91,9 @@ def tile_grid(tokens: int) -> list[dict]:
         axes = [16], [16, 32, 64], [128, 256], [2, 4], [3, 4]
     else:
         axes = [16, 32, 64, 128], [64, 128], [64, 128], [4, 8], [3]
-    return [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s) for m, n, k, w, s in itertools.product(*axes)]
+    transposed = [False, True] if INT4 else [False]     # (the converted weight tile the dot's A operand)
+    return [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s, transposed=t)
+            for m, n, k, w, s, t in itertools.product(*axes, transposed)]
 
 
 def sweep(tokens: list[int]):
@@ -129,12 +134,15 @@ def main():
           f" {'layer us':>8}")
     for t in TOKENS:
         x, weights, ids, want = inputs(t, g, w13, w2)
-        check(triton_moe.fused_moe(x, w13, w2, weights, ids), want, t)
+        tiles = dict(triton_moe.default_tiles(t * TOP_K, EXPERTS, 2, INT4), transposed=True) if TRANSPOSED else None
+        check(triton_moe.fused_moe(x, w13, w2, weights, ids, tiles=tiles), want, t)
         us_torch = do_bench(lambda: reference.fused_moe(x, w13, w2, weights, ids), return_mode="median") * 1e3
-        us_triton = do_bench(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids), return_mode="median") * 1e3
-        us_graph = graph_us(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids))
+        us_triton = do_bench(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, tiles=tiles),
+                             return_mode="median") * 1e3
+        us_graph = graph_us(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, tiles=tiles))
         logits = torch.randn(t, EXPERTS, device="cuda", generator=g).bfloat16()
-        us_layer = graph_us(lambda: triton_moe.fused_moe(x, w13, w2, *triton_moe.select_experts(logits, TOP_K, True)))
+        us_layer = graph_us(lambda: triton_moe.fused_moe(x, w13, w2, *triton_moe.select_experts(logits, TOP_K, True),
+                                                         tiles=tiles))
         touched = ids.unique().numel()
         flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
         row = dict(tokens=t, experts_touched=touched, torch_us=us_torch, triton_us=us_triton, graph_us=us_graph,
@@ -144,7 +152,8 @@ def main():
               f"{row['tflop_s']:7.1f} {us_layer:8.1f}")
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
-        with open(os.path.join(os.environ["OUT"], "moe_kernels_int4.json" if INT4 else "moe_kernels.json"), "w") as f:
+        name = f"moe_kernels{'_int4' if INT4 else ''}{'_transposed' if TRANSPOSED else ''}.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shape": [EXPERTS, TOP_K, HIDDEN, INTER],
                        "int4": INT4, "rows": rows}, f, indent=2)
 

@@ -114,7 +114,7 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
                        stride_ge, group_n, group_k, n_per_g_idx, ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr,
                        BLOCK_SCALED: tl.constexpr, INT_BITS: tl.constexpr, HAS_G_IDX: tl.constexpr,
                        WHOLE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                       TRANSPOSED: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """``c[p] = a[p // ROWS_PER_A] @ w[expert].T`` (times the pair's weight if WEIGHTED) for
     the pairs of one block and BLOCK_N of the N output columns. ``w``: a dense ``(E, N, K)``
     (``stride_w1``: its rows'); BLOCK_SCALED: FP8 (its bytes) or INT8, each group_n x group_k block of it
@@ -122,7 +122,9 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
     tile lies in one column of blocks); INT_BITS: GPTQ / AWQ words ``(E, K / pack, N)``
     (``stride_w1``: a row of words'), ``(q - z) * s`` of each input's group (``z`` / ``s``
     ``(E, groups, N)``): ``k // group_k``, whole tiles of one group if WHOLE_K; HAS_G_IDX: read
-    from ``g[expert, n // n_per_g_idx, k]``, each half of w13 its own under act-order."""
+    from ``g[expert, n // n_per_g_idx, k]``, each half of w13 its own under act-order.
+    TRANSPOSED: ``c^T`` accumulated, the converted weight tile the dot's A operand (as the dense
+    W4A16 kernel does: its shared-memory stores 16 bytes wide, not 2)."""
     pdl_wait(USE_PDL)       # (every program, the tiles past the last expert's run too)
     expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert >= num_experts:
@@ -143,7 +145,10 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
         w_ptrs += offs_words[:, None] * stride_w1 + offs_n[None, :]
     else:
         w_ptrs += offs_n[None, :].to(tl.int64) * stride_w1 + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TRANSPOSED:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_valid = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_valid[None, :], other=0.0)
@@ -179,28 +184,36 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
                 w = (w.to(tl.float32) * s).to(a.dtype)
             else:
                 w = (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(a.dtype)
-        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+        if TRANSPOSED:
+            acc += tl.dot(tl.trans(w), tl.trans(a), input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         if INT_BITS:
             w_ptrs += (BLOCK_K // PACK) * stride_w1
         else:
             w_ptrs += BLOCK_K
+    if TRANSPOSED:
+        acc = tl.trans(acc)
     if WEIGHTED:
         acc *= tl.load(pair_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_c + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_valid[None, :])
 
 
-def default_tiles(num_pairs: int, num_experts: int) -> dict:
+def default_tiles(num_pairs: int, num_experts: int, itemsize: int = 2, packed: bool = False) -> dict:
     """Tiles of about the pairs an expert gets (at a decode batch few; in a prefill many). Wide
     tiles of 8 warps once experts get 64 pairs or more: 1.2-1.5x on an H100 at 2,048-16,384
-    tokens of Qwen3-30B-A3B's layer. Below, narrow and deep ones (32 columns, K steps of 128): twice the programs
-    to stream the few experts' weights, 16% faster at one token, 2-3% at 8-256 (in CUDA graphs;
-    benchmarks/moe_kernels.py --sweep)."""
+    tokens of Qwen3-30B-A3B's layer. Below, narrow and deep ones (32 columns, K steps of 128):
+    twice the programs to stream the few experts' weights, 16% faster at one token, 2-3% at 8-256
+    (in CUDA graphs; benchmarks/moe_kernels.py --sweep). Packed (GPTQ / AWQ) experts, whose
+    unpacking bounds them, take 64 columns from 64 pairs (8 tokens of top 8) on: 6-13% faster
+    at 8-256 tokens on an H100 (the thirty-third session), the same at one token."""
     block_m = min(128, max(16, triton.next_power_of_2(num_pairs // num_experts)))
-    if block_m >= 64:
-        return dict(block_m=block_m, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    return dict(block_m=block_m, block_n=32, block_k=128, num_warps=4, num_stages=3)
+    if block_m >= 64:   # (float32 activations: three stages of these tiles overflow an H100's shared memory)
+        return dict(block_m=block_m, block_n=128, block_k=64, num_warps=8, num_stages=3 if itemsize <= 2 else 2)
+    return dict(block_m=block_m, block_n=64 if packed and num_pairs >= 64 else 32, block_k=128, num_warps=4,
+                num_stages=3)
 
 
 def _moe_matmul(a, w, c, pairs, block_experts, pair_weights, rows_per_a: int, tiles: dict,
@@ -226,6 +239,7 @@ def _moe_matmul(a, w, c, pairs, block_experts, pair_weights, rows_per_a: int, ti
                              WEIGHTED=pair_weights is not None, BLOCK_SCALED=scale is not None and not int4,
                              INT_BITS=w.bits if int4 else 0, HAS_G_IDX=g_idx is not None, WHOLE_K=whole_k,
                              BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=block_k,
+                             TRANSPOSED=tiles.get("transposed", int4) and (int4 or scale is not None),
                              DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
                              num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl_launch(a.device))
 
@@ -240,7 +254,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor | reference.Int4Experts, w2: to
     if tokens == 0:
         return torch.zeros_like(x)
     num_experts = w13.shape[0]
-    tiles = tiles or default_tiles(num_pairs, num_experts)
+    tiles = tiles or default_tiles(num_pairs, num_experts, x.element_size(), isinstance(w13, reference.Int4Experts))
     if expert_map is not None:
         topk_ids = expert_map[topk_ids]
     pairs, block_experts = moe_align(topk_ids, num_experts, tiles["block_m"])

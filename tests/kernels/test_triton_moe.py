@@ -141,8 +141,10 @@ def test_fused_moe_with_8bit_experts(block, inter, dtype, request):
     dense = [torch.stack([reference.dequantize_blocks(w[e], s[e], b, torch.float32) for e in range(experts)])
              for w, s, b in ((w13, s13, blocks[0]), (w2, s2, blocks[1]))]
     assert torch.allclose(want, reference.fused_moe(args[0], *[d.to(DEVICE) for d in dense], *args[3:]))
-    got = triton_moe.fused_moe(*args, scales=scales)
-    assert (got - want).norm() / want.norm() < TOLERANCE[torch.float32]
+    for transposed in (False, True):
+        tiles = dict(triton_moe.default_tiles(13 * top_k, experts), transposed=transposed)
+        got = triton_moe.fused_moe(*args, scales=scales, tiles=tiles)
+        assert (got - want).norm() / want.norm() < TOLERANCE[torch.float32], transposed
 
 
 def int4_experts(experts, n, k, bits, group, dtype, g, halves=0):
@@ -184,10 +186,13 @@ def test_fused_moe_with_int4_experts(bits, group, act_order, tokens, dtype, requ
     x = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)
     want = reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
     torch.testing.assert_close(want, reference.fused_moe(x, d13, d2, topk_weights, topk_ids))
-    got = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids,
-                               tiles=dict(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2))
-    err = (got.float() - want.float()).norm() / want.float().norm()
-    assert err < TOLERANCE[dtype], err
+    # (the weight tile the dot's B operand, or its A; the decode tiles of packed experts)
+    for tiles in (dict(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2, transposed=False),
+                  dict(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2, transposed=True),
+                  triton_moe.default_tiles(64, experts, packed=True)):
+        got = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, tiles=tiles)
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        assert err < TOLERANCE[dtype], (tiles, err)
 
 
 @pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2),
