@@ -1122,6 +1122,17 @@ case "${1:-}" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py -k "int4 or 8bit" 2>&1 | tail -3
     for t in "" --transposed; do timeout 100 python3 benchmarks/moe_kernels.py --int4 $t 2>&1 | tail -7 | sed "s/^/int4$t: /"; done
     ;;
+  s33c)
+    # Packed experts' 64-column decode tiles and their whole dequantization for large batches:
+    # kernel and engine tests, the layer (packed kernel against dequantized), W2 and W1 with GPTQ
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py -k "int4 or 8bit or dequantize" 2>&1 | tail -2
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "mixture and (gptq or awq)" 2>&1 | tail -2
+    timeout 120 python3 benchmarks/moe_kernels.py --int4 2>&1 | tail -8
+    timeout 150 python3 benchmarks/latency.py --model-config benchmarks/models/qwen3-30b-a3b.json --batch 1 8 64 \
+      --quantization gptq --out "$OUT/w2_moe_gptq" 2>&1 | grep -E "^pagoda|Error" | sed "s/^/W2 qwen3-30b-a3b gptq: /"
+    timeout 150 python3 benchmarks/throughput.py --model-config benchmarks/models/qwen3-30b-a3b.json --no-tqdm \
+      --quantization gptq --out "$OUT/w1_moe_gptq" 2>&1 | grep -E "^pagoda |^roofline|Error" | sed "s/^/W1 qwen3-30b-a3b gptq: /"
+    ;;
   moe32)
     # W1 on Qwen3-30B-A3B's shapes in bf16 (on an H200 the KV cache holds W1's whole batch) and GPTQ
     for q in none gptq; do

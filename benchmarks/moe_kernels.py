@@ -14,7 +14,9 @@ is first checked against the reference (relative error < 1e-2).
 With ``--sweep``, each token count's time under every tile configuration of a small grid
 (``triton_moe.fused_moe``'s ``tiles``) instead, and the best against ``default_tiles``. With
 ``--int4``, GPTQ experts (4-bit words in groups of 128 with bf16 scales and zeros, random)
-instead of bf16 ones: the bandwidth then counts their packed bytes; ``--transposed``: the default
+instead of bf16 ones: the bandwidth then counts their packed bytes, the packed kernel runs at every
+size, and ``dequant us`` is the graph time of the large batches' path instead (the experts
+dequantized whole, then the dense kernel); ``--transposed``: the default
 tiles with the converted weight tile as the dot's A operand (``fused_moe``'s ``transposed`` tile).
 
 Run from the repository root:  OUT=/some/dir python benchmarks/moe_kernels.py [--int4] [--transposed]
@@ -35,7 +37,7 @@ from pagoda.kernels import reference, triton_moe
 del common  # (imported for its sys.path entry alone)
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
-TOKENS = [1, 8, 64, 256, 2048, 16384]
+TOKENS = [1, 8, 64, 256, 2048, 4096, 16384]
 INT4 = "--int4" in sys.argv     # GPTQ experts instead of bf16 ones
 TRANSPOSED = "--transposed" in sys.argv    # the default tiles, the weight tile the dot's A operand
 
@@ -131,7 +133,7 @@ def main():
     one_expert = expert_bytes(w13) + expert_bytes(w2)
     rows = []
     print(f"{'tokens':>6} {'torch us':>9} {'triton us':>9} {'speed-up':>8} {'graph us':>8} {'GB/s':>7} {'TFLOP/s':>7}"
-          f" {'layer us':>8}")
+          f" {'layer us':>8}" + (f" {'dequant us':>11}" if INT4 else ""))
     for t in TOKENS:
         x, weights, ids, want = inputs(t, g, w13, w2)
         tiles = dict(triton_moe.default_tiles(t * TOP_K, EXPERTS, 2, INT4), transposed=True) if TRANSPOSED else None
@@ -139,17 +141,25 @@ def main():
         us_torch = do_bench(lambda: reference.fused_moe(x, w13, w2, weights, ids), return_mode="median") * 1e3
         us_triton = do_bench(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, tiles=tiles),
                              return_mode="median") * 1e3
+        triton_moe.DEQUANTIZE_FROM_TOKENS = 1 << 30      # (packed experts: the packed kernel at every size)
         us_graph = graph_us(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, tiles=tiles))
+        us_dequant = None
+        if INT4:    # the experts dequantized whole first, then the dense kernel (large batches' path)
+            triton_moe.DEQUANTIZE_FROM_TOKENS = 0
+            check(triton_moe.fused_moe(x, w13, w2, weights, ids), want, t, "dequantized")
+            us_dequant = graph_us(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids))
+            triton_moe.DEQUANTIZE_FROM_TOKENS = 1 << 30
         logits = torch.randn(t, EXPERTS, device="cuda", generator=g).bfloat16()
         us_layer = graph_us(lambda: triton_moe.fused_moe(x, w13, w2, *triton_moe.select_experts(logits, TOP_K, True),
                                                          tiles=tiles))
         touched = ids.unique().numel()
         flops = 2 * t * TOP_K * 3 * HIDDEN * INTER
         row = dict(tokens=t, experts_touched=touched, torch_us=us_torch, triton_us=us_triton, graph_us=us_graph,
-                   gb_s=touched * one_expert / us_graph / 1e3, tflop_s=flops / us_graph / 1e6, layer_us=us_layer)
+                   gb_s=touched * one_expert / us_graph / 1e3, tflop_s=flops / us_graph / 1e6, layer_us=us_layer,
+                   dequantized_us=us_dequant)
         rows.append(row)
         print(f"{t:6d} {us_torch:9.1f} {us_triton:9.1f} {us_torch / us_triton:8.2f} {us_graph:8.1f} {row['gb_s']:7.0f} "
-              f"{row['tflop_s']:7.1f} {us_layer:8.1f}")
+              f"{row['tflop_s']:7.1f} {us_layer:8.1f}" + (f" {us_dequant:11.1f}" if INT4 else ""))
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
         name = f"moe_kernels{'_int4' if INT4 else ''}{'_transposed' if TRANSPOSED else ''}.json"

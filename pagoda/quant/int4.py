@@ -61,7 +61,7 @@ class Int4Config:
     group_size: int         # -1: one group over the whole input (per-channel)
     desc_act: bool = False  # act-order: g_idx permuted
     zeros_minus_one: bool = False   # GPTQ v1 checkpoints store each zero point less one
-    symmetric: bool = False         # compressed-tensors: no zero points stored (the offset is one)
+    symmetric: bool = False         # compressed-tensors: no zero points stored (each is the offset)
 
     @classmethod
     def from_checkpoint(cls, method: str, qc: dict) -> "Int4Config":

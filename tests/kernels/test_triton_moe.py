@@ -195,6 +195,25 @@ def test_fused_moe_with_int4_experts(bits, group, act_order, tokens, dtype, requ
         assert err < TOLERANCE[dtype], (tiles, err)
 
 
+@pytest.mark.parametrize("bits,group,act_order", [(4, 32, False), (8, 16, False), (4, 32, True), (4, 48, False)])
+def test_dequantize_experts(bits, group, act_order, monkeypatch, request):
+    """Packed experts dequantized whole (large batches) hold ``Int4Experts.dense``'s values
+    exactly, and the MoE layer through them gives the reference's sum."""
+    g = seed_for(request)
+    experts, top_k, hidden, inter = 8, 2, 128, 64
+    w13, _ = int4_experts(experts, 2 * inter, hidden, bits, group, torch.float32, g, 2 * act_order)
+    w2, _ = int4_experts(experts, hidden, inter, bits, min(group, inter), torch.float32, g, act_order)
+    for w in (w13, w2):
+        want = torch.stack([w.dense(e) for e in range(experts)])
+        assert torch.equal(triton_moe.dequantize_experts(w, torch.float32), want)
+    topk_weights, topk_ids = routing(19, experts, top_k, g)
+    x = torch.randn(19, hidden, generator=g).to(DEVICE)
+    want = reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    monkeypatch.setattr(triton_moe, "DEQUANTIZE_FROM_TOKENS", 19)
+    got = triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    assert (got - want).norm() / want.norm() < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2),
                                    dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2)])
 def test_fused_moe_with_other_tiles(tiles, request):
