@@ -72,6 +72,9 @@
 #   bash benchmarks/gpu_session.sh check31   # issue 3's W1 / W2 on main, both models; the MoE layer with its routing
 #   bash benchmarks/gpu_session.sh moe32     # W1 on Qwen3-30B-A3B's shapes, bf16 and GPTQ
 #   bash benchmarks/gpu_session.sh int4moe32 # GPTQ / AWQ experts: MoE tests, GPU-vs-CPU, layer, W2 MoE bf16 / gptq / awq
+#   bash benchmarks/gpu_session.sh s33a      # the AWQ MoE GPU test with its traceback, then check31
+#   bash benchmarks/gpu_session.sh s33b      # MoE GPU tests (five expert kinds), quantized kernel tests, --int4 B vs A operand
+#   bash benchmarks/gpu_session.sh s33c      # packed experts: tests, layer packed vs dequantized whole, W2 + W1 with GPTQ
 #   bash benchmarks/gpu_session.sh fp8b28    # block-wise FP8: GPU tests; W2 both models bf16 / fp8 / fp8-block, MoE fp8-block
 #   bash benchmarks/gpu_session.sh s27a      # W1 with the layers' norms alone skipped (folding's upper bound)
 #   bash benchmarks/gpu_session.sh s26g      # W1 with KV blocks of 16 and 32 tokens, interleaved
@@ -1114,11 +1117,11 @@ case "${1:-}" in
     bash "$0" check31
     ;;
   s33b)
-    # The MoE engine tests against the CPU (bf16, block FP8, INT8, GPTQ, AWQ) with tracebacks, the
-    # AWQ probe (each quantized layer against its reference on the GPU), the quantized MoE kernel
-    # tests compiled, the INT4 layer with the weight tile as the dot's B operand, then its A
+    # The MoE engine tests against the CPU (bf16, block FP8, INT8, GPTQ, AWQ) with tracebacks (the
+    # session's call also ran a probe not kept: each quantized layer against its reference on the
+    # GPU), the quantized MoE kernel tests compiled, the INT4 layer with the weight tile as the
+    # dot's B operand, then its A (since then the default, so "" and --transposed now run alike)
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k mixture --tb=short 2>&1 | tail -30
-    timeout 120 python3 benchmarks/probe_awq_moe.py 2>&1 | grep "rel err"
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py -k "int4 or 8bit" 2>&1 | tail -3
     for t in "" --transposed; do timeout 100 python3 benchmarks/moe_kernels.py --int4 $t 2>&1 | tail -7 | sed "s/^/int4$t: /"; done
     ;;
