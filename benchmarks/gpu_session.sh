@@ -75,6 +75,7 @@
 #   bash benchmarks/gpu_session.sh s33a      # the AWQ MoE GPU test with its traceback, then check31
 #   bash benchmarks/gpu_session.sh s33b      # MoE GPU tests (five expert kinds), quantized kernel tests, --int4 B vs A operand
 #   bash benchmarks/gpu_session.sh s33c      # packed experts: tests, layer packed vs dequantized whole, W2 + W1 with GPTQ
+#   bash benchmarks/gpu_session.sh s33d      # INT8 W8A8 on INT8 tensor cores: tests, the eight matrices vs dequantized
 #   bash benchmarks/gpu_session.sh fp8b28    # block-wise FP8: GPU tests; W2 both models bf16 / fp8 / fp8-block, MoE fp8-block
 #   bash benchmarks/gpu_session.sh s27a      # W1 with the layers' norms alone skipped (folding's upper bound)
 #   bash benchmarks/gpu_session.sh s26g      # W1 with KV blocks of 16 and 32 tokens, interleaved
@@ -1135,6 +1136,13 @@ case "${1:-}" in
       --quantization gptq --out "$OUT/w2_moe_gptq" 2>&1 | grep -E "^pagoda|Error" | sed "s/^/W2 qwen3-30b-a3b gptq: /"
     timeout 150 python3 benchmarks/throughput.py --model-config benchmarks/models/qwen3-30b-a3b.json --no-tqdm \
       --quantization gptq --out "$OUT/w1_moe_gptq" 2>&1 | grep -E "^pagoda |^roofline|Error" | sed "s/^/W1 qwen3-30b-a3b gptq: /"
+    ;;
+  s33d)
+    # INT8 weights on INT8 tensor cores above the W8A16 kernel's rows: tests, then the eight
+    # matrices against the weight dequantized for cuBLAS (and bf16)
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_ops.py -k per_token 2>&1 | tail -1
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_quant_w8.py -k "int8_linear or matmul_paths" 2>&1 | tail -1
+    timeout 150 python3 benchmarks/w4a16.py --w8 --int8 --rows 300 2048 16384 2>&1 | tail -3
     ;;
   moe32)
     # W1 on Qwen3-30B-A3B's shapes in bf16 (on an H200 the KV cache holds W1's whole batch) and GPTQ

@@ -6,6 +6,7 @@ read. Needs a GPU.
 
   python benchmarks/w4a16.py [--rows 1 16 64] [--sweep]
   python benchmarks/w4a16.py --w8 [--rows 2 8 64 256]   # FP8 weights: W8A16 kernel against W8A8
+  python benchmarks/w4a16.py --w8 --int8 --rows 64 256 512 2048 16384   # INT8: W8A16 / dequantized against W8A8
 """
 import argparse
 import json
@@ -84,36 +85,47 @@ def sweep(rows, out):
         f.write("--knob triton_w4a16.TILES=" + repr({b: c for b, (_, c) in best.items()}).replace(" ", ""))
 
 
-def w8(rows, out):
-    """FP8 weights (a scale a row, ``quant.w8``): the W8A16 kernel (``w8a16_linear``) against W8A8
-    (per-token FP8 activations + ``torch._scaled_mm``, ``w8.fp8_linear``) and bf16 cuBLAS, us per
-    matmul in a CUDA graph, summed over the eight matrices; the rows where each wins."""
-    from pagoda.quant.w8 import fp8_linear, quantize_rows
+def w8(rows, out, int8=False):
+    """8-bit weights (a scale a row, ``quant.w8``), FP8: the W8A16 kernel (``w8a16_linear``)
+    against W8A8 (per-token FP8 activations + ``torch._scaled_mm``, ``w8.fp8_linear``) and bf16
+    cuBLAS; INT8 (``int8``): the W8A16 kernel (up to its MAX_M rows) and the weight dequantized
+    for cuBLAS against W8A8 on INT8 tensor cores (``w8.int8_linear``). Us per matmul in a CUDA
+    graph, summed over the eight matrices; the rows where each wins."""
+    from pagoda.quant.w8 import fp8_linear, int8_linear, quantize_rows
     dev, dtype = "cuda", torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
     table = []
     for m in rows:
-        sums = {"bf16": 0.0, "w8a16": 0.0, "w8a8": 0.0}
+        paths = (["bf16", "dequant", "w8a8"] + (["w8a16"] if m <= tw.MAX_M else [])) if int8 else \
+            ["bf16", "w8a16", "w8a8"]
+        sums = dict.fromkeys(paths, 0.0)
         for (model, name), (k, n) in MATRICES.items():
             w = torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * k ** -0.5
-            w_q, scale = quantize_rows(w)
+            if int8:
+                scale = w.float().abs().amax(dim=1, keepdim=True) / 127
+                w_q = (w.float() / scale).round().to(torch.int8)
+            else:
+                w_q, scale = quantize_rows(w)
             x = torch.randn(m, k, device=dev, dtype=dtype, generator=gen)
             ref = x.float() @ (w_q.float() * scale).t()
-            for label, fn in (("bf16", lambda: torch.nn.functional.linear(x, w)),
-                              ("w8a16", lambda: tw.w8a16_linear(x, w_q, scale)),
-                              ("w8a8", lambda: fp8_linear(x, w_q, scale, None))):
+            fns = {"bf16": lambda: torch.nn.functional.linear(x, w),
+                   "w8a16": lambda: tw.w8a16_linear(x, w_q, scale),
+                   "dequant": lambda: torch.nn.functional.linear(x, w_q.to(dtype) * scale.to(dtype)),
+                   "w8a8": lambda: (int8_linear if int8 else fp8_linear)(x, w_q, scale, None)}
+            for label in paths:
+                fn = fns[label]
                 if label != "bf16":
                     err = ((fn().float() - ref).norm() / ref.norm()).item()
                     assert err < 5e-2, f"{label} {model} {name} at {m} rows: relative error {err:.1e}"
                 us = graph_ms(fn) * 1e3
                 sums[label] += us
                 table.append(dict(rows=m, model=model, matrix=name, path=label, us=us))
-            del w, w_q, x
-        best = min(("w8a16", "w8a8"), key=sums.get)
-        print(f"w8 at {m:3d} rows: bf16 {sums['bf16']:7.1f} us, W8A16 kernel {sums['w8a16']:7.1f}, "
-              f"W8A8 {sums['w8a8']:7.1f}: {best} wins")
+            del w, w_q, x, ref
+        best = min((p for p in paths if p != "bf16"), key=sums.get)
+        print(f"{'int8' if int8 else 'fp8'} at {m:5d} rows: " + ", ".join(f"{p} {sums[p]:8.1f} us" for p in paths)
+              + f": {best} wins")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "w8.json"), "w") as f:
+    with open(os.path.join(out, "w8_int8.json" if int8 else "w8.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), rows=table), f, indent=1)
 
 
@@ -122,10 +134,11 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--sweep", action="store_true", help="only time the TILES entries in SWEEP, by row count")
     p.add_argument("--w8", action="store_true", help="FP8 weights: the W8A16 kernel against W8A8 and bf16")
+    p.add_argument("--int8", action="store_true", help="with --w8: INT8 weights, W8A8 on INT8 tensor cores")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
     if args.w8:
-        return w8(args.rows, args.out)
+        return w8(args.rows, args.out, args.int8)
     if args.sweep:
         return sweep(args.rows, args.out)
     dev, dtype = "cuda", torch.bfloat16

@@ -197,8 +197,9 @@ def _w8_layer(n, k, weight_dtype, dtype, device, gen):
 def test_w8_matmul_paths(weight_dtype, monkeypatch):
     """Which matmul an 8-bit layer runs: on the GPU one row takes the slab kernel, batches up to
     W8A16_MAX_M rows (any up to the kernel's MAX_M but for FP8 weights under bf16) the W8A16
-    kernel, larger bf16 batches over FP8 weights the FP8 tensor cores (W8A8), the rest the
-    dequantized weight; on the CPU always the dequantized weight, exactly."""
+    kernel, larger bf16 batches over FP8 weights the FP8 tensor cores (W8A8), larger batches
+    over INT8 weights the INT8 tensor cores, the rest the dequantized weight; on the CPU always
+    the dequantized weight, exactly."""
     from pagoda.kernels import triton_linear, triton_w4a16
     from pagoda.quant import w8
     on_gpu = torch.cuda.is_available()
@@ -206,7 +207,7 @@ def test_w8_matmul_paths(weight_dtype, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     calls = []
     for module, name, label in ((triton_linear, "small_m_linear", "slab"), (triton_w4a16, "w8a16_linear", "w8a16"),
-                                (w8, "fp8_linear", "w8a8")):
+                                (w8, "fp8_linear", "w8a8"), (w8, "int8_linear", "int8 w8a8")):
         monkeypatch.setattr(module, name, lambda *a, real=getattr(module, name), label=label:
                             calls.append(label) or real(*a))
     monkeypatch.setattr(w8, "W8A16_MAX_M", 4)
@@ -220,14 +221,15 @@ def test_w8_matmul_paths(weight_dtype, monkeypatch):
             assert out.dtype == dtype and out.shape == (m, 96)
             tensor_cores = dtype == torch.bfloat16 and weight_dtype == FP8
             expected = ([] if not on_gpu else ["slab"] if m == 1 else ["w8a8"] if tensor_cores and m > 4
-                        else ["w8a16"] if m <= triton_w4a16.MAX_M else [])
+                        else ["w8a16"] if m <= triton_w4a16.MAX_M else ["int8 w8a8"] if weight_dtype == torch.int8
+                        else [])
             assert calls == expected, (dtype, m)
             ref = torch.nn.functional.linear(x.float(), dense, layer.bias.float())
             if not on_gpu:
                 assert torch.equal(out, torch.nn.functional.linear(
                     x, layer.weight.to(dtype) * layer.weight_scale.to(dtype), layer.bias))
-            # (W8A8 adds each token's FP8 rounding: a few percent)
-            bound = 5e-2 if calls == ["w8a8"] else 1e-2
+            # (W8A8 adds each token's FP8 (INT8) rounding: a few percent (about one))
+            bound = 5e-2 if calls == ["w8a8"] else 2e-2 if calls == ["int8 w8a8"] else 1e-2
             assert ((out.float() - ref).norm() / ref.norm()).item() < bound
 
 
@@ -266,6 +268,30 @@ def test_block_fp8_matmul_paths(monkeypatch):
             assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("m,n,k", [(17, 64, 96), (40, 48, 200)] + ([(300, 4096, 14336), (2048, 6144, 4096)]
+                                                                   if torch.cuda.is_available() else []), ids=str)
+def test_int8_linear_matches_the_scaled_matmul_it_stands_for(m, n, k):
+    """W8A8 on INT8 tensor cores (``torch._int_mm``; on the CPU its reference implementation)
+    against ``reference.scaled_mm`` of the reference's INT8 activations: the same math, its sums
+    exact in int32 (the reference's in float32), and against the W8A16 matmul it replaces."""
+    from pagoda.kernels import reference
+    from pagoda.quant.w8 import int8_linear
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=gen) * k ** -0.5
+    w_scale = w.abs().amax(dim=1, keepdim=True) / 127
+    w_q = (w / w_scale).round().to(torch.int8)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    w_q, w_scale, x, bias = (t.to(device) for t in (w_q, w_scale, x, bias))
+    out = int8_linear(x, w_q, w_scale, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    ref = reference.scaled_mm(*reference.per_token_quant(x, torch.int8), w_q, w_scale, bias, torch.float32)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 4e-3     # (bf16 output rounding)
+    w8a16 = torch.nn.functional.linear(x.float(), w_q.float() * w_scale, bias.float())
+    assert ((out.float() - w8a16).norm() / w8a16.norm()).item() < 2e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 tensor cores (torch._scaled_mm) need a GPU")
 @pytest.mark.parametrize("m,n,k", [(2, 4096, 1024), (7, 1024, 3072), (64, 6144, 4096), (300, 4096, 14336)],
@@ -282,7 +308,7 @@ def test_fp8_linear_matches_the_scaled_matmul_it_stands_for(m, n, k):
     bias = torch.randn(n, generator=gen).cuda().bfloat16()
     out = fp8_linear(x, w_q, w_scale, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    ref = reference.scaled_mm(*reference.per_token_quant_fp8(x), w_q, w_scale, bias, torch.float32)
+    ref = reference.scaled_mm(*reference.per_token_quant(x), w_q, w_scale, bias, torch.float32)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
     w8a16 = torch.nn.functional.linear(x.float(), w_q.float() * w_scale, bias.float())
     assert ((out.float() - w8a16).norm() / w8a16.norm()).item() < 5e-2

@@ -317,13 +317,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor | Int4Experts, w2: torch.Tensor
 FP8_MAX = 448.0   # E4M3's largest finite value
 
 
-def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of ``x (M, K)`` as FP8 E4M3 over its own float32 scale ``(M, 1)``, its largest
-    magnitude / 448 (dynamic per-token activation quantization, W8A8's)."""
+INT8_MAX = 127.0  # (symmetric: -128 is never used)
+
+
+def per_token_quant(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x (M, K)`` as FP8 E4M3 or INT8 over its own float32 scale ``(M, 1)``, its
+    largest magnitude / 448 (or 127) (dynamic per-token activation quantization, W8A8's). INT8
+    rounds half away from zero."""
+    top = INT8_MAX if dtype == torch.int8 else FP8_MAX
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
-    scale = amax / torch.full_like(amax, FP8_MAX)   # (tensor divisors: exact on every device)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    scale = amax / torch.full_like(amax, top)   # (tensor divisors: exact on every device)
+    v = (xf / scale).clamp(-top, top)
+    if dtype == torch.int8:
+        v = v.sign() * (v.abs() + 0.5).floor()
+    return v.to(dtype), scale
 
 
 def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,

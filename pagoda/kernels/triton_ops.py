@@ -151,33 +151,36 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
 
 # --------------------------------------------------------------------------------------------
-# Per-token FP8 quantization (the activations of a W8A8 matmul)
+# Per-token 8-bit quantization (the activations of a W8A8 matmul)
 
 
 @triton.jit
-def _per_token_quant_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, K, FP8_MAX: tl.constexpr,
-                                BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, stride_x, K, Q_MAX: tl.constexpr,
+                            BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     # (div_rn: Triton's float32 division is otherwise approximate; the reference's is exact)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-12), FP8_MAX)
-    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-12), Q_MAX)
+    q = tl.clamp(tl.math.div_rn(x, scale), -Q_MAX, Q_MAX)
+    if q_ptr.dtype.element_ty == tl.int8:     # (half away from zero, as the reference; a cast truncates)
+        q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))
     tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
-def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``reference.per_token_quant_fp8`` in one launch: ``x (M, K)`` (rows may be strided) ->
-    contiguous FP8 rows and their float32 scales ``(M, 1)``."""
+def per_token_quant(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.per_token_quant`` in one launch: ``x (M, K)`` (rows may be strided) ->
+    contiguous FP8 or INT8 rows and their float32 scales ``(M, 1)``."""
     m, k = x.shape
     assert x.stride(1) == 1
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty(m, k, dtype=dtype, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(k)
-        _per_token_quant_fp8_kernel[(m,)](x, q, scale, x.stride(0), k, FP8_MAX=reference.FP8_MAX, BLOCK=block,
-                                          num_warps=_num_warps(block), **pdl_launch(x.device))
+        _per_token_quant_kernel[(m,)](x, q, scale, x.stride(0), k,
+                                      Q_MAX=reference.INT8_MAX if dtype == torch.int8 else reference.FP8_MAX,
+                                      BLOCK=block, num_warps=_num_warps(block), **pdl_launch(x.device))
     return q, scale

@@ -227,8 +227,8 @@ def test_per_token_quant_fp8(tokens, k, dtype, request):
     gen = seed_for(request)
     x = randn(tokens, k + 8, gen=gen, dtype=dtype)[:, 4:4 + k]
     x = x * torch.logspace(-3, 3, tokens, device=DEVICE, dtype=torch.float32)[:, None].to(dtype)
-    q, scale = ops.per_token_quant_fp8(x)
-    ref_q, ref_scale = reference.per_token_quant_fp8(x)
+    q, scale = ops.per_token_quant(x)
+    ref_q, ref_scale = reference.per_token_quant(x)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (tokens, 1) and scale.dtype == torch.float32
     assert torch.equal(scale, ref_scale)
     if ON_GPU:
@@ -244,6 +244,26 @@ def test_per_token_quant_fp8(tokens, k, dtype, request):
     assert (ref_q.float().abs().amax(dim=1) == reference.FP8_MAX).all()   # each row's largest hits E4M3's top
     deq = ref_q.float() * ref_scale
     assert ((deq - x.float()).norm() / x.float().norm()).item() < 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,k", [(1, 1024), (7, 3072), (3, 1000)] + ([(300, 14336)] if ON_GPU else []),
+                         ids=str)
+def test_per_token_quant_int8(tokens, k, dtype, request):
+    """INT8 (W8A8's integer scheme): each row over its own scale, rounded half away from zero,
+    values and scales equal to the reference's on the CPU and the GPU alike; ties included."""
+    gen = seed_for(request)
+    x = randn(tokens, k + 8, gen=gen, dtype=dtype)[:, 4:4 + k]
+    x = x * torch.logspace(-3, 3, tokens, device=DEVICE, dtype=torch.float32)[:, None].to(dtype)
+    x[:, 0] = (x[:, 1:].abs().amax(dim=1).float() * 127 / 126).to(dtype)   # (the row's largest: 127, then a tie)
+    x[:, 1] = (x[:, 0].float() * (1.5 / 127)).to(dtype)
+    q, scale = ops.per_token_quant(x, torch.int8)
+    ref_q, ref_scale = reference.per_token_quant(x, torch.int8)
+    assert q.dtype == torch.int8 and scale.shape == (tokens, 1) and scale.dtype == torch.float32
+    assert torch.equal(scale, ref_scale) and torch.equal(q, ref_q)
+    assert (ref_q[:, 0] == 127).all()
+    deq = ref_q.float() * ref_scale
+    assert ((deq - x.float()).norm() / x.float().norm()).item() < 0.02
 
 
 def test_small_m_linear_dispatch(monkeypatch):
