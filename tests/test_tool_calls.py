@@ -125,6 +125,9 @@ MISTRAL_CALLS = ('Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"c
                  '{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "24h"}}]')
 MISTRAL_V11_CALLS = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "Europe/Paris", "fmt": "24h"}'
 PYTHONIC_CALLS = '[get_weather(city="Paris"), get_time(tz="Europe/Paris", fmt="24h")]'
+QWEN3_CODER_CALLS = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                     "</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=tz>\nEurope/Paris\n</parameter>\n"
+                     "<parameter=fmt>\n24h\n</parameter>\n</function>\n</tool_call>")
 
 
 def test_mistral_extract():
@@ -150,12 +153,42 @@ def test_pythonic_extract():
         assert p.extract(text) == (text, [])
 
 
+def test_qwen3_coder_extract():
+    """Qwen3-Coder's tags: each value typed by the request's schema (integer, number, boolean,
+    null, object, array; a string stays text, digits and all, inner lines kept), a parameter the
+    schema does not know and every value without tools stay text; a block that is not a function
+    leaves the message text."""
+    p = get_tool_parser("qwen3_coder")
+    assert p.extract(QWEN3_CODER_CALLS)[0] is None and _names_args(p.extract(QWEN3_CODER_CALLS)[1]) == WEATHER_AND_TIME
+    props = {"zip": {"type": "string"}, "days": {"type": "integer"}, "temp": {"type": "number"},
+             "metric": {"type": "boolean"}, "opts": {"type": "object"}, "ids": {"type": "array"},
+             "note": {"type": ["string", "null"]}, "limit": {"type": ["integer", "null"]}}
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": props}}}]
+    values = {"zip": "07001", "days": "3", "temp": "21.5", "metric": "True", "opts": '{"a": [1, "b"]}',
+              "ids": "[1, 'two']", "note": "two\nlines", "limit": "null", "extra": "42"}
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    text = f"Searching.\n<tool_call>\n<function=search>\n{body}</function>\n</tool_call>"
+    content, calls = p.extract(text, tools)
+    assert content == "Searching." and _names_args(calls) == [("search", {
+        "zip": "07001", "days": 3, "temp": 21.5, "metric": True, "opts": {"a": [1, "b"]}, "ids": [1, "two"],
+        "note": "two\nlines", "limit": None, "extra": "42"})]
+    assert _names_args(p.extract(text)[1]) == [("search", values)]
+    bad = {"days": "three", "metric": "yes", "opts": "{not json"}      # (kept as the text they are)
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in bad.items())
+    assert _names_args(p.extract(f"<tool_call>\n<function=search>\n{body}</function>\n</tool_call>", tools)[1]) == [
+        ("search", bad)]
+    for text in ("No tools.", "<tool_call>\n{\"name\": \"f\"}\n</tool_call>", "<tool_call>\nplain\n</tool_call>"):
+        assert p.extract(text) == (text, [])
+
+
 @pytest.mark.parametrize("seed", range(10))
 @pytest.mark.parametrize("name, answer, want_content", [("mistral", MISTRAL_CALLS, "Checking."),
                                                         ("mistral", MISTRAL_V11_CALLS, ""),
                                                         ("mistral", "Plain [text] here.", "Plain [text] here."),
                                                         ("pythonic", PYTHONIC_CALLS, ""),
-                                                        ("pythonic", "Plain (text).", "Plain (text).")])
+                                                        ("pythonic", "Plain (text).", "Plain (text)."),
+                                                        ("qwen3_coder", "Let me see. " + QWEN3_CODER_CALLS,
+                                                         "Let me see.")])
 def test_mistral_and_pythonic_streamed_in_pieces(seed, name, answer, want_content):
     """Streamed in random pieces, an answer gives its whole extraction: the content, never a
     piece of a tag or of a call, then the calls."""
@@ -260,10 +293,10 @@ def test_streamed_chat_returns_tool_call_deltas(tokenizer):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("parser, answer", [("llama3_json", LLAMA3_CALLS), ("pythonic", PYTHONIC_CALLS),
-                                            ("mistral", MISTRAL_V11_CALLS)])
+                                            ("mistral", MISTRAL_V11_CALLS), ("qwen3_coder", QWEN3_CODER_CALLS)])
 def test_chat_whole_answer_tool_calls(tokenizer, stream, parser, answer):
-    """--tool-call-parser llama3_json / pythonic / mistral: an answer that is all calls gives
-    tool_calls, no content."""
+    """--tool-call-parser llama3_json / pythonic / mistral / qwen3_coder: an answer that is all
+    calls gives tool_calls, no content."""
     _, client = _client(tokenizer, answer, enable_auto_tool_choice=True, tool_call_parser=parser)
     with client:
         r = client.post("/v1/chat/completions", json=_chat(stream=stream))
@@ -278,6 +311,24 @@ def test_chat_whole_answer_tool_calls(tokenizer, stream, parser, answer):
         calls, finish = choice["message"]["tool_calls"], choice["finish_reason"]
     assert finish == "tool_calls" and [tc.get("index", i) for i, tc in enumerate(calls)] == [0, 1]
     assert _names_args(calls) == WEATHER_AND_TIME
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_qwen3_coder_types_arguments_by_the_requests_tools(tokenizer, stream):
+    """The route hands the request's tools to the parser: an integer parameter arrives as a
+    number, streamed or not."""
+    answer = "<tool_call>\n<function=get_forecast>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    tools = [{"type": "function", "function": {"name": "get_forecast", "parameters": {
+        "type": "object", "properties": {"days": {"type": "integer"}}}}}]
+    _, client = _client(tokenizer, answer, enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")
+    with client:
+        r = client.post("/v1/chat/completions", json={**_chat(stream=stream), "tools": tools})
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    else:
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert _names_args(calls) == [("get_forecast", {"days": 3})]
 
 
 def test_plain_answer_and_tool_history(tokenizer):

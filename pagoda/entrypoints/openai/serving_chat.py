@@ -72,13 +72,13 @@ class OpenAIServingChat(OpenAIServing):
                 finish = "tool_calls"
         elif choice == "auto" and self.tool_parser is not None:
             if request.stream:
-                tools = state.setdefault("tools", self.tool_parser.stream())
+                tools = state.setdefault("tools", self.tool_parser.stream(request.tools))
                 text, calls = tools.feed(c.text, final=finish is not None)
                 first_call = tools.num_calls - len(calls)
                 calls = [{"index": first_call + i, **call} for i, call in enumerate(calls)]
                 called = tools.num_calls > 0
             else:
-                text, calls = self.tool_parser.extract(c.text)
+                text, calls = self.tool_parser.extract(c.text, request.tools)
                 called = bool(calls)
             if called and finish is not None:
                 finish = "tool_calls"

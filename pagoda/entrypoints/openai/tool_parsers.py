@@ -22,13 +22,26 @@ arguments of literal values (inside ``<|python_start|>`` ... ``<|python_end|>`` 
 
     [get_weather(city="Paris"), get_time(tz="Europe/Paris")]
 
+``qwen3_coder``: Qwen3-Coder's, hermes' blocks holding a function and its parameters as tags,
+each value as text, typed by the request's tool schema (integers, numbers, booleans, null,
+objects and arrays; strings and parameters the schema does not know stay text):
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
 Calls become OpenAI's ``tool_calls`` (``arguments`` a JSON string); text that is not calls in
 the parser's format stays as it was, content."""
 import ast
 import json
+import re
 import uuid
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 
 
 def check_tool_call_parser(name: str | None) -> None:
@@ -39,24 +52,25 @@ def check_tool_call_parser(name: str | None) -> None:
 class HermesToolParser:
     start, end = "<tool_call>", "</tool_call>"
 
-    def stream(self) -> "StreamingToolCalls":
-        return StreamingToolCalls(self)
+    def stream(self, tools: list[dict] | None = None) -> "StreamingToolCalls":
+        return StreamingToolCalls(self, tools)
 
-    def parse_block(self, body: str) -> list[dict] | None:
+    def parse_block(self, body: str, tools: list[dict] | None = None) -> list[dict] | None:
         """The calls of the text between a start tag and its end, or None if it is not calls."""
         call = _tool_call(body)
         return None if call is None else [call]
 
-    def extract(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, tool calls) of a whole message."""
+    def extract(self, text: str, tools: list[dict] | None = None) -> tuple[str | None, list[dict]]:
+        """(content, tool calls) of a whole message (``tools``: the request's, for parsers
+        that type arguments by their schema)."""
         head, sep, rest = text.partition(self.start)
         calls = []
         while sep:
             body, closed, after = rest.partition(self.end)
-            call = _tool_call(body)
-            if call is None:
+            found = self.parse_block(body, tools)
+            if found is None:
                 return text, []
-            calls.append(call)
+            calls += found
             if not closed:
                 break
             _, sep, rest = after.partition(self.start)
@@ -65,14 +79,32 @@ class HermesToolParser:
         return head.strip() or None, calls
 
 
+class Qwen3CoderToolParser(HermesToolParser):
+    """Hermes' blocks, each a function and its parameters as tags (module docstring)."""
+    function = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*|$)", re.DOTALL)
+    parameter = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+    def parse_block(self, body: str, tools: list[dict] | None = None) -> list[dict] | None:
+        m = self.function.fullmatch(body)
+        if m is None:
+            return None
+        name = m[1].strip()
+        schema = _parameters_schema(tools, name)
+        arguments = {}
+        for key, value in self.parameter.findall(m[2]):
+            value = value.removeprefix("\n").removesuffix("\n")
+            arguments[key.strip()] = _typed(value, schema.get(key.strip(), {}).get("type"))
+        return [make_tool_call(name, json.dumps(arguments, ensure_ascii=False))]
+
+
 class StreamingToolCalls:
     """A streamed message's deltas as (content delta, tool calls completed by it): text that may
     start a tool-call block is held back until it is known not to; each call is sent whole once
     its block closes (a client sums tool-call deltas by index, so one delta a call is valid). A
     parser whose ``end`` is None (mistral) has one block, to the message's end."""
 
-    def __init__(self, parser: "HermesToolParser | MistralToolParser"):
-        self.parser = parser
+    def __init__(self, parser: "HermesToolParser | MistralToolParser", tools: list[dict] | None = None):
+        self.parser, self.tools = parser, tools
         self.held = ""               # text not yet sent: a possible start tag, or an open block
         self.in_call = False
         self.num_calls = 0
@@ -86,7 +118,7 @@ class StreamingToolCalls:
                 body, closed, after = self.held.partition(end) if end else (self.held, "", "")
                 if not closed and not final:
                     break
-                found = self.parser.parse_block(body)
+                found = self.parser.parse_block(body, self.tools)
                 if found is None:            # not calls after all: say it as text
                     content += start + body + closed
                 else:
@@ -112,7 +144,7 @@ class StreamingToolCalls:
 class Llama3JsonToolParser:
     tag = "<|python_tag|>"
 
-    def extract(self, text: str) -> tuple[str | None, list[dict]]:
+    def extract(self, text: str, tools: list[dict] | None = None) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of a whole message: calls only if all of it is calls."""
         body = text.strip()
         if body.startswith(self.tag):
@@ -135,7 +167,7 @@ class Llama3JsonToolParser:
         """Whether a message that begins with ``head`` (stripped) may still be tool calls."""
         return head.startswith(("{", self.tag)) or self.tag.startswith(head)
 
-    def stream(self) -> "HeldToolCalls":
+    def stream(self, tools: list[dict] | None = None) -> "HeldToolCalls":
         return HeldToolCalls(self)
 
 
@@ -143,16 +175,16 @@ class MistralToolParser:
     start, end = "[TOOL_CALLS]", None
     args_tag = "[ARGS]"
 
-    def stream(self) -> StreamingToolCalls:
+    def stream(self, tools: list[dict] | None = None) -> StreamingToolCalls:
         return StreamingToolCalls(self)
 
-    def extract(self, text: str) -> tuple[str | None, list[dict]]:
+    def extract(self, text: str, tools: list[dict] | None = None) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of a whole message."""
         head, sep, rest = text.partition(self.start)
         calls = self.parse_block(rest) if sep else None
         return (text, []) if calls is None else (head.strip() or None, calls)
 
-    def parse_block(self, body: str) -> list[dict] | None:
+    def parse_block(self, body: str, tools: list[dict] | None = None) -> list[dict] | None:
         """The calls after the first [TOOL_CALLS]: a JSON list (or object), or name[ARGS]{...}
         each, joined by more [TOOL_CALLS]; None if it is neither."""
         body = body.strip()
@@ -179,7 +211,7 @@ class MistralToolParser:
 class PythonicToolParser:
     start, end = "<|python_start|>", "<|python_end|>"
 
-    def extract(self, text: str) -> tuple[str | None, list[dict]]:
+    def extract(self, text: str, tools: list[dict] | None = None) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of a whole message: calls only if all of it is calls."""
         body = text.strip().removeprefix(self.start).removesuffix(self.end).strip()
         try:
@@ -203,7 +235,7 @@ class PythonicToolParser:
     def may_be_calls(self, head: str) -> bool:
         return head.startswith(("[", self.start)) or self.start.startswith(head)
 
-    def stream(self) -> "HeldToolCalls":
+    def stream(self, tools: list[dict] | None = None) -> "HeldToolCalls":
         return HeldToolCalls(self)
 
 
@@ -310,6 +342,41 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def _parameters_schema(tools: list[dict] | None, name: str) -> dict:
+    """The JSON schema properties of the request's function ``name`` ({} if it has none)."""
+    for tool in tools or []:
+        function = tool.get("function") or {}
+        if function.get("name") == name:
+            return (function.get("parameters") or {}).get("properties") or {}
+    return {}
+
+
+def _typed(value: str, kind) -> object:
+    """A parameter's text as its schema's type says (a list of types: the first not null); text
+    that does not parse as that type, a string type and no type stay the text."""
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "null" in kinds and value.strip().lower() == "null":
+        return None
+    kind = next((k for k in kinds if k != "null"), None)
+    text = value.strip()
+    try:
+        if kind == "integer":
+            return int(text)
+        if kind == "number":
+            number = float(text)
+            return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
+        if kind == "boolean" and text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        if kind in ("object", "array"):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                return ast.literal_eval(text)      # (Python literals: single quotes, True / None)
+    except (ValueError, SyntaxError):
+        pass
+    return value
+
+
 def _tool_call(body: str) -> dict | None:
     try:
         return _call_of(json.loads(body))
@@ -334,4 +401,4 @@ def make_tool_call(name: str, arguments: str) -> dict:
 def get_tool_parser(name: str):
     check_tool_call_parser(name)
     return {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
-            "pythonic": PythonicToolParser}[name]()
+            "pythonic": PythonicToolParser, "qwen3_coder": Qwen3CoderToolParser}[name]()
