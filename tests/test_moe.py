@@ -257,6 +257,10 @@ def test_int4_experts_gate_and_up_act_orders_apart():
 def test_refused_by_name(qwen3_moe, tmp_path):
     with pytest.raises(ValueError, match="LoRA adapters on a mixture of experts"):
         LLM(qwen3_moe, enable_lora=True, **SMALL)
+    from tests.quant_utils import quantize_folder
+    mixed = quantize_folder(qwen3_moe, str(tmp_path / "mixed"), "gptq", keep=("model.layers.0.mlp.experts.3.down_proj",))
+    with pytest.raises(NotImplementedError, match="stores the expert model.layers.0.mlp.experts.3.down_proj unquantized"):
+        LLM(mixed, **SMALL)
     uneven = dict(BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16, num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=30)
     (tmp_path / "config.json").write_text(json.dumps(uneven))

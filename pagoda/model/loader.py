@@ -111,7 +111,7 @@ def stored_unquantized(folder: str) -> set[str]:
 def leave_unquantized(model: nn.Module, modules: set[str]) -> None:
     """Give the quantized linear layers that the checkpoint stores unquantized (``modules``, by
     the checkpoint's names) unquantized weights. A fused layer (q/k/v, gate/up) must have all of
-    its parts one way or the other; the experts of a mixture all quantized or none."""
+    its parts one way or the other; experts must be quantized."""
     from pagoda.model.layers.linear import LinearBase
     from pagoda.quant.base import UnquantizedLinearMethod
     mapping = getattr(model, "packed_modules_mapping", {})
@@ -122,8 +122,8 @@ def leave_unquantized(model: nn.Module, modules: set[str]) -> None:
         owner = name.rpartition(".")[0]
         layer = owners.get(owner)
         if getattr(layer, "int4", None) or getattr(layer, "w8", None):   # (a quantized mixture of experts)
-            raise NotImplementedError(f"The checkpoint stores {module} unquantized but its mixture's other experts "
-                                      "quantized; pagoda needs a layer's experts all quantized or none.")
+            raise NotImplementedError(f"The checkpoint stores the expert {module} unquantized under its quantization "
+                                      "config; pagoda loads the experts of quantized checkpoints quantized only.")
         if isinstance(layer, LinearBase) and not isinstance(layer.quant_method, UnquantizedLinearMethod):
             parts.setdefault(owner, set()).add(shard_id)
     shards: dict[str, set] = {}
