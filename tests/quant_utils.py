@@ -169,11 +169,13 @@ def fp8_folder(src: str, dst: str, static: bool = False, keep: tuple = ()) -> st
     return convert_folder(src, dst, convert, config, torch.bfloat16, keep)
 
 
-def fp8_block_folder(src: str, dst: str, block: tuple[int, int] = (32, 32)) -> str:
+def fp8_block_folder(src: str, dst: str, block: tuple[int, int] = (32, 32), compressed: bool = False) -> str:
     """``src`` as DeepSeek's and Qwen3's FP8 releases are stored (``quant_method: "fp8"``,
     ``weight_block_size``; ``convert_folder``): every decoder linear weight in float8_e4m3fn with
     a scale per ``block`` of it, ``weight_scale_inv (ceil(N / bn), ceil(K / bk))``, each block's
-    largest magnitude over 448 (its dequantizing factor, despite the name)."""
+    largest magnitude over 448 (its dequantizing factor, despite the name). ``compressed``: as
+    llm-compressor's FP8_BLOCK scheme writes the same (compressed-tensors, ``block_structure``,
+    the scales named ``weight_scale``, activations quantized per group of 128)."""
     bn, bk = block
 
     def convert(prefix, projection, w):
@@ -184,9 +186,17 @@ def fp8_block_folder(src: str, dst: str, block: tuple[int, int] = (32, 32)) -> s
         scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
         full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
         q = (w.float() / full).to(torch.float8_e4m3fn)
-        return {prefix + ".weight": q, prefix + ".weight_scale_inv": scale}, q.float() * full
+        return {prefix + (".weight_scale" if compressed else ".weight_scale_inv"): scale, prefix + ".weight": q}, \
+            q.float() * full
 
     config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+    if compressed:
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                   "block_structure": list(block), "dynamic": False}
+        config = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
+                      "num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 128,
+                      "dynamic": True}}}}
     return convert_folder(src, dst, convert, config, torch.bfloat16)
 
 

@@ -93,15 +93,16 @@ def test_dummy_weights_from_a_config(tmp_path):
     assert len(out.outputs[0].token_ids) == 6
 
 
-@pytest.mark.parametrize("case,block", [("qwen3_moe", (16, 32)), ("qwen2_moe", (16, 16))])
-def test_block_fp8_experts_match_their_dequantized_weights(tmp_path, case, block):
-    """A block-wise FP8 checkpoint of a mixture of experts (Qwen3-30B-A3B-FP8's format): its
-    experts stay FP8 with their block scales and give the outputs of the same model holding the
-    dequantized weights."""
+@pytest.mark.parametrize("case,block,compressed", [("qwen3_moe", (16, 32), False), ("qwen2_moe", (16, 16), False),
+                                                  ("qwen3_moe", (16, 32), True)])
+def test_block_fp8_experts_match_their_dequantized_weights(tmp_path, case, block, compressed):
+    """A block-wise FP8 checkpoint of a mixture of experts (Qwen3-30B-A3B-FP8's format, or
+    compressed-tensors' FP8_BLOCK): its experts stay FP8 with their block scales and give the
+    outputs of the same model holding the dequantized weights."""
     from tests.quant_utils import fp8_block_folder
     from tests.test_quant_w8 import same_outputs
     folder, _ = save_tiny(tmp_path, case)
-    path = fp8_block_folder(folder, str(tmp_path / "fp8b"), block)
+    path = fp8_block_folder(folder, str(tmp_path / "fp8b"), block, compressed)
     same_outputs(path, path + "-dequant")
     llm = LLM(path, **SMALL)
     experts = llm.llm_engine.executor.runner.model.model.layers[0].mlp.experts

@@ -48,13 +48,15 @@ def test_fp8_checkpoint_matches_its_dequantized_weights(tmp_path, case, static):
     assert llm.llm_engine.config.model.quantization == "fp8"
 
 
-@pytest.mark.parametrize("case,block", [("llama3", (32, 32)), ("qwen3", (16, 64)), ("qwen2", (32, 48))])
-def test_block_fp8_checkpoint_matches_its_dequantized_weights(tmp_path, case, block):
-    """Block-wise FP8 (weight_block_size, a weight_scale_inv per block), kept 8-bit with its
-    block scales: the fused q/k/v and gate/up layers take each projection's blocks; K not a
-    multiple of the block (qwen2's 64 and 128 inputs in 48-wide blocks) ends in partial blocks."""
+@pytest.mark.parametrize("case,block,compressed", [("llama3", (32, 32), False), ("qwen3", (16, 64), False),
+                                                  ("qwen2", (32, 48), False), ("qwen3", (16, 32), True)])
+def test_block_fp8_checkpoint_matches_its_dequantized_weights(tmp_path, case, block, compressed):
+    """Block-wise FP8 (weight_block_size, a weight_scale_inv per block; or compressed-tensors'
+    FP8_BLOCK, block_structure and weight_scale), kept 8-bit with its block scales: the fused
+    q/k/v and gate/up layers take each projection's blocks; K not a multiple of the block
+    (qwen2's 64 and 128 inputs in 48-wide blocks) ends in partial blocks."""
     folder, _ = save_tiny(tmp_path, case)
-    path = fp8_block_folder(folder, str(tmp_path / "fp8b"), block)
+    path = fp8_block_folder(folder, str(tmp_path / "fp8b"), block, compressed)
     same_outputs(path, path + "-dequant")
     llm = LLM(path, dtype="float32", **SMALL)
     layer = llm.llm_engine.executor.runner.model.model.layers[0].mlp.gate_up_proj

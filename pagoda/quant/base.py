@@ -120,6 +120,7 @@ def get_quant_method(quantization: str | None, checkpoint_config: dict | None = 
     name = _known(quantization)
     from pagoda.quant.int4 import Int4Config, Int4LinearMethod, packed_compressed_tensors
     if name == "fp8" or (name == "compressed-tensors" and not packed_compressed_tensors(checkpoint_config)):
-        from pagoda.quant.w8 import W8LinearMethod, block_size, weight_dtype
-        return W8LinearMethod(weight_dtype(name, checkpoint_config), block_size(name, checkpoint_config))
+        from pagoda.quant.w8 import W8LinearMethod, block_scale_name, block_size, weight_dtype
+        return W8LinearMethod(weight_dtype(name, checkpoint_config), block_size(name, checkpoint_config),
+                              block_scale_name(name))
     return Int4LinearMethod(Int4Config.from_checkpoint(name, checkpoint_config or {}))

@@ -10,7 +10,8 @@ Three ways in, as in vLLM:
   ``W[n, k] = w[n, k] * weight_scale_inv[n // bn, k // bk]``;
 - compressed-tensors checkpoints (``quant_method: "compressed-tensors"``, llm-compressor's
   output) of symmetric 8-bit weights, INT8 (the W8A8 scheme) or FP8, with per-channel
-  ``(N, 1)`` or per-tensor scales;
+  ``(N, 1)`` or per-tensor scales, or FP8 with a scale per block (FP8_BLOCK: ``block_structure``,
+  the scales named ``weight_scale``), taken as vLLM's block-wise ones;
 - ``quantization="fp8"`` on an unquantized checkpoint: its weights quantized at load, a scale
   per row (its largest magnitude over E4M3's largest value, 448).
 
@@ -82,10 +83,14 @@ def weight_dtype(method: str, qc: dict | None) -> torch.dtype | None:
                                   "or of packed integer weights (pack-quantized) is.")
     group, weights = groups[0], groups[0].get("weights") or {}
     scheme = (weights.get("num_bits"), weights.get("symmetric", True), weights.get("strategy"))
-    if scheme not in ((8, True, "channel"), (8, True, "tensor")) or "Linear" not in group.get("targets", []):
+    block = weights.get("block_structure")
+    blocks = scheme == (8, True, "block") and weights.get("type") == "float" and block is not None and len(block) == 2 \
+        and all(isinstance(b, int) and b > 0 for b in block)
+    if (scheme not in ((8, True, "channel"), (8, True, "tensor")) and not blocks) \
+            or "Linear" not in group.get("targets", []):
         raise NotImplementedError(f"compressed-tensors weights {weights} targeting {group.get('targets')} are "
                                   "not supported; symmetric 8-bit weights of every Linear, per channel or per "
-                                  "tensor, are.")
+                                  "tensor (or FP8 in blocks), are.")
     return torch.int8 if weights.get("type") == "int" else FP8
 
 
@@ -99,15 +104,28 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def block_size(method: str, qc: dict | None) -> tuple[int, int] | None:
-    """An FP8 checkpoint's (block_n, block_k) of weights that share a scale, if it has blocks."""
-    block = (qc or {}).get("weight_block_size") if method == "fp8" else None
+    """An FP8 checkpoint's (block_n, block_k) of weights that share a scale, if it has blocks:
+    vLLM's ``weight_block_size``, or compressed-tensors' ``block_structure`` (FP8_BLOCK)."""
+    if method == "fp8":
+        block = (qc or {}).get("weight_block_size")
+    else:
+        weights = next(iter(((qc or {}).get("config_groups") or {}).values()), {}).get("weights") or {}
+        block = weights.get("block_structure") if weights.get("strategy") == "block" else None
     return None if block is None else tuple(block)
 
 
+def block_scale_name(method: str) -> str:
+    """What a block-wise checkpoint calls its scales: ``weight_scale_inv`` (DeepSeek's and vLLM's
+    name, a dequantizing factor despite it), or compressed-tensors' ``weight_scale``."""
+    return "weight_scale_inv" if method == "fp8" else "weight_scale"
+
+
 class W8LinearMethod(QuantMethod):
-    def __init__(self, dtype: torch.dtype | None, block: tuple[int, int] | None = None):
+    def __init__(self, dtype: torch.dtype | None, block: tuple[int, int] | None = None,
+                 scale_name: str = "weight_scale_inv"):
         self.dtype = dtype      # the checkpoint's weight dtype; None: quantize at load
         self.block = block      # weights that share a scale (block-wise FP8), else a scale a row
+        self.scale_name = scale_name    # (the block scales' name in the checkpoint; kept as weight_scale_inv)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.dtype or dtype),
@@ -124,7 +142,7 @@ class W8LinearMethod(QuantMethod):
                              requires_grad=False)
             # (split with the weight, in blocks: _narrow_output divides by output_pack)
             p.output_pack, p.input_pack = bn, bk
-            layer.weight_scale_inv = p
+            setattr(layer, self.scale_name, p)
             return
         # A scale a row ((N, 1), as compressed-tensors stores per-channel scales); a per-tensor
         # scale fills its shard's rows. Activation scales are read and not used (optional).
@@ -140,6 +158,8 @@ class W8LinearMethod(QuantMethod):
             layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         elif self.block is None:
             del layer.input_scale
+        elif self.scale_name != "weight_scale_inv":
+            layer.weight_scale_inv = layer._parameters.pop(self.scale_name)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.block is not None:

@@ -87,8 +87,11 @@ class FusedMoE(nn.Module):
         self._add("w2_weight", (h, i), dtype, 1)
         if self.w8 == "checkpoint" and self.block:
             bn, bk = self.block
-            self._add("w13_weight_scale_inv", (2 * i // bn, -(-h // bk)), torch.float32, 0)
-            self._add("w2_weight_scale_inv", (-(-h // bn), i // bk), torch.float32, 1)
+            self.block_scale_name = quant.scale_name    # (renamed weight_scale_inv once loaded)
+            self._add(f"w13_{quant.scale_name}", (2 * i // bn, -(-h // bk)), torch.float32, 0)
+            self._add(f"w2_{quant.scale_name}", (-(-h // bn), i // bk), torch.float32, 1)
+            if quant.scale_name != "weight_scale_inv":
+                self.quant_method = _AfterLoading()
         elif self.w8 == "checkpoint":
             self._add("w13_weight_scale", (2 * i, 1), torch.float32, 0)
             self._add("w2_weight_scale", (h, 1), torch.float32, None)
@@ -212,4 +215,10 @@ def w8_experts(quant: QuantMethod | None) -> tuple[str | None, tuple[int, int] |
 
 class _AfterLoading(QuantMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.repack_int4() if layer.int4 else layer.quantize_rows()
+        if layer.int4:
+            layer.repack_int4()
+        elif layer.w8 == "online":
+            layer.quantize_rows()
+        else:       # (compressed-tensors' block scales, under the name the kernels read)
+            for w in ("w13", "w2"):
+                setattr(layer, f"{w}_weight_scale_inv", layer._parameters.pop(f"{w}_{layer.block_scale_name}"))
