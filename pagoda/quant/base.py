@@ -86,6 +86,17 @@ def _known(name: str, from_checkpoint: bool = False) -> str:
     raise ValueError(f"Unknown quantization method {name!r}; known: {list(METHODS + PLANNED_METHODS)}.")
 
 
+def compressed_tensors_group(qc: dict) -> tuple[dict, dict, str | None]:
+    """A compressed-tensors config's one config group: (the group, its ``weights`` scheme, its
+    format: the group's own, else the config's). pagoda reads one group of every Linear."""
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise NotImplementedError(f"compressed-tensors checkpoints with {len(groups)} config groups are not "
+                                  "supported; one group of 8-bit or packed integer weights is.")
+    group = groups[0]
+    return group, group.get("weights") or {}, group.get("format") or qc.get("format")
+
+
 def check_quantization_name(quantization: str | None) -> None:
     """Fail on a bad ``quantization`` argument before anything is loaded."""
     if quantization is not None:

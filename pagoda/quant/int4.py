@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.quant.base import QuantMethod, triton_kernels
+from pagoda.quant.base import QuantMethod, compressed_tensors_group, triton_kernels
 
 # AWQ's order of the 8 columns in a packed word: slot i holds column AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -50,8 +50,7 @@ class CheckpointTensor:
 
 def packed_compressed_tensors(qc: dict | None) -> bool:
     """A compressed-tensors config of packed integer weights (W4A16 / W8A16), not 8-bit ones."""
-    groups = list(((qc or {}).get("config_groups") or {}).values())
-    return any((g.get("format") or qc.get("format")) == "pack-quantized" for g in groups)
+    return compressed_tensors_group(qc or {})[2] == "pack-quantized"
 
 
 @dataclass(frozen=True)
@@ -96,11 +95,7 @@ class Int4Config:
     def _from_compressed_tensors(cls, qc: dict) -> "Int4Config":
         """llm-compressor's W4A16 / W8A16 schemes: one group of integer weights packed in int32
         words, in groups along the input or a scale a row, activations unquantized."""
-        groups = list((qc.get("config_groups") or {}).values())
-        if len(groups) != 1:
-            raise NotImplementedError(f"compressed-tensors checkpoints with {len(groups)} config groups are not "
-                                      "supported; one group of packed integer weights is.")
-        group, w = groups[0], groups[0].get("weights") or {}
+        group, w, _ = compressed_tensors_group(qc)
         strategy = w.get("strategy")
         if (w.get("type", "int") != "int" or strategy not in ("group", "channel") or group.get("input_activations")
                 or "Linear" not in group.get("targets", [])):

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels.reference import dequantize_blocks
-from pagoda.quant.base import QuantMethod, triton_kernels
+from pagoda.quant.base import QuantMethod, compressed_tensors_group, triton_kernels
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max   # 448
@@ -75,13 +75,10 @@ def weight_dtype(method: str, qc: dict | None) -> torch.dtype | None:
                                       f"{qc['activation_scheme']!r} are not supported (vLLM's neither): "
                                       "block-wise checkpoints quantize activations dynamically.")
         return FP8
-    fmt = qc.get("format")
-    groups = list((qc.get("config_groups") or {}).values())
-    if fmt not in ("int-quantized", "float-quantized", "naive-quantized") or len(groups) != 1:
-        raise NotImplementedError(f"compressed-tensors checkpoints of format {fmt!r} with {len(groups)} config "
-                                  "groups are not supported; one group of 8-bit weights (int- or float-quantized) "
-                                  "or of packed integer weights (pack-quantized) is.")
-    group, weights = groups[0], groups[0].get("weights") or {}
+    group, weights, fmt = compressed_tensors_group(qc)
+    if fmt not in ("int-quantized", "float-quantized", "naive-quantized"):
+        raise NotImplementedError(f"compressed-tensors checkpoints of format {fmt!r} are not supported; 8-bit "
+                                  "weights (int- or float-quantized) or packed integer weights (pack-quantized) are.")
     scheme = (weights.get("num_bits"), weights.get("symmetric", True), weights.get("strategy"))
     block = weights.get("block_structure")
     blocks = scheme == (8, True, "block") and weights.get("type") == "float" and block is not None and len(block) == 2 \
@@ -109,7 +106,7 @@ def block_size(method: str, qc: dict | None) -> tuple[int, int] | None:
     if method == "fp8":
         block = (qc or {}).get("weight_block_size")
     else:
-        weights = next(iter(((qc or {}).get("config_groups") or {}).values()), {}).get("weights") or {}
+        weights = compressed_tensors_group(qc)[1]
         block = weights.get("block_structure") if weights.get("strategy") == "block" else None
     return None if block is None else tuple(block)
 
