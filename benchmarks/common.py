@@ -29,6 +29,13 @@ DUMMY_QUANT_CONFIGS = {
     "fp8": dict(quant_method="fp8", activation_scheme="dynamic"),
     # DeepSeek's and Qwen3's FP8 releases: a scale per 128 x 128 block of weights
     "fp8-block": dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[128, 128]),
+    # llm-compressor's INT8 W8A8 (compressed-tensors): a scale per output channel, activations
+    # quantized per token at run time
+    "w8a8": dict(quant_method="compressed-tensors", format="int-quantized", ignore=["lm_head"], config_groups={
+        "group_0": dict(targets=["Linear"],
+                        weights=dict(num_bits=8, type="int", symmetric=True, strategy="channel", dynamic=False),
+                        input_activations=dict(num_bits=8, type="int", symmetric=True, strategy="token",
+                                               dynamic=True))}),
 }
 
 
@@ -266,7 +273,7 @@ def param_counts(cfg: dict) -> tuple[int, int]:
 def weight_bytes(cfg: dict, tokens: int = 1) -> float:
     """Bytes of weights a step of ``tokens`` tokens reads: the decoder layers' (bf16, or as the
     config's ``quantization_config`` packs them: ``bits`` a weight plus a bf16 scale and zero a
-    group, or FP8's byte a weight) and the bf16 LM head (read once per step, tied or not). In a
+    group, or 8-bit weights' byte) and the bf16 LM head (read once per step, tied or not). In a
     mixture of experts, the experts a uniform routing picks for that many tokens, on average."""
     from pagoda.config import ArchConfig
     arch = ArchConfig.from_hf_dict(cfg)
@@ -277,7 +284,8 @@ def weight_bytes(cfg: dict, tokens: int = 1) -> float:
         expert = 3 * arch.hidden_size * arch.moe_intermediate_size
         layers += sum(arch.is_moe_layer(i) for i in range(arch.num_hidden_layers)) * expert * (touched - k)
     qc = cfg.get("quantization_config")
-    per_weight = 2 if qc is None else 1 if qc["quant_method"] == "fp8" else qc["bits"] / 8 + 4 / qc["group_size"]
+    eight_bit = qc is not None and (qc["quant_method"] == "fp8" or qc.get("format") == "int-quantized")
+    per_weight = 2 if qc is None else 1 if eight_bit else qc["bits"] / 8 + 4 / qc["group_size"]
     return per_weight * layers + 2 * head
 
 

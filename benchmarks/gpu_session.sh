@@ -184,6 +184,18 @@ trees() {  # pattern benchmark args...: the benchmark in BASE, then in this tree
       | sed "s|^|$(basename $tree): |")
   done
 }
+int8_table() {  # the six fastest INT8 paths / tiles at each row count of w4a16.py --w8 --int8's JSON
+  python3 - <<'PY'
+import json, os, collections
+rows = json.load(open(os.path.join(os.environ.get("OUT", "results"), "w8_int8.json")))["rows"]
+sums = collections.defaultdict(float)
+for r in rows:
+    sums[r["rows"], r["path"]] += r["us"]
+for m in sorted({r["rows"] for r in rows}):
+    paths = sorted({p for (mm, p) in sums if mm == m}, key=lambda p: sums[m, p])
+    print(f"{m:6d} rows: " + ", ".join(f"{p} {sums[m, p]:.0f}" for p in paths[:6]) + f" | bf16 {sums[m, 'bf16']:.0f}")
+PY
+}
 run() {  # label benchmark args...: the benchmark's result line, labelled
   label=$1; shift
   python3 benchmarks/$@ 2>&1 | grep "^pagoda " | sed "s/^/$label: /"
@@ -1143,6 +1155,41 @@ case "${1:-}" in
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_ops.py -k per_token 2>&1 | tail -1
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_quant_w8.py -k "int8_linear or matmul_paths" 2>&1 | tail -1
     timeout 150 python3 benchmarks/w4a16.py --w8 --int8 --rows 300 2048 16384 2>&1 | tail -3
+    ;;
+  s34a)
+    # The INT8 W8A8 Triton kernel: its tests and the INT8 layer's, then the eight matrices against
+    # the dequantized weight, cuBLAS's INT8 matmul and bf16, every INT8_SWEEP tile beside them
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_int8_mm.py 2>&1 | tail -2
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_quant_w8.py -k "int8_linear or matmul_paths" 2>&1 | tail -1
+    timeout 280 python3 benchmarks/w4a16.py --w8 --int8 --sweep --rows 257 512 1024 2048 4096 16384 2>&1 \
+      | grep -v "^  tile"
+    int8_table
+    ;;
+  s34b)
+    # INT8 W8A8 at decode batches (against the W8A16 kernel), then W2 Llama-3-8B with INT8 W8A8
+    # weights against bf16
+    timeout 250 python3 benchmarks/w4a16.py --w8 --int8 --sweep --rows ${ROWS:-2 8 16 32 64 128 256} 2>&1 | grep -v "^  tile"
+    int8_table
+    [ -n "${NO_W2:-}" ] || for q in none w8a8; do
+      run "W2 llama3-8b $q" latency.py --model-config $MA/llama3-8b.json --batch 1 8 64 \
+        $([ $q = none ] || echo --quantization $q) --out "$OUT/w2_$q"
+    done
+    ;;
+  s34c)
+    # INT8 W8A8 from two rows: the tests, W2 Llama-3-8B and W1 both models against bf16, interleaved
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_int8_mm.py 2>&1 | tail -1
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_quant_w8.py -k "int8 or matmul_paths" 2>&1 | tail -1
+    for q in none w8a8; do
+      run "W2 llama3-8b $q" latency.py --model-config $MA/llama3-8b.json --batch 1 8 64 \
+        $([ $q = none ] || echo --quantization $q) --out "$OUT/w2_$q"
+    done
+    for m in llama3-8b qwen3-0.6b; do
+      for q in none w8a8; do
+        timeout 200 python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm \
+          $([ $q = none ] || echo --quantization $q) --out "$OUT/w1_$q" 2>&1 \
+          | grep -E "^pagoda |^roofline of this|Error|preempt" | sed "s/^/W1 $m $q: /"
+      done
+    done
     ;;
   moe32)
     # W1 on Qwen3-30B-A3B's shapes in bf16 (on an H200 the KV cache holds W1's whole batch) and GPTQ

@@ -7,6 +7,7 @@ read. Needs a GPU.
   python benchmarks/w4a16.py [--rows 1 16 64] [--sweep]
   python benchmarks/w4a16.py --w8 [--rows 2 8 64 256]   # FP8 weights: W8A16 kernel against W8A8
   python benchmarks/w4a16.py --w8 --int8 --rows 64 256 512 2048 16384   # INT8: W8A16 / dequantized against W8A8
+  python benchmarks/w4a16.py --w8 --int8 --sweep --rows 300 2048 16384   # also each INT8_SWEEP tile of the INT8 kernel
 """
 import argparse
 import json
@@ -37,6 +38,17 @@ SWEEP = {
           dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4), dict(BLOCK_N=32), dict(BLOCK_N=32, num_warps=8),
           dict(BLOCK_N=64, BLOCK_K=64, num_stages=3)],
 }
+
+
+# --w8 --int8 --sweep: tiles of the INT8 W8A8 kernel (``triton_int8_mm``) timed at every row count.
+INT8_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s) for m, n, k, w, s in (
+    (64, 128, 128, 4, 4), (128, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 128, 64, 4, 5), (128, 256, 128, 8, 3),
+    (128, 256, 64, 8, 4), (256, 128, 128, 8, 3), (64, 256, 128, 4, 4), (64, 64, 128, 4, 4), (16, 64, 256, 4, 4),
+    (32, 64, 256, 4, 4), (32, 128, 128, 4, 4), (64, 64, 256, 4, 4))]
+
+
+def tile_name(t):
+    return f"{t['BLOCK_M']}x{t['BLOCK_N']}x{t['BLOCK_K']}w{t['num_warps']}s{t['num_stages']}"
 
 
 def layer(k, n, dev, dtype, gen):
@@ -85,19 +97,24 @@ def sweep(rows, out):
         f.write("--knob triton_w4a16.TILES=" + repr({b: c for b, (_, c) in best.items()}).replace(" ", ""))
 
 
-def w8(rows, out, int8=False):
+def w8(rows, out, int8=False, sweep_tiles=False):
     """8-bit weights (a scale a row, ``quant.w8``), FP8: the W8A16 kernel (``w8a16_linear``)
     against W8A8 (per-token FP8 activations + ``torch._scaled_mm``, ``w8.fp8_linear``) and bf16
-    cuBLAS; INT8 (``int8``): the W8A16 kernel (up to its MAX_M rows) and the weight dequantized
-    for cuBLAS against W8A8 on INT8 tensor cores (``w8.int8_linear``). Us per matmul in a CUDA
-    graph, summed over the eight matrices; the rows where each wins."""
+    cuBLAS; INT8 (``int8``): the W8A16 kernel (up to its MAX_M rows), the weight dequantized for
+    cuBLAS and cuBLAS's INT8 matmul (``torch._int_mm``, the scales applied after it) against W8A8
+    in the INT8 kernel (``w8.int8_linear``; with ``sweep_tiles``, also each of ``INT8_SWEEP``'s
+    tiles). Us per matmul in a CUDA graph, summed over the eight matrices; the rows where each wins."""
+    from pagoda.kernels.triton_int8_mm import int8_mm
+    from pagoda.kernels.triton_ops import per_token_quant
     from pagoda.quant.w8 import fp8_linear, int8_linear, quantize_rows
     dev, dtype = "cuda", torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
     table = []
+    swept = [tile_name(t) for t in INT8_SWEEP]
     for m in rows:
-        paths = (["bf16", "dequant", "w8a8"] + (["w8a16"] if m <= tw.MAX_M else [])) if int8 else \
-            ["bf16", "w8a16", "w8a8"]
+        paths = (["bf16", "dequant", "w8a8"] + (["int_mm"] if m > 16 else [])   # (cuBLAS: over 16 rows)
+                 + (["w8a16"] if m <= tw.MAX_M else []) + (swept if sweep_tiles else [])) if int8 \
+            else ["bf16", "w8a16", "w8a8"]
         sums = dict.fromkeys(paths, 0.0)
         for (model, name), (k, n) in MATRICES.items():
             w = torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * k ** -0.5
@@ -111,34 +128,54 @@ def w8(rows, out, int8=False):
             fns = {"bf16": lambda: torch.nn.functional.linear(x, w),
                    "w8a16": lambda: tw.w8a16_linear(x, w_q, scale),
                    "dequant": lambda: torch.nn.functional.linear(x, w_q.to(dtype) * scale.to(dtype)),
-                   "w8a8": lambda: (int8_linear if int8 else fp8_linear)(x, w_q, scale, None)}
+                   "w8a8": lambda: (int8_linear if int8 else fp8_linear)(x, w_q, scale, None),
+                   "int_mm": lambda: int_mm(x, w_q, scale)}
+            fns.update({tile_name(t): lambda t=t: int8_mm(*per_token_quant(x, torch.int8), w_q, scale, None, dtype, t)
+                        for t in INT8_SWEEP})
             for label in paths:
                 fn = fns[label]
-                if label != "bf16":
-                    err = ((fn().float() - ref).norm() / ref.norm()).item()
-                    assert err < 5e-2, f"{label} {model} {name} at {m} rows: relative error {err:.1e}"
-                us = graph_ms(fn) * 1e3
+                try:
+                    if label != "bf16":
+                        err = ((fn().float() - ref).norm() / ref.norm()).item()
+                        assert err < 5e-2, f"{label} {model} {name} at {m} rows: relative error {err:.1e}"
+                    us = graph_ms(fn) * 1e3
+                except Exception as e:   # a swept tile out of shared memory (or wrong): left out
+                    if label not in swept:
+                        raise
+                    print(f"{label} at {m} rows failed: {str(e).splitlines()[0][:100]}")
+                    us = float("inf")
                 sums[label] += us
                 table.append(dict(rows=m, model=model, matrix=name, path=label, us=us))
             del w, w_q, x, ref
         best = min((p for p in paths if p != "bf16"), key=sums.get)
-        print(f"{'int8' if int8 else 'fp8'} at {m:5d} rows: " + ", ".join(f"{p} {sums[p]:8.1f} us" for p in paths)
-              + f": {best} wins")
+        print(f"{'int8' if int8 else 'fp8'} at {m:5d} rows: " + ", ".join(f"{p} {sums[p]:8.1f} us" for p in paths
+                                                                         if p not in swept) + f": {best} wins")
+        for p in paths:
+            if p in swept:
+                print(f"  tile {p:20s} {sums[p]:9.1f} us")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "w8_int8.json" if int8 else "w8.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), rows=table), f, indent=1)
 
 
+def int_mm(x, w_q, scale):
+    """INT8 W8A8 through cuBLAS (what ``w8.int8_linear`` ran in the thirty-third session)."""
+    from pagoda.kernels.triton_ops import per_token_quant
+    x_q, x_scale = per_token_quant(x, torch.int8)
+    return torch._int_mm(x_q, w_q.t()).float().mul_(x_scale).mul_(scale.view(1, -1)).to(x.dtype)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--sweep", action="store_true", help="only time the TILES entries in SWEEP, by row count")
+    p.add_argument("--sweep", action="store_true", help="only time the TILES entries in SWEEP, by row count "
+                   "(with --w8 --int8: time INT8_SWEEP's tiles as well)")
     p.add_argument("--w8", action="store_true", help="FP8 weights: the W8A16 kernel against W8A8 and bf16")
     p.add_argument("--int8", action="store_true", help="with --w8: INT8 weights, W8A8 on INT8 tensor cores")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
     if args.w8:
-        return w8(args.rows, args.out, args.int8)
+        return w8(args.rows, args.out, args.int8, args.sweep)
     if args.sweep:
         return sweep(args.rows, args.out)
     dev, dtype = "cuda", torch.bfloat16

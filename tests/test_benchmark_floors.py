@@ -45,3 +45,23 @@ def test_floors_count_the_built_model(name):
     assert head == arch.hidden_size * arch.vocab_size
     assert common.weight_bytes(cfg, 1) == pytest.approx(2 * (layers + head))
     assert common.weight_bytes(cfg, 10 ** 6) == pytest.approx(2 * (every + head))
+
+
+@pytest.mark.parametrize("quantization", sorted(common.DUMMY_QUANT_CONFIGS))
+def test_dummy_quantization_configs_load_and_count_their_bytes(quantization):
+    """W5's dummy checkpoints: each quantization_config is one pagoda loads as that method, and the
+    floors count its bytes a weight (8-bit: one; 4-bit in groups of 128: half, plus a bf16 scale
+    and zero a group)."""
+    from pagoda.quant.base import resolve_quantization
+    from pagoda.quant.w8 import weight_dtype
+    with open(os.path.join(BENCHMARKS, "models", "llama3-8b.json")) as f:
+        cfg = json.load(f)
+    quantized = common.model_config(os.path.join(BENCHMARKS, "models", "llama3-8b.json"), quantization)
+    method, qc = resolve_quantization(None, quantized["quantization_config"], "dummy")
+    assert qc is quantized["quantization_config"]
+    eight_bit = method in ("fp8", "compressed-tensors")
+    if eight_bit:
+        assert weight_dtype(method, qc) == (torch.int8 if quantization == "w8a8" else torch.float8_e4m3fn)
+    layers, head = common.param_counts(cfg)
+    per_weight = 1 if eight_bit else 0.5 + 4 / 128
+    assert common.weight_bytes(quantized) == pytest.approx(per_weight * layers + 2 * head)

@@ -197,11 +197,10 @@ def _w8_layer(n, k, weight_dtype, dtype, device, gen):
 
 @pytest.mark.parametrize("weight_dtype", [FP8, torch.int8], ids=str)
 def test_w8_matmul_paths(weight_dtype, monkeypatch):
-    """Which matmul an 8-bit layer runs: on the GPU one row takes the slab kernel, batches up to
-    W8A16_MAX_M rows (any up to the kernel's MAX_M but for FP8 weights under bf16) the W8A16
-    kernel, larger bf16 batches over FP8 weights the FP8 tensor cores (W8A8), larger batches
-    over INT8 weights the INT8 tensor cores, the rest the dequantized weight; on the CPU always
-    the dequantized weight, exactly."""
+    """Which matmul an 8-bit layer runs: on the GPU one row takes the slab kernel; INT8 weights
+    above that the INT8 tensor cores (W8A8); FP8 weights under bf16 the W8A16 kernel up to
+    W8A16_MAX_M rows, the FP8 tensor cores (W8A8) above, under float16 the W8A16 kernel up to its
+    MAX_M rows, the dequantized weight above; on the CPU always the dequantized weight, exactly."""
     from pagoda.kernels import triton_linear, triton_w4a16
     from pagoda.quant import w8
     on_gpu = torch.cuda.is_available()
@@ -222,9 +221,8 @@ def test_w8_matmul_paths(weight_dtype, monkeypatch):
             out = layer(x)
             assert out.dtype == dtype and out.shape == (m, 96)
             tensor_cores = dtype == torch.bfloat16 and weight_dtype == FP8
-            expected = ([] if not on_gpu else ["slab"] if m == 1 else ["w8a8"] if tensor_cores and m > 4
-                        else ["w8a16"] if m <= triton_w4a16.MAX_M else ["int8 w8a8"] if weight_dtype == torch.int8
-                        else [])
+            expected = ([] if not on_gpu else ["slab"] if m == 1 else ["int8 w8a8"] if weight_dtype == torch.int8
+                        else ["w8a8"] if tensor_cores and m > 4 else ["w8a16"] if m <= triton_w4a16.MAX_M else [])
             assert calls == expected, (dtype, m)
             ref = torch.nn.functional.linear(x.float(), dense, layer.bias.float())
             if not on_gpu:
@@ -270,12 +268,12 @@ def test_block_fp8_matmul_paths(monkeypatch):
             assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("m,n,k", [(17, 64, 96), (40, 48, 200)] + ([(300, 4096, 14336), (2048, 6144, 4096)]
+@pytest.mark.parametrize("m,n,k", [(3, 64, 96), (17, 64, 96), (40, 48, 200)] + ([(300, 4096, 14336), (2048, 6144, 4096)]
                                                                    if torch.cuda.is_available() else []), ids=str)
 def test_int8_linear_matches_the_scaled_matmul_it_stands_for(m, n, k):
-    """W8A8 on INT8 tensor cores (``torch._int_mm``; on the CPU its reference implementation)
-    against ``reference.scaled_mm`` of the reference's INT8 activations: the same math, its sums
-    exact in int32 (the reference's in float32), and against the W8A16 matmul it replaces."""
+    """W8A8 on INT8 tensor cores (``triton_int8_mm``, in the interpreter on the CPU) against
+    ``reference.scaled_mm`` of the reference's INT8 activations: the same math, its sums exact in
+    int32 (the reference's in float32), and against the W8A16 matmul it replaces."""
     from pagoda.kernels import reference
     from pagoda.quant.w8 import int8_linear
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -19,20 +19,20 @@ The matmul, by where it runs (block scales: the W8A16 kernel at up to ``triton_w
 rows on the GPU, each block's scale applied to its tile as it is converted; else dequantized):
 - on the GPU at one row (a batch-1 decode step), the weight is read as it is stored and converted
   in registers (``triton_linear``'s slab kernel, its row sums scaled once): half the bytes of bf16;
-- on the GPU at up to ``W8A16_MAX_M`` rows (FP8 weights under bf16 activations) or
-  ``triton_w4a16.MAX_M`` (the others), W8A16: the weight converted in registers by the W4A16
+- on the GPU with half-precision activations and INT8 weights from two rows up, W8A8 on INT8
+  tensor cores: each row of x quantized to INT8 over its own scale (dynamic per-token,
+  ``triton_ops.per_token_quant``), exact int32 sums, both scales applied to them in the
+  kernel's epilogue (``triton_int8_mm``);
+- on the GPU with FP8 weights, at up to ``W8A16_MAX_M`` rows (under bf16 activations) or
+  ``triton_w4a16.MAX_M`` (under float16), W8A16: the weight converted in registers by the W4A16
   kernel (``w8a16_linear``), the activations as they are;
 - on the GPU with bf16 activations and FP8 weights (Ada, Hopper and later) above that, W8A8:
-  each row of x quantized to FP8 over its own scale (dynamic per-token,
-  ``triton_ops.per_token_quant``), then FP8 tensor cores with both scales applied to the
-  float32 result (``torch._scaled_mm``, row-wise scales). A checkpoint's static ``input_scale``
-  is read and not used: a scale per token fits each token's range at least as well as one for all;
-- on the GPU with half-precision activations and INT8 weights above ``triton_w4a16.MAX_M`` rows
-  and up to ``INT8_MM_MAX_M``, W8A8 on INT8 tensor cores: each row of x quantized to INT8 the
-  same way, exact int32 sums (``torch._int_mm``), both scales applied in float32;
-- elsewhere (CPUs, float32 activations, FP8 weights under float16, INT8 batches over
-  ``INT8_MM_MAX_M`` rows) the weight is dequantized (``w * scale`` in the model's dtype) for a
-  dense matmul.
+  each row of x quantized to FP8 the same way, then FP8 tensor cores with both scales applied to
+  the float32 result (``torch._scaled_mm``, row-wise scales). A checkpoint's static
+  ``input_scale`` is read and not used: a scale per token fits each token's range at least as
+  well as one for all;
+- elsewhere (CPUs, float32 activations, FP8 weights under float16) the weight is dequantized
+  (``w * scale`` in the model's dtype) for a dense matmul.
 """
 import functools
 
@@ -51,13 +51,6 @@ FP8_MAX = torch.finfo(FP8).max   # 448
 # W8A8 ahead (32 rows: 149 against 187; 64: 144 against 213). W2 Llama-3-8B batch 64: 5.98 ms a
 # step with W8A8, 8.36 with W8A16.
 W8A16_MAX_M = 8
-# Batches of INT8 weights above triton_w4a16.MAX_M rows and up to this many run W8A8 on INT8
-# tensor cores, larger ones dequantize the weight for cuBLAS. On an H100 (the eight decode
-# matrices of Qwen3-0.6B and Llama-3-8B, the thirty-third session): 595 us at 300 rows against
-# 1,548 dequantized (bf16: 310), but 2,612 against 2,540 at 2,048 and 20,022 against 12,144 at
-# 16,384: torch._int_mm is slower than bf16's cuBLAS there, and its float32 epilogue costs passes
-# over the whole output.
-INT8_MM_MAX_M = 1024
 
 
 def weight_dtype(method: str, qc: dict | None) -> torch.dtype | None:
@@ -168,14 +161,14 @@ class W8LinearMethod(QuantMethod):
             out = triton_kernels("triton_linear").linear(x, layer.weight, bias, layer.weight_scale)
             if out is not None:
                 return out
+            if use_int8_mm(x, layer.weight):
+                return int8_linear(x, layer.weight, layer.weight_scale, bias)
             tensor_cores = use_scaled_mm(x, layer.weight)
             w4a16 = triton_kernels("triton_w4a16")
             if w4a16.use_w4a16(x) and not (tensor_cores and x.shape[0] > W8A16_MAX_M):
                 return w4a16.w8a16_linear(x, layer.weight, layer.weight_scale, bias)
             if tensor_cores:
                 return fp8_linear(x, layer.weight, layer.weight_scale, bias)
-            if use_int_mm(x, layer.weight):
-                return int8_linear(x, layer.weight, layer.weight_scale, bias)
         return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype), bias)
 
 
@@ -202,21 +195,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                             out_dtype=x.dtype)
 
 
-def use_int_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def use_int8_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``int8_linear`` runs this matmul (from shapes only): INT8 weights under half-precision
-    activations of more rows than the W8A16 kernel takes, up to ``INT8_MM_MAX_M`` (cuBLAS's INT8
-    matmul wants over 16 rows, and K and N in multiples of 8)."""
-    from pagoda.kernels.triton_w4a16 import MAX_M
-    return (x.is_cuda and x.dim() == 2 and MAX_M < x.shape[0] <= INT8_MM_MAX_M
-            and x.dtype in (torch.float16, torch.bfloat16)
-            and weight.dtype == torch.int8 and x.stride(1) == 1 and x.shape[1] % 8 == 0 and weight.shape[0] % 8 == 0)
+    activations (the caller sends one row to the slab kernel first)."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] > 0 and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == torch.int8 and x.stride(1) == 1)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """W8A8 on INT8 tensor cores: ``reference.scaled_mm`` of x quantized per token to INT8, its
-    sums exact in int32 (``torch._int_mm``), then scaled in float32 and rounded once."""
+    sums exact in int32, scaled in float32 and rounded once, in one kernel."""
+    from pagoda.kernels.triton_int8_mm import int8_mm
     from pagoda.kernels.triton_ops import per_token_quant
-    x_q, x_scale = per_token_quant(x, torch.int8)
-    out = torch._int_mm(x_q, weight.t()).float().mul_(x_scale).mul_(weight_scale.view(1, -1))
-    return (out if bias is None else out.add_(bias)).to(x.dtype)
+    return int8_mm(*per_token_quant(x, torch.int8), weight, weight_scale, bias, x.dtype)
