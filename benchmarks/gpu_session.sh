@@ -1191,6 +1191,18 @@ case "${1:-}" in
       done
     done
     ;;
+  s34e)
+    # The W4A16 GEMV kernel for one row: kernel tests, the eight matrices (GEMV against the
+    # tensor-core kernel, a tile sweep), W2 Llama-3-8B GPTQ with GEMV on and off
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_w4a16.py 2>&1 | tail -1
+    timeout 200 python3 benchmarks/w4a16.py --rows 1 2 ${GEMV_SWEEP:+--gemv-sweep} 2>&1 | grep -E "^all eight|^GEMV"
+    for g in 1 0; do
+      for m in llama3-8b qwen3-0.6b; do
+        run "W2 $m gptq GEMV=$g" latency.py --model-config $MA/$m.json --batch 1 \
+          --quantization gptq --knob triton_w4a16.GEMV=$g --out "$OUT/w2_gptq_$g"
+      done
+    done
+    ;;
   moe32)
     # W1 on Qwen3-30B-A3B's shapes in bf16 (on an H200 the KV cache holds W1's whole batch) and GPTQ
     for q in none gptq; do

@@ -4,12 +4,13 @@ matrices of Qwen3-0.6B and Llama-3-8B (4-bit, groups of 128), against what a bf1
 then cuBLAS). Microseconds per matmul in a CUDA graph, and the kernel's GB/s of packed weights
 read. Needs a GPU.
 
-  python benchmarks/w4a16.py [--rows 1 16 64] [--sweep]
+  python benchmarks/w4a16.py [--rows 1 16 64] [--sweep] [--gemv-sweep]
   python benchmarks/w4a16.py --w8 [--rows 2 8 64 256]   # FP8 weights: W8A16 kernel against W8A8
   python benchmarks/w4a16.py --w8 --int8 --rows 64 256 512 2048 16384   # INT8: W8A16 / dequantized against W8A8
   python benchmarks/w4a16.py --w8 --int8 --sweep --rows 300 2048 16384   # also each INT8_SWEEP tile of the INT8 kernel
 """
 import argparse
+import collections
 import json
 import os
 
@@ -49,6 +50,11 @@ INT8_SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_
 
 def tile_name(t):
     return f"{t['BLOCK_M']}x{t['BLOCK_N']}x{t['BLOCK_K']}w{t['num_warps']}s{t['num_stages']}"
+
+
+# --gemv-sweep: GEMV_TILES tried at one row, (BLOCK_N, BLOCK_K, num_warps, num_stages)
+GEMV_SWEEP = [(128, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (64, 512, 4, 2), (128, 256, 4, 3),
+              (128, 512, 8, 2), (32, 256, 4, 3), (32, 512, 4, 3), (64, 256, 2, 4), (64, 512, 8, 3)]
 
 
 def layer(k, n, dev, dtype, gen):
@@ -172,6 +178,7 @@ def main():
                    "(with --w8 --int8: time INT8_SWEEP's tiles as well)")
     p.add_argument("--w8", action="store_true", help="FP8 weights: the W8A16 kernel against W8A8 and bf16")
     p.add_argument("--int8", action="store_true", help="with --w8: INT8 weights, W8A8 on INT8 tensor cores")
+    p.add_argument("--gemv-sweep", action="store_true", help="also time GEMV_SWEEP's tiles at one row")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args()
     if args.w8:
@@ -181,8 +188,9 @@ def main():
     dev, dtype = "cuda", torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
+    sweep_us = collections.defaultdict(float)
     print(f"{'matrix':22s} {'rows':>4s} {'bf16 cuBLAS':>11s} {'dequant+mm':>10s} {'W4A16':>7s} {'GB/s':>6s} "
-          f"{'vs bf16':>7s} {'rel err':>8s}")
+          f"{'vs bf16':>7s} {'rel err':>8s} {'TC only':>7s}")
     for (model, name), (k, n) in MATRICES.items():
         qweight, scales, zeros, g_idx = layer(k, n, dev, dtype, gen)
         w_t = dequantize(qweight, scales, zeros, g_idx, 4).t().contiguous()   # (N, K), as F.linear takes it
@@ -195,16 +203,31 @@ def main():
             bf16 = graph_ms(lambda: torch.nn.functional.linear(x, w_t)) * 1e3
             deq = graph_ms(lambda: torch.nn.functional.linear(x, dequantize(qweight, scales, zeros, g_idx, 4).t()))
             kern = graph_ms(lambda: tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4, None, GROUP)) * 1e3
+            gemv, tw.GEMV = tw.GEMV, 0      # one row without the GEMV kernel: the tensor-core one
+            tc = graph_ms(lambda: tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4, None, GROUP)) * 1e3
+            tw.GEMV = gemv
             rate = packed_bytes / kern / 1e3
             rows.append(dict(model=model, matrix=name, k=k, n=n, rows=m, bf16_us=bf16, dequant_us=deq * 1e3,
-                             w4a16_us=kern, gbps=rate, rel_err=err))
+                             w4a16_us=kern, tensor_core_us=tc, gbps=rate, rel_err=err))
             print(f"{model + ' ' + name:22s} {m:4d} {bf16:11.1f} {deq * 1e3:10.1f} {kern:7.1f} {rate:6.0f} "
-                  f"{bf16 / kern:6.2f}x {err:8.1e}")
+                  f"{bf16 / kern:6.2f}x {err:8.1e} {tc:7.1f}")
+            if m == 1 and args.gemv_sweep:
+                for bn, bk, warps, stages in GEMV_SWEEP:
+                    tiles, tw.GEMV_TILES = tw.GEMV_TILES, dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                                               num_stages=stages)
+                    out = tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4, None, GROUP)
+                    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+                    sweep_us[bn, bk, warps, stages] += graph_ms(
+                        lambda: tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4, None, GROUP)) * 1e3
+                    tw.GEMV_TILES = tiles
         torch.cuda.empty_cache()
     for m in args.rows:
         sel = [r for r in rows if r["rows"] == m]
         print(f"all eight at {m} rows: bf16 {sum(r['bf16_us'] for r in sel):.1f} us, W4A16 "
-              f"{sum(r['w4a16_us'] for r in sel):.1f} us, dequantize + matmul {sum(r['dequant_us'] for r in sel):.1f} us")
+              f"{sum(r['w4a16_us'] for r in sel):.1f} us (tensor-core kernel {sum(r['tensor_core_us'] for r in sel):.1f}), "
+              f"dequantize + matmul {sum(r['dequant_us'] for r in sel):.1f} us")
+    for tiles, us in sorted(sweep_us.items(), key=lambda t: t[1]):
+        print(f"GEMV tiles (BLOCK_N, BLOCK_K, warps, stages) {tiles}: {us:.1f} us for the eight at one row")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "w4a16.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)

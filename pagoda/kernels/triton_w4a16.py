@@ -1,6 +1,7 @@
 """``x @ W (+ bias)`` with W a GPTQ/AWQ weight in pagoda's repacked layout
 (``pagoda.quant.int4``: int32 ``qweight (K / pack, N)`` packed along K, ``scales`` / ``zeros``
-``(groups, N)``, ``g_idx (K,)``), for decode batches (up to ``MAX_M`` rows), in one Triton kernel.
+``(groups, N)``, ``g_idx (K,)``), for decode batches (up to ``MAX_M`` rows), in one Triton kernel
+(one row: ``_w4a16_gemv_kernel``, on the CUDA cores).
 The same kernel takes 8-bit weights as ``pagoda.quant.w8`` stores them (FP8 or INT8 ``(N, K)``,
 a float32 scale per output row, applied to the sums; or FP8 with a scale per block of
 ``block_n x block_k`` weights, DeepSeek's and Qwen3's FP8 checkpoints, applied to the tile as it
@@ -24,7 +25,8 @@ rows, where the dequantize path's one pass over the weight is cheaper.
 Measured on the H200 (BENCHMARKS.md, fourteenth session): the eight decode matrices of
 Qwen3-0.6B and Llama-3-8B at one row in 204 us, against 2,941 for dequantize + cuBLAS and 199
 for bf16 cuBLAS: a quarter of the bytes in bf16's time, so the dequantization, not memory,
-bounds it.
+bounds it. One row now takes the GEMV kernel (164 us, thirty-fourth session): a 16-row tensor-
+core tile dequantized for one row of x is work the CUDA cores skip.
 """
 import torch
 import triton
@@ -47,6 +49,14 @@ TILES = {
 }
 PROGRAMS_PER_SM = 4      # split K until this many programs an SM
 MAX_SPLIT_K = 16
+# One row of x with packed weights (a batch-1 decode step) takes the GEMV kernel: no tensor cores,
+# so no tile of 16 rows dequantized for one (1 turns it on, 0 off). On the H200 (BENCHMARKS.md,
+# thirty-fourth session) the eight decode matrices of both models at one row: 164 us against the
+# tensor-core kernel's 204 (bf16 cuBLAS 202); W2 Llama-3-8B GPTQ batch 1 4.02 ms a step against
+# 5.01. Its tiles: the fastest of `benchmarks/w4a16.py --gemv-sweep`'s on an H100 (32 x 256: 167
+# us; 64 x 128: 179; 128 x 128: 196).
+GEMV = 1
+GEMV_TILES = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
 
 fix_interpreter_bugs()
 
@@ -133,6 +143,56 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
 
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
+                       N, K, k_per_split, group_size, stride_w, stride_sg, stride_os,
+                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ROW_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """``x (1, K) @ W`` for packed W: each program sums ``BLOCK_N`` columns over its range of K,
+    on the CUDA cores. The tile's words stay in the layout they were loaded in: value j of each
+    word is taken out in turn (a shift and a mask), made a float32 without a conversion (its
+    bits set into the mantissa of 2^23; the zero, an integer in every format, is subtracted
+    together with 2^23, exactly) and multiplied by its x. Where each word lies in one group
+    (``ROW_GROUPS``: groups by the rule), the scale multiplies a word row's sum once; else each
+    value's group comes from ``g_idx``. The partial sums of the tile's rows reduce once, at the end."""
+    PACK: tl.constexpr = 32 // BITS
+    BLOCK_KP: tl.constexpr = BLOCK_K // PACK
+    MANTISSA: tl.constexpr = 8388608.0   # 2^23
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        rows = k0 // PACK + tl.arange(0, BLOCK_KP)
+        ok = (rows < tl.cdiv(k_hi, PACK))[:, None] & n_ok[None, :]
+        words = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_w + offs_n[None, :], mask=ok, other=0)
+        if ROW_GROUPS:     # a row of scales and zeros a word row
+            sz = ((rows * PACK) // group_size).to(tl.int64)[:, None] * stride_sg + offs_n[None, :]
+            scale = tl.load(scales_ptr + sz, mask=ok, other=0.0).to(tl.float32)
+            zero = tl.load(zeros_ptr + sz, mask=ok, other=0.0).to(tl.float32)
+            tile = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
+        for j in tl.static_range(PACK):
+            ks = rows * PACK + j
+            x = tl.load(x_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)[:, None]   # (rows past K: 0)
+            q = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
+            if ROW_GROUPS:
+                tile += (q.to(tl.float32, bitcast=True) - (zero + MANTISSA)) * x
+            else:          # each row's own group: act-order, small or partial groups
+                sz = tl.load(g_idx_ptr + ks, mask=ks < k_hi, other=0).to(tl.int64)[:, None] * stride_sg + offs_n[None, :]
+                s = tl.load(scales_ptr + sz, mask=n_ok[None, :], other=0.0).to(tl.float32)
+                z = tl.load(zeros_ptr + sz, mask=n_ok[None, :], other=0.0).to(tl.float32)
+                acc += (q.to(tl.float32, bitcast=True) - (z + MANTISSA)) * s * x
+        if ROW_GROUPS:
+            acc += tile * scale
+    out = tl.sum(acc, axis=0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + split.to(tl.int64) * stride_os + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 def use_w4a16(x: torch.Tensor) -> bool:
     """Whether ``w4a16_linear`` runs this matmul (from shapes only: the same choice at CUDA-graph
     capture and replay). On CPUs the interpreter would be slower than dequantizing. The tiles
@@ -177,8 +237,9 @@ def _launch(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch.Tens
     qweight, scales, zeros, g_idx = weights
     m, k = x.shape
     assert x.stride(1) == 1
+    gemv = GEMV and m == 1 and not row_scaled
     block_m = min(max(TILES), max(16, triton.next_power_of_2(m)))
-    tiles = TILES[max(block_m, min(TILES))]
+    tiles = GEMV_TILES if gemv else TILES[max(block_m, min(TILES))]
     block_n, block_k = tiles["BLOCK_N"], tiles["BLOCK_K"]
     col_tiles = triton.cdiv(n, block_n)
     row_tiles = triton.cdiv(m, block_m)
@@ -193,14 +254,21 @@ def _launch(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch.Tens
         out, fused_bias = torch.empty(m, n, dtype=x.dtype, device=x.device), bias
     else:            # float32 partials, summed (and the bias added) below
         out, fused_bias = torch.empty(split, m, n, dtype=torch.float32, device=x.device), None
-    _w4a16_kernel[(col_tiles, split, row_tiles)](
-        x, qweight, scales, zeros, g_idx, scales if fused_bias is None else fused_bias, out,
-        m, n, k, k_per_split, group_size or 1, group_n or 1, x.stride(0), qweight.stride(0), scales.stride(0),
-        out.stride(0) if split > 1 else 0, out.stride(-2),
-        BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WHOLE_GROUPS=whole_groups,
-        ROW_SCALED=row_scaled, BLOCK_SCALED=group_n is not None, FP8_WEIGHT=fp8_weight,
-        HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"],
-        num_warps=tiles["num_warps"])
+    if gemv:
+        _w4a16_gemv_kernel[(col_tiles, split)](
+            x, qweight, scales, zeros, g_idx, scales if fused_bias is None else fused_bias, out, n, k, k_per_split,
+            group_size or 1, qweight.stride(0), scales.stride(0), out.stride(0) if split > 1 else 0, BITS=bits,
+            BLOCK_N=block_n, BLOCK_K=block_k, ROW_GROUPS=group_size is not None and group_size % (32 // bits) == 0,
+            HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"], num_warps=tiles["num_warps"])
+    else:
+        _w4a16_kernel[(col_tiles, split, row_tiles)](
+            x, qweight, scales, zeros, g_idx, scales if fused_bias is None else fused_bias, out,
+            m, n, k, k_per_split, group_size or 1, group_n or 1, x.stride(0), qweight.stride(0), scales.stride(0),
+            out.stride(0) if split > 1 else 0, out.stride(-2),
+            BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WHOLE_GROUPS=whole_groups,
+            ROW_SCALED=row_scaled, BLOCK_SCALED=group_n is not None, FP8_WEIGHT=fp8_weight,
+            HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"],
+            num_warps=tiles["num_warps"])
     if split == 1:
         return out
     out = out.sum(0)

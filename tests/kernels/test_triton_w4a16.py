@@ -101,22 +101,28 @@ def test_batches_over_the_largest_row_tile_run_in_row_tiles(monkeypatch):
     assert ((out.float() - ref).norm() / ref.norm()).item() < TOLERANCE[torch.float16]
 
 
-def test_split_k_is_chosen_for_few_column_tiles(monkeypatch):
-    # 2 column tiles cannot fill the chip: K is split; a 1-row call on a wide matrix is not.
+@pytest.mark.parametrize("kernel,rows", [("_w4a16_kernel", 2), ("_w4a16_gemv_kernel", 1)])
+def test_split_k_is_chosen_for_few_column_tiles(monkeypatch, kernel, rows):
+    # 2 column tiles cannot fill the chip: K is split; a call on a matrix wide enough is not
+    # (one row takes the GEMV kernel, more rows the tensor-core one).
     calls = []
-    real = tw._w4a16_kernel
+    real = getattr(tw, kernel)
 
     class Spy:
         def __getitem__(self, grid):
             calls.append(grid)
             return real[grid]
-    monkeypatch.setattr(tw, "_w4a16_kernel", Spy())
+    monkeypatch.setattr(tw, kernel, Spy())
+    monkeypatch.setattr(tw, "PROGRAMS_PER_SM", 1)
     gen = torch.Generator().manual_seed(0)
-    block_n = tw.TILES[64]["BLOCK_N"]
-    for n in (2 * block_n, block_n * tw.PROGRAMS_PER_SM * tw.num_sms(torch.device(DEVICE))):
-        qweight, scales, zeros, g_idx = random_layer(256, n, 4, 128, False, torch.float32, gen)
-        x = torch.randn(1, 256, generator=gen).to(DEVICE)
-        tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4)
+    block_n = (tw.GEMV_TILES if rows == 1 else tw.TILES[64])["BLOCK_N"]
+    k = 2 * (tw.GEMV_TILES if rows == 1 else tw.TILES[64])["BLOCK_K"]
+    for n in (2 * block_n, block_n * tw.num_sms(torch.device(DEVICE))):
+        qweight, scales, zeros, g_idx = random_layer(k, n, 4, 128, False, torch.float32, gen)
+        x = torch.randn(rows, k, generator=gen).to(DEVICE)
+        out = tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4)
+        ref = x.double() @ dequantize(qweight, scales, zeros, g_idx, 4).double()
+        assert ((out.double() - ref).norm() / ref.norm()).item() < TOLERANCE[torch.float32]
     assert calls[0][1] > 1 and calls[1][1] == 1
 
 
