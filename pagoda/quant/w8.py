@@ -31,8 +31,8 @@ rows on the GPU, each block's scale applied to its tile as it is converted; else
   the float32 result (``torch._scaled_mm``, row-wise scales). A checkpoint's static
   ``input_scale`` is read and not used: a scale per token fits each token's range at least as
   well as one for all;
-- elsewhere (CPUs, float32 activations, FP8 weights under float16) the weight is dequantized
-  (``w * scale`` in the model's dtype) for a dense matmul.
+- elsewhere (CPUs, float32 activations, FP8 weights under float16 over ``triton_w4a16.MAX_M``
+  rows) the weight is dequantized (``w * scale`` in the model's dtype) for a dense matmul.
 """
 import functools
 
