@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import reference
 from pagoda.kernels.triton_utils import fix_interpreter_bugs, num_sms
 
 # Rows of x the kernel takes (0 turns it off); more: dequantize + cuBLAS.
@@ -73,6 +74,87 @@ def _minus_zero(q, zero, BITS: tl.constexpr):
         return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (zero + 1024.0)
     else:
         return q.to(zero.dtype) - zero
+
+
+@triton.jit
+def _packed_tile(w_ptrs, s_ptr, z_ptr, g_ptr, expert, k0, K, offs_n, n_valid, stride_se, stride_s1, stride_ge,
+                 group_k, n_per_g_idx, INT_BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, WHOLE_K: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Inputs ``k0 .. k0 + BLOCK_K`` of a packed expert's weight columns ``offs_n``, ``(q - z) * s``
+    in the scales' dtype (``Int4Experts``' values). ``w_ptrs``: the tile's words, ``(BLOCK_K /
+    pack, BLOCK_N)``, each loaded once and unpacked in registers: word row r, value j is input
+    ``(k0 / pack + r) * pack + j`` (K is a whole number of words). Groups: whole tiles of one
+    (WHOLE_K), by the rule ``k // group_k``, or (HAS_G_IDX) read from ``g[expert, n //
+    n_per_g_idx, k]``, each half of w13 its own under act-order."""
+    PACK: tl.constexpr = 32 // INT_BITS
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_valid = offs_k < K
+    words = tl.load(w_ptrs, mask=(tl.arange(0, BLOCK_K // PACK) < (K - k0) // PACK)[:, None] & n_valid[None, :],
+                    other=0)
+    shifts = tl.arange(0, PACK) * INT_BITS
+    q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << INT_BITS) - 1), [BLOCK_K, BLOCK_N])
+    sz = expert.to(tl.int64) * stride_se + offs_n[None, :]
+    if WHOLE_K:
+        sz += (k0 // group_k) * stride_s1
+        sz_mask = n_valid[None, :]
+    else:
+        if HAS_G_IDX:
+            g = tl.load(g_ptr + expert.to(tl.int64) * stride_ge + (offs_n // n_per_g_idx)[None, :] * K
+                        + offs_k[:, None], mask=k_valid[:, None] & n_valid[None, :], other=0)
+        else:
+            g = (offs_k // group_k)[:, None]
+        sz += g.to(tl.int64) * stride_s1
+        sz_mask = k_valid[:, None] & n_valid[None, :]
+    scale = tl.load(s_ptr + sz, mask=sz_mask, other=0.0)
+    zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0)
+    return _minus_zero(q, zero, INT_BITS) * scale
+
+
+def dequantize_experts(w: reference.Int4Experts, dtype: torch.dtype) -> torch.Tensor:
+    """Packed experts as a dense ``(E, N, K)`` weight in ``dtype`` (``Int4Experts.dense``'s values):
+    large batches of a mixture of experts (``triton_moe.DEQUANTIZE_FROM_TOKENS``) and of a linear
+    layer (``dequantize``: one expert)."""
+    e, n, k = w.shape
+    out = torch.empty(e, n, k, dtype=dtype, device=w.qweight.device)
+    block_n, block_k = 64, min(64, max(16, triton.next_power_of_2(k)))
+    g = w.g_idx
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n), e)
+    _dequantize_experts_kernel[grid](w.qweight, w.scales, w.zeros, g, out, n, k, w.qweight.stride(0),
+                                     w.qweight.stride(1), w.scales.stride(0), w.scales.stride(1),
+                                     0 if g is None else g.stride(0), w.group_size,
+                                     n if g is None else n // g.shape[1], INT_BITS=w.bits, HAS_G_IDX=g is not None,
+                                     WHOLE_K=g is None and w.group_size % block_k == 0, BLOCK_N=block_n,
+                                     BLOCK_K=block_k)
+    return out
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor, bits: int,
+               group_size: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """A linear layer's packed weight (the module docstring's layout) as ``(N, K)`` in ``dtype``,
+    as ``F.linear`` takes it: ``int4.dequantize``'s values transposed, in one pass (batches over
+    ``MAX_M`` rows, then cuBLAS). ``group_size`` None: each input's group from ``g_idx``."""
+    g = None if group_size is not None else g_idx.view(1, 1, -1)
+    one = reference.Int4Experts(qweight[None], scales[None], zeros[None], g, bits, group_size or 1)
+    return dequantize_experts(one, dtype)[0]
+
+
+@triton.jit
+def _dequantize_experts_kernel(w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, stride_we, stride_w1, stride_se, stride_s1,
+                               stride_ge, group_k, n_per_g_idx, INT_BITS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                               WHOLE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One ``(BLOCK_N, BLOCK_K)`` tile of one expert's dense weight (``_packed_tile``, transposed)."""
+    PACK: tl.constexpr = 32 // INT_BITS
+    k0 = tl.program_id(0) * BLOCK_K
+    expert = tl.program_id(2)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + (k0 // PACK + tl.arange(0, BLOCK_K // PACK))[:, None] * stride_w1
+              + offs_n[None, :])
+    w = _packed_tile(w_ptrs, s_ptr, z_ptr, g_ptr, expert, k0, K, offs_n, n_valid, stride_se, stride_s1, stride_ge,
+                     group_k, n_per_g_idx, INT_BITS, HAS_G_IDX, WHOLE_K, BLOCK_K, BLOCK_N)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    out = out_ptr + expert.to(tl.int64) * N * K + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(offs_k < K)[:, None] & n_valid[None, :])
 
 
 @triton.jit

@@ -253,9 +253,12 @@ class Int4LinearMethod(QuantMethod):
             setattr(layer, name, nn.Parameter(t, requires_grad=False))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda and (w4a16 := triton_kernels("triton_w4a16")).use_w4a16(x):
-            # decode batches on the GPU: dequantized in registers
-            return w4a16.w4a16_linear(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.config.bits,
-                                      bias, None if self.config.desc_act else layer.group_size)
-        w = dequantize(layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.config.bits)
-        return F.linear(x, w.t(), bias)
+        group_size = None if self.config.desc_act else layer.group_size
+        weights = layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.config.bits
+        if not x.is_cuda:
+            return F.linear(x, dequantize(*weights).t(), bias)
+        w4a16 = triton_kernels("triton_w4a16")
+        if w4a16.use_w4a16(x):   # decode batches: dequantized in registers
+            return w4a16.w4a16_linear(x, *weights, bias, group_size)
+        # larger ones: the dense weight written once, for cuBLAS
+        return F.linear(x, w4a16.dequantize(*weights, group_size, x.dtype), bias)

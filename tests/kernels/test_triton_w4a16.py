@@ -51,6 +51,22 @@ def test_w4a16_matches_dequantized_matmul(dtype, m, bits, k, n, group, act_order
         assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("bits,k,n,group,act_order", [
+    (4, 256, 200, 128, False), (4, 256, 48, 32, True), (8, 96, 64, 64, False), (4, 160, 72, 48, False)],
+    ids=["4bit", "4bit-act-order", "8bit-partial-group", "4bit-groups-across-tiles"])
+def test_dequantize_gives_the_weight_int4_dequantize_builds(bits, k, n, group, act_order, request):
+    """Batches over MAX_M rows: the whole weight dequantized in one pass, transposed for
+    ``F.linear``, holds ``int4.dequantize``'s values exactly, in the scales' dtype and another."""
+    gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    dtype = DTYPES[0]
+    qweight, scales, zeros, g_idx = random_layer(k, n, bits, group, act_order, dtype, gen)
+    want = dequantize(qweight, scales, zeros, g_idx, bits).t()
+    for out_dtype in (dtype, torch.float32):
+        got = tw.dequantize(qweight, scales, zeros, g_idx, bits, None if act_order else group, out_dtype)
+        assert got.shape == (n, k) and got.dtype == out_dtype and got.is_contiguous()
+        assert torch.equal(got, want.to(out_dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [1, 5, 64, 130])
 @pytest.mark.parametrize("weight_dtype,k,n", [(torch.int8, 256, 200), (torch.float8_e4m3fn, 1024, 96)], ids=str)
@@ -128,6 +144,7 @@ def test_split_k_is_chosen_for_few_column_tiles(monkeypatch, kernel, rows):
 
 @pytest.mark.skipif(not ON_GPU, reason="the layer takes the kernel on CUDA tensors only")
 def test_quantized_layer_runs_the_kernel_for_decode_batches(monkeypatch):
+    # (and larger batches the whole weight dequantized by ``tw.dequantize``, then cuBLAS)
     used = []
     real = tw.w4a16_linear
     monkeypatch.setattr(tw, "w4a16_linear", lambda *a, **kw: used.append(a[0].shape[0]) or real(*a, **kw))
@@ -138,6 +155,12 @@ def test_quantized_layer_runs_the_kernel_for_decode_batches(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     layer.qweight.data, layer.scales.data, layer.zeros, layer.g_idx.data = random_layer(256, 128, 4, 128, False,
                                                                                     torch.bfloat16, gen)
-    for m in (1, tw.MAX_M, tw.MAX_M + 1):
-        layer(torch.randn(m, 256, device="cuda", dtype=torch.bfloat16))
-    assert used == [1, tw.MAX_M]
+    dequantized = []
+    real_dequantize = tw.dequantize
+    monkeypatch.setattr(tw, "dequantize", lambda *a, **kw: dequantized.append(a[-1]) or real_dequantize(*a, **kw))
+    w = dequantize(layer.qweight, layer.scales, layer.zeros, layer.g_idx, 4).float()
+    for m in (1, tw.MAX_M, tw.MAX_M + 1, 2000):
+        x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ w
+        assert ((layer(x).float() - ref).norm() / ref.norm()).item() < TOLERANCE[torch.bfloat16]
+    assert used == [1, tw.MAX_M] and dequantized == [torch.bfloat16, torch.bfloat16]
