@@ -72,6 +72,9 @@
 #   bash benchmarks/gpu_session.sh check31   # issue 3's W1 / W2 on main, both models; the MoE layer with its routing
 #   bash benchmarks/gpu_session.sh moe32     # W1 on Qwen3-30B-A3B's shapes, bf16 and GPTQ
 #   bash benchmarks/gpu_session.sh int4moe32 # GPTQ / AWQ experts: MoE tests, GPU-vs-CPU, layer, W2 MoE bf16 / gptq / awq
+#   BASE=dir bash benchmarks/gpu_session.sh s35a  # GPTQ batches over MAX_M dequantized in Triton: tests, matrices, W1
+#   BASE=dir bash benchmarks/gpu_session.sh s35b  # W8A8 quantization in the norms: tests, W1 INT8 / FP8 BASE vs tree
+#   bash benchmarks/gpu_session.sh s35c      # check31, then the GPU engine tests and the quantized layers' tests
 #   bash benchmarks/gpu_session.sh s33a      # the AWQ MoE GPU test with its traceback, then check31
 #   bash benchmarks/gpu_session.sh s33b      # MoE GPU tests (five expert kinds), quantized kernel tests, --int4 B vs A operand
 #   bash benchmarks/gpu_session.sh s33c      # packed experts: tests, layer packed vs dequantized whole, W2 + W1 with GPTQ
@@ -1190,6 +1193,49 @@ case "${1:-}" in
           | grep -E "^pagoda |^roofline of this|Error|preempt" | sed "s/^/W1 $m $q: /"
       done
     done
+    ;;
+  s35a)
+    # Batches over triton_w4a16.MAX_M rows: the weight dequantized in one Triton pass, then cuBLAS
+    # (was: torch ops). Kernel tests; the eight matrices, kernel against dequantize + cuBLAS by
+    # rows; W1 with GPTQ weights, BASE (the torch dequantization) then this tree at two MAX_M
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_w4a16.py tests/test_quant_int4.py \
+      tests/kernels/test_triton_moe.py 2>&1 | tail -1
+    timeout 200 python3 benchmarks/w4a16.py --rows 64 96 128 192 256 512 2048 16384 2>&1 | grep -E "^all eight"
+    warm_w1 .
+    for m in llama3-8b qwen3-0.6b; do
+      (cd "$BASE" && PYTHONPATH=$PWD:/tmp/site timeout 100 python3 benchmarks/throughput.py --model-config $MA/$m.json \
+        --no-tqdm --quantization gptq --out "$OUT/w1_base" 2>&1 | grep -E "^pagoda |Error|compiled" | sed "s/^/W1 $m gptq base: /")
+      for mm in ${MAX_MS:-256 128}; do
+        timeout 100 python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm --quantization gptq \
+          --knob triton_w4a16.MAX_M=$mm --out "$OUT/w1_$mm" 2>&1 | grep -E "^pagoda |Error|compiled" \
+          | sed "s/^/W1 $m gptq MAX_M=$mm: /"
+      done
+    done
+    ;;
+  s35b)
+    # W8A8 with the activation quantization in the RMSNorm / SiLU-and-mul kernels: their tests
+    # and the 8-bit ones compiled; W1 with INT8 (compressed-tensors) and FP8 (online) weights,
+    # BASE (a quantization launch before each matmul) against this tree, interleaved
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_ops.py tests/test_quant_w8.py \
+      tests/kernels/test_triton_int8_mm.py 2>&1 | tail -1
+    warm_w1 . "$BASE"
+    for m in qwen3-0.6b llama3-8b; do
+      for q in w8a8 fp8; do
+        for tree in "$BASE" .; do
+          (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 100 python3 benchmarks/throughput.py --model-config \
+            $MA/$m.json --no-tqdm --quantization $q --out "$OUT/w1_$(basename $tree)" 2>&1 \
+            | grep -E "^pagoda |Error" | sed "s|^|W1 $m $q $(basename $tree): |")
+        done
+      done
+    done
+    ;;
+  s35c)
+    # Issue 3's table on this tree (check31), then the GPU engine tests of the paths changed:
+    # GPU vs CPU greedy, graphs vs eager, the quantized layers' and the W8A8 norm's tests
+    bash "$0" check31
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "float32_matches or graphs_match or async" \
+      2>&1 | tail -1
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_quant_w8.py tests/test_quant_int4.py 2>&1 | tail -1
     ;;
   s34e)
     # The W4A16 GEMV kernel for one row: kernel tests, the eight matrices (GEMV against the

@@ -1,11 +1,11 @@
 """W5, the matmul alone: the W4A16 Triton kernel (``pagoda/kernels/triton_w4a16.py``) on the decode
 matrices of Qwen3-0.6B and Llama-3-8B (4-bit, groups of 128), against what a bf16 model runs
-(cuBLAS on the bf16 weight) and what batches over its ``MAX_M`` rows run (the whole weight
+(cuBLAS on the bf16 weight) and what batches over its ``PACKED_MAX_M`` rows run (the whole weight
 dequantized by ``triton_w4a16.dequantize``, then cuBLAS). Microseconds per matmul in a CUDA
 graph, and the kernel's GB/s of packed weights read. Needs a GPU.
 
   python benchmarks/w4a16.py [--rows 1 16 64] [--sweep] [--gemv-sweep]
-  python benchmarks/w4a16.py --rows 64 128 192 256 512 2048   # where dequantize + cuBLAS wins (MAX_M)
+  python benchmarks/w4a16.py --rows 64 128 192 256 512 2048   # where dequantize + cuBLAS wins (PACKED_MAX_M)
   python benchmarks/w4a16.py --w8 [--rows 2 8 64 256]   # FP8 weights: W8A16 kernel against W8A8
   python benchmarks/w4a16.py --w8 --int8 --rows 64 256 512 2048 16384   # INT8: W8A16 / dequantized against W8A8
   python benchmarks/w4a16.py --w8 --int8 --sweep --rows 300 2048 16384   # also each INT8_SWEEP tile of the INT8 kernel
@@ -228,7 +228,7 @@ def main():
         kern, deq = sum(r['w4a16_us'] for r in sel), sum(r['dequant_us'] for r in sel)
         print(f"all eight at {m} rows: bf16 {sum(r['bf16_us'] for r in sel):.1f} us, W4A16 {kern:.1f} us "
               f"(tensor-core kernel {sum(r['tensor_core_us'] for r in sel):.1f}), dequantize + cuBLAS {deq:.1f} us: "
-              f"{'the kernel' if kern < deq else 'dequantize + cuBLAS'} wins (MAX_M {tw.MAX_M})")
+              f"{'the kernel' if kern < deq else 'dequantize + cuBLAS'} wins (PACKED_MAX_M {tw.PACKED_MAX_M})")
     for tiles, us in sorted(sweep_us.items(), key=lambda t: t[1]):
         print(f"GEMV tiles (BLOCK_N, BLOCK_K, warps, stages) {tiles}: {us:.1f} us for the eight at one row")
     os.makedirs(args.out, exist_ok=True)

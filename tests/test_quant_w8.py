@@ -268,6 +268,45 @@ def test_block_fp8_matmul_paths(monkeypatch):
             assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+def test_norms_hand_w8a8_matmuls_their_rows_quantized(tmp_path, monkeypatch):
+    """INT8 W8A8: the RMSNorms and SiLU-and-mul before qkv_proj, gate_up_proj and down_proj write
+    their rows quantized (only o_proj, after the attention, quantizes its own), and the model
+    generates exactly what it does with each matmul quantizing its input. The GPU's choice of
+    path (INT8 tensor cores from two rows) is made on the CPU here, the kernels in the
+    interpreter; no LoRA adapter on the layer, which reads the plain rows itself."""
+    from pagoda.kernels import triton_ops
+    from pagoda.model.layers.layernorm import QuantizesForNext
+    from pagoda.quant.w8 import W8LinearMethod
+    folder, _ = save_tiny(tmp_path, "llama3")
+    path = compressed_folder(folder, str(tmp_path / "ct"), "int", "channel")
+    monkeypatch.setattr(W8LinearMethod, "path", lambda self, layer, x: "int8" if x.shape[0] > 1 else "dense")
+    launches = []
+    monkeypatch.setattr(triton_ops, "per_token_quant", lambda x, dtype, real=triton_ops.per_token_quant:
+                        launches.append(x.shape) or real(x, dtype))
+    prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+    def run():
+        launches.clear()
+        llm = LLM(path, dtype="float32", **SMALL)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        layer = llm.llm_engine.executor.runner.model.model.layers[0]
+        del llm
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(launches), layer
+
+    fused, fused_launches, layer = run()
+    assert layer.input_layernorm.quant_dtype(torch.zeros(2, 64)) == torch.int8
+    monkeypatch.setattr(QuantizesForNext, "quant_dtype", lambda self, x: None)
+    plain, plain_launches = run()[:2]
+    assert fused_launches > 0 and plain_launches == 4 * fused_launches
+    # (the same tokens; on the GPU a fused norm may round a row in the last bit, and so an INT8 value)
+    for (tokens, logprobs), (plain_tokens, plain_logprobs) in zip(fused, plain):
+        assert tokens == plain_tokens
+        for a, b in zip(logprobs, plain_logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-2 for t in a)
+            assert torch.cuda.is_available() or a == b
+
+
 @pytest.mark.parametrize("m,n,k", [(3, 64, 96), (17, 64, 96), (40, 48, 200)] + ([(300, 4096, 14336), (2048, 6144, 4096)]
                                                                    if torch.cuda.is_available() else []), ids=str)
 def test_int8_linear_matches_the_scaled_matmul_it_stands_for(m, n, k):
@@ -286,6 +325,8 @@ def test_int8_linear_matches_the_scaled_matmul_it_stands_for(m, n, k):
     w_q, w_scale, x, bias = (t.to(device) for t in (w_q, w_scale, x, bias))
     out = int8_linear(x, w_q, w_scale, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    # (rows the kernel before it quantized already: the same product)
+    assert torch.equal(int8_linear(reference.quantized(x, torch.int8), w_q, w_scale, bias), out)
     ref = reference.scaled_mm(*reference.per_token_quant(x, torch.int8), w_q, w_scale, bias, torch.float32)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 4e-3     # (bf16 output rounding)
     w8a16 = torch.nn.functional.linear(x.float(), w_q.float() * w_scale, bias.float())

@@ -142,21 +142,23 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 # pagoda.kernels.triton_ops, which has the same functions with the same signatures).
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: torch.dtype | None = None):
     """RMSNorm over the last dim, as HF computes it: normalise in float32, cast back to the
-    input dtype, then multiply by ``weight`` (in the promoted dtype of the two)."""
+    input dtype, then multiply by ``weight`` (in the promoted dtype of the two). ``quant_dtype``
+    (INT8 or FP8): that output quantized per token for the W8A8 matmul that takes it
+    (``QuantizedInput``)."""
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return x.to(dtype) * weight
+    return quantized(x.to(dtype) * weight, quant_dtype)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, quant_dtype: torch.dtype | None = None) -> tuple:
     """``(rms_norm(x + residual), x + residual)``: a decoder layer's residual add and norm; the
     sum (in the inputs' dtype) is the next residual. The inputs are left unchanged."""
     x = x + residual
-    return rms_norm(x, weight, eps), x
+    return rms_norm(x, weight, eps, quant_dtype), x
 
 
 class Rope(NamedTuple):
@@ -199,10 +201,11 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return rotate(q), rotate(k)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``x = [gate, up]`` (tokens, 2 * d) -> (tokens, d), in x's dtype."""
+def silu_and_mul(x: torch.Tensor, quant_dtype: torch.dtype | None = None):
+    """``silu(gate) * up`` of ``x = [gate, up]`` (tokens, 2 * d) -> (tokens, d), in x's dtype
+    (``quant_dtype``: then quantized per token, as ``rms_norm``'s)."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return quantized(F.silu(gate) * up, quant_dtype)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,6 +321,21 @@ FP8_MAX = 448.0   # E4M3's largest finite value
 
 
 INT8_MAX = 127.0  # (symmetric: -128 is never used)
+
+
+class QuantizedInput(NamedTuple):
+    """A W8A8 matmul's input, its rows quantized per token (``per_token_quant``) by the kernel
+    that computed them (the RMSNorm or SiLU-and-mul before the matmul: one pass over the rows
+    fewer): ``q (M, K)`` INT8 or FP8, ``scale (M, 1)`` float32, and ``dtype``, the rows' own
+    (the matmul's output's)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantized(x: torch.Tensor, dtype: torch.dtype | None):
+    """``x``, or (``dtype`` given) its rows quantized per token as a ``QuantizedInput``."""
+    return x if dtype is None else QuantizedInput(*per_token_quant(x, dtype), x.dtype)
 
 
 def per_token_quant(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:

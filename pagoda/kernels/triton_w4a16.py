@@ -19,8 +19,9 @@ group through ``g_idx`` (GPTQ's act-order). It dequantizes the tile in registers
 computing ``out`` transposed (float32 accumulator). A weight has few column tiles at decode
 shapes (Qwen3-0.6B's o_proj: 8 of 128 columns), so K is split over programs until about
 ``PROGRAMS_PER_SM`` programs an SM run; split partials are summed in float32 by torch, then
-rounded once. Each row tile dequantizes the weight again, so the kernel stops at ``MAX_M``
-rows, where the dequantize path's one pass over the weight is cheaper.
+rounded once. Each row tile dequantizes the weight again, so packed weights take the kernel up
+to ``PACKED_MAX_M`` rows, where one pass over the whole weight (``dequantize``) and cuBLAS
+become cheaper.
 
 Measured on the H200 (BENCHMARKS.md, fourteenth session): the eight decode matrices of
 Qwen3-0.6B and Llama-3-8B at one row in 204 us, against 2,941 for dequantize + cuBLAS and 199
@@ -37,6 +38,12 @@ from pagoda.kernels.triton_utils import fix_interpreter_bugs, num_sms
 
 # Rows of x the kernel takes (0 turns it off); more: dequantize + cuBLAS.
 MAX_M = 256
+# ... for packed (GPTQ / AWQ) weights: over it, the whole weight dequantized in one pass
+# (``dequantize``) and cuBLAS cost less than the kernel's row tiles dequantizing it again each.
+# On an H100 (BENCHMARKS.md, thirty-fifth session; the eight decode matrices of both models, us):
+# kernel 419 / 607 / 656 at 128 / 192 / 256 rows, dequantize + cuBLAS 459 / 485 / 495; W1
+# Llama-3-8B GPTQ 7,301 output tok/s at 128 against 6,744 at 256.
+PACKED_MAX_M = 128
 # Tiles by BLOCK_M, the rows a program takes (the batch's rows rounded up to a power of two, at
 # least 16; batches over the largest run in row tiles of it, each dequantizing the weight again).
 # Measured on the H200 (BENCHMARKS.md, fifteenth session: `benchmarks/w4a16.py --sweep`), the
@@ -132,7 +139,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int | None, dtype: torch.dtype) -> torch.Tensor:
     """A linear layer's packed weight (the module docstring's layout) as ``(N, K)`` in ``dtype``,
     as ``F.linear`` takes it: ``int4.dequantize``'s values transposed, in one pass (batches over
-    ``MAX_M`` rows, then cuBLAS). ``group_size`` None: each input's group from ``g_idx``."""
+    ``PACKED_MAX_M`` rows, then cuBLAS). ``group_size`` None: each input's group from ``g_idx``."""
     g = None if group_size is not None else g_idx.view(1, 1, -1)
     one = reference.Int4Experts(qweight[None], scales[None], zeros[None], g, bits, group_size or 1)
     return dequantize_experts(one, dtype)[0]
@@ -275,13 +282,14 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bia
     tl.store(out_ptr + split.to(tl.int64) * stride_os + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def use_w4a16(x: torch.Tensor) -> bool:
+def use_w4a16(x: torch.Tensor, max_m: int | None = None) -> bool:
     """Whether ``w4a16_linear`` runs this matmul (from shapes only: the same choice at CUDA-graph
-    capture and replay). On CPUs the interpreter would be slower than dequantizing. The tiles
-    are sized for 2-byte activations: float32 ones need more shared memory than an H200 SM has
-    (246 of 227 KiB at 32 rows), and float32 models on a GPU are for checking, not speed."""
-    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(1) == 1
-            and x.dtype in (torch.float16, torch.bfloat16))
+    capture and replay), of up to ``max_m`` rows (default ``MAX_M``). On CPUs the interpreter
+    would be slower than dequantizing. The tiles are sized for 2-byte activations: float32 ones
+    need more shared memory than an H200 SM has (246 of 227 KiB at 32 rows), and float32 models
+    on a GPU are for checking, not speed."""
+    return (x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= (MAX_M if max_m is None else max_m)
+            and x.stride(1) == 1 and x.dtype in (torch.float16, torch.bfloat16))
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

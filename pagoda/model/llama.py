@@ -55,6 +55,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [intermediate_size] * 2, quant_method=quant)
         self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, quant_method=quant)
         self.act_fn = SiluAndMul()
+        self.act_fn.feeds(self.down_proj)
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -89,6 +90,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMoE(cfg, quant) if cfg.is_moe_layer(layer) else LlamaMLP(cfg, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # (W8A8: the norms hand their matmuls rows already quantized; not a mixture's router)
+        self.input_layernorm.feeds(self.self_attn.qkv_proj)
+        if isinstance(self.mlp, LlamaMLP):
+            self.post_attention_layernorm.feeds(self.mlp.gate_up_proj)
 
     def forward(self, positions, hidden, residual):
         if residual is None:

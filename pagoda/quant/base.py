@@ -45,6 +45,12 @@ class QuantMethod:
                        dtype: torch.dtype) -> None:
         raise NotImplementedError
 
+    def input_quant(self, layer: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype ``apply`` quantizes x's rows to, per token, before its matmul (W8A8), if it
+        does: the kernel that computes x may then hand them over quantized
+        (``reference.QuantizedInput``), which ``apply`` takes in x's place."""
+        return None
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
 

@@ -258,7 +258,7 @@ class Int4LinearMethod(QuantMethod):
         if not x.is_cuda:
             return F.linear(x, dequantize(*weights).t(), bias)
         w4a16 = triton_kernels("triton_w4a16")
-        if w4a16.use_w4a16(x):   # decode batches: dequantized in registers
+        if w4a16.use_w4a16(x, w4a16.PACKED_MAX_M):   # decode batches: dequantized in registers
             return w4a16.w4a16_linear(x, *weights, bias, group_size)
         # larger ones: the dense weight written once, for cuBLAS
         return F.linear(x, w4a16.dequantize(*weights, group_size, x.dtype), bias)

@@ -33,6 +33,11 @@ rows on the GPU, each block's scale applied to its tile as it is converted; else
   well as one for all;
 - elsewhere (CPUs, float32 activations, FP8 weights under float16 over ``triton_w4a16.MAX_M``
   rows) the weight is dequantized (``w * scale`` in the model's dtype) for a dense matmul.
+
+Where W8A8 runs, the RMSNorm or SiLU-and-mul kernel that computes the matmul's input writes its
+rows already quantized (``input_quant`` tells it the dtype; ``layernorm.QuantizesForNext``): no
+launch of its own for the quantization, and one write and read of the rows fewer. Only o_proj,
+after the attention, quantizes its own input.
 """
 import functools
 
@@ -40,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels.reference import dequantize_blocks
+from pagoda.kernels.reference import QuantizedInput, dequantize_blocks
 from pagoda.quant.base import QuantMethod, compressed_tensors_group, triton_kernels
 
 FP8 = torch.float8_e4m3fn
@@ -151,24 +156,44 @@ class W8LinearMethod(QuantMethod):
         elif self.scale_name != "weight_scale_inv":
             layer.weight_scale_inv = layer._parameters.pop(self.scale_name)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def path(self, layer: nn.Module, x: torch.Tensor) -> str:
+        """Which matmul runs ``x`` (module docstring; from shapes only, the same at CUDA-graph
+        capture and replay): "w8a16" or "dense" with block scales, else "slab", "int8", "w8a16",
+        "fp8" (W8A8 on FP8 tensor cores) or "dense"."""
         if self.block is not None:
-            w4a16 = triton_kernels("triton_w4a16")
-            if x.is_cuda and w4a16.use_w4a16(x):
-                return w4a16.w8a16_linear(x, layer.weight, layer.weight_scale_inv, bias, self.block)
+            return "w8a16" if x.is_cuda and triton_kernels("triton_w4a16").use_w4a16(x) else "dense"
+        if not x.is_cuda:
+            return "dense"
+        if triton_kernels("triton_linear").use_small_m_linear(x, layer.weight):
+            return "slab"
+        if use_int8_mm(x, layer.weight):
+            return "int8"
+        tensor_cores = use_scaled_mm(x, layer.weight)
+        if triton_kernels("triton_w4a16").use_w4a16(x) and not (tensor_cores and x.shape[0] > W8A16_MAX_M):
+            return "w8a16"
+        return "fp8" if tensor_cores else "dense"
+
+    def input_quant(self, layer: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+        return {"int8": torch.int8, "fp8": FP8}.get(self.path(layer, x))
+
+    def apply(self, layer: nn.Module, x, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, QuantizedInput):   # (rows the kernel before quantized, as input_quant asked)
+            path = "int8" if x.q.dtype == torch.int8 else "fp8"
+        else:
+            path = self.path(layer, x)
+        if path == "int8":
+            return int8_linear(x, layer.weight, layer.weight_scale, bias)
+        if path == "fp8":
+            return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+        if path == "slab":
+            return triton_kernels("triton_linear").small_m_linear(x, layer.weight, bias, layer.weight_scale)
+        if self.block is not None:
+            if path == "w8a16":
+                return triton_kernels("triton_w4a16").w8a16_linear(x, layer.weight, layer.weight_scale_inv, bias,
+                                                                   self.block)
             return F.linear(x, dequantize_blocks(layer.weight, layer.weight_scale_inv, self.block, x.dtype), bias)
-        if x.is_cuda:
-            out = triton_kernels("triton_linear").linear(x, layer.weight, bias, layer.weight_scale)
-            if out is not None:
-                return out
-            if use_int8_mm(x, layer.weight):
-                return int8_linear(x, layer.weight, layer.weight_scale, bias)
-            tensor_cores = use_scaled_mm(x, layer.weight)
-            w4a16 = triton_kernels("triton_w4a16")
-            if w4a16.use_w4a16(x) and not (tensor_cores and x.shape[0] > W8A16_MAX_M):
-                return w4a16.w8a16_linear(x, layer.weight, layer.weight_scale, bias)
-            if tensor_cores:
-                return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+        if path == "w8a16":
+            return triton_kernels("triton_w4a16").w8a16_linear(x, layer.weight, layer.weight_scale, bias)
         return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype), bias)
 
 
@@ -186,12 +211,19 @@ def use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and _fp8_tensor_cores(torch.cuda.current_device() if x.device.index is None else x.device.index))
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    """W8A8 on FP8 tensor cores: ``reference.scaled_mm`` of x quantized per token."""
+def quantized_input(x, dtype: torch.dtype) -> QuantizedInput:
+    """``x``'s rows quantized per token to ``dtype``, unless the kernel before did it already."""
+    if isinstance(x, QuantizedInput):
+        return x
     from pagoda.kernels.triton_ops import per_token_quant
-    x_q, x_scale = per_token_quant(x)
-    return torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias,
+    return QuantizedInput(*per_token_quant(x, dtype), x.dtype)
+
+
+def fp8_linear(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8 on FP8 tensor cores: ``reference.scaled_mm`` of x quantized per token (``x``: the
+    activations, or their ``QuantizedInput``)."""
+    x = quantized_input(x, FP8)
+    return torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=weight_scale.view(1, -1), bias=bias,
                             out_dtype=x.dtype)
 
 
@@ -202,10 +234,9 @@ def use_int8_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == torch.int8 and x.stride(1) == 1)
 
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """W8A8 on INT8 tensor cores: ``reference.scaled_mm`` of x quantized per token to INT8, its
-    sums exact in int32, scaled in float32 and rounded once, in one kernel."""
+def int8_linear(x, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8 on INT8 tensor cores: ``reference.scaled_mm`` of x quantized per token to INT8 (or its
+    ``QuantizedInput``), its sums exact in int32, scaled in float32 and rounded once, in one kernel."""
     from pagoda.kernels.triton_int8_mm import int8_mm
-    from pagoda.kernels.triton_ops import per_token_quant
-    return int8_mm(*per_token_quant(x, torch.int8), weight, weight_scale, bias, x.dtype)
+    x = quantized_input(x, torch.int8)
+    return int8_mm(x.q, x.scale, weight, weight_scale, bias, x.dtype)

@@ -218,6 +218,68 @@ def test_small_m_linear_eight_bit_weights(n, k, weight_dtype, request):
 # Per-token FP8 quantization (W8A8's activations)
 
 
+# A row's scale from the norm's quantizing variant against per_token_quant of its plain output:
+# the row's largest value may round the other way (half precision), or differ in float32's last bit.
+QUANT_SCALE_RTOL = {torch.float32: 1e-6, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}
+
+
+def assert_same_quantized(q: torch.Tensor, ref_q: torch.Tensor) -> None:
+    """INT8 values, and FP8 ones on the GPU, bit for bit. Triton 3.6's interpreter rounds to FP8
+    its own way (a value that rounds up to a power of two comes out as half of it, the smallest
+    subnormal, 2^-9, as zero; some ties go up): there the misses must be few, of the same sign
+    and within a factor of two, or zero against the smallest subnormal."""
+    if ON_GPU or q.dtype == torch.int8:
+        assert q.dtype == ref_q.dtype and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+        return
+    qf, rf = q.float(), ref_q.float()
+    miss = qf != rf
+    assert miss.float().mean() < 0.05
+    qf, rf = qf[miss], rf[miss]
+    nonzero = (qf != 0) & (rf != 0)
+    assert ((qf + rf)[~nonzero].abs() == 2 ** -9).all()
+    qf, rf = qf[nonzero], rf[nonzero]
+    assert (qf * rf > 0).all() and ((qf / rf).abs().clamp(min=0.5, max=2) == (qf / rf).abs()).all()
+
+
+@pytest.mark.parametrize("quant_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,hidden", [(1, 1024), (7, 896), (5, 3000)] + ([(300, 4096)] if ON_GPU else []),
+                         ids=str)
+def test_norms_and_silu_write_quantized_rows(tokens, hidden, dtype, quant_dtype, request):
+    """``quant_dtype``: RMSNorm (alone, after the residual add) and SiLU-and-mul hand a W8A8
+    matmul its input quantized per token: ``reference.per_token_quant`` of what they write
+    without it (scales equal, values as ``per_token_quant``'s own), the new residual unchanged."""
+    gen = seed_for(request)
+    x, res = (randn(tokens, hidden, gen=gen, dtype=dtype) for _ in range(2))
+    x = x * torch.logspace(-2, 2, tokens, device=DEVICE)[:, None].to(dtype)   # (rows of other magnitudes)
+    w = randn(hidden, gen=gen, dtype=dtype)
+    h = randn(tokens, 2 * hidden + 16, gen=gen, dtype=dtype)[:, 8:8 + 2 * hidden]   # (strided rows)
+    cases = [(ops.rms_norm(x, w, EPS, quant_dtype=quant_dtype), ops.rms_norm(x, w, EPS)),
+             (ops.silu_and_mul(h, quant_dtype=quant_dtype), ops.silu_and_mul(h))]
+    (got, got_res), (plain, want_res) = (ops.fused_add_rms_norm(x, res, w, EPS, quant_dtype=quant_dtype),
+                                         ops.fused_add_rms_norm(x, res, w, EPS))
+    assert torch.equal(got_res, want_res)
+    cases.append((got, plain))
+    for got, plain in cases:
+        want_q, want_scale = reference.per_token_quant(plain, quant_dtype)
+        assert isinstance(got, reference.QuantizedInput) and got.dtype == dtype
+        assert got.q.shape == plain.shape and got.scale.shape == (tokens, 1) and got.scale.dtype == torch.float32
+        if not ON_GPU:   # (the interpreter computes both variants alike)
+            assert torch.equal(got.scale, want_scale)
+            assert_same_quantized(got.q, want_q)
+        # Compiled, the quantizing variant may sum a row in another order: its output, and so a
+        # row's largest magnitude, can differ in the last bit. Its rows dequantize to what the
+        # kernel computes within the 8-bit rounding.
+        torch.testing.assert_close(got.scale, want_scale, rtol=QUANT_SCALE_RTOL[dtype], atol=0)
+        err = (got.q.float() * got.scale - plain.float()).abs()
+        bound = (0.5 * got.scale if quant_dtype == torch.int8
+                 else plain.float().abs() / 16 + got.scale * 2 ** -9) * (1 + 2 * QUANT_SCALE_RTOL[dtype])
+        assert (err <= bound + 1e-6 * plain.float().abs()).all()
+    # the torch versions (the CPU path) take it too
+    want = reference.fused_add_rms_norm(x, res, w, EPS, quant_dtype)[0]
+    assert torch.equal(want.scale, reference.per_token_quant(reference.rms_norm(x + res, w, EPS), quant_dtype)[1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens,k", [(1, 1024), (7, 3072), (3, 1000)] + ([(300, 14336)] if ON_GPU else []),
                          ids=str)
@@ -231,16 +293,7 @@ def test_per_token_quant_fp8(tokens, k, dtype, request):
     ref_q, ref_scale = reference.per_token_quant(x)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (tokens, 1) and scale.dtype == torch.float32
     assert torch.equal(scale, ref_scale)
-    if ON_GPU:
-        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
-    else:
-        # triton 3.6's interpreter rounds to FP8 its own way (a value that rounds up to a power
-        # of two comes out as half of it; some ties go up): the GPU is checked bit for bit, here
-        # the misses must be few, of the same sign and within a factor of two.
-        qf, rf = q.float(), ref_q.float()
-        miss = qf != rf
-        assert miss.float().mean() < 0.05 and (qf[miss] * rf[miss] > 0).all()
-        assert ((qf[miss] / rf[miss]).abs().clamp(min=0.5, max=2) == (qf[miss] / rf[miss]).abs()).all()
+    assert_same_quantized(q, ref_q)
     assert (ref_q.float().abs().amax(dim=1) == reference.FP8_MAX).all()   # each row's largest hits E4M3's top
     deq = ref_q.float() * ref_scale
     assert ((deq - x.float()).norm() / x.float().norm()).item() < 0.05

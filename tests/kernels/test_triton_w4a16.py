@@ -159,8 +159,8 @@ def test_quantized_layer_runs_the_kernel_for_decode_batches(monkeypatch):
     real_dequantize = tw.dequantize
     monkeypatch.setattr(tw, "dequantize", lambda *a, **kw: dequantized.append(a[-1]) or real_dequantize(*a, **kw))
     w = dequantize(layer.qweight, layer.scales, layer.zeros, layer.g_idx, 4).float()
-    for m in (1, tw.MAX_M, tw.MAX_M + 1, 2000):
+    for m in (1, tw.PACKED_MAX_M, tw.PACKED_MAX_M + 1, 2000):
         x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
         ref = x.float() @ w
         assert ((layer(x).float() - ref).norm() / ref.norm()).item() < TOLERANCE[torch.bfloat16]
-    assert used == [1, tw.MAX_M] and dequantized == [torch.bfloat16, torch.bfloat16]
+    assert used == [1, tw.PACKED_MAX_M] and dequantized == [torch.bfloat16, torch.bfloat16]

@@ -21,7 +21,24 @@ def kernels_for(x: torch.Tensor):
     return _triton_ops() if x.is_cuda else reference
 
 
-class RMSNorm(nn.Module):
+class QuantizesForNext:
+    """A layer whose output only the linear layer ``feeds`` names takes: when that layer's matmul
+    would quantize its input rows per token (W8A8), this one's kernel writes them quantized
+    (``reference.QuantizedInput``), saving a launch and a pass over the rows."""
+    _next = None
+
+    def feeds(self, linear: nn.Module) -> None:
+        # (kept out of the module tree: the linear layer belongs to its own parent)
+        self.__dict__["_next"] = linear
+
+    def quant_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        linear = self._next
+        if linear is None or linear.lora is not None:   # (a LoRA adapter reads x itself)
+            return None
+        return linear.quant_method.input_quant(linear, x)
+
+
+class RMSNorm(QuantizesForNext, nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -30,6 +47,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With ``residual``: add it first (the fused residual-add + norm of every decoder layer)
         and return the sum as the next residual. Inputs are left unchanged."""
+        quant_dtype = self.quant_dtype(x)
         if residual is None:
-            return kernels_for(x).rms_norm(x, self.weight, self.eps)
-        return kernels_for(x).fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return kernels_for(x).rms_norm(x, self.weight, self.eps, quant_dtype=quant_dtype)
+        return kernels_for(x).fused_add_rms_norm(x, residual, self.weight, self.eps, quant_dtype=quant_dtype)
