@@ -24,6 +24,13 @@ def smollm_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(smollm_path):
+    """SmolLM2's tokenizer alone (the server routes' tests over scripted engines)."""
+    from pagoda.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(smollm_path)
+
+
+@pytest.fixture(scope="session")
 def llm(smollm_path):
     from pagoda import LLM
     engine = LLM(smollm_path, dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=2048)

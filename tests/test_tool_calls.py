@@ -16,7 +16,6 @@ from pagoda.entrypoints.openai.tool_parsers import (ForcedCallStream, HermesTool
                                                      get_tool_parser)
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import RequestOutputKind
-from pagoda.tokenizer import Tokenizer
 from tests.stub_engine import StubEngine
 
 CALLS_TEXT = ('I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -249,11 +248,6 @@ class ScriptedEngine(StubEngine):
         text = self.answer[sent:end] if delta else self.answer
         return RequestOutput(rid, prompt["prompt"], prompt["prompt_token_ids"], None,
                              [CompletionOutput(0, text, [1], None, None, "stop" if done else None)], done)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm_path):
-    return Tokenizer.from_gguf(smollm_path)
 
 
 def _client(tokenizer, answer: str, step_s: float = 0.0, **tool_flags):

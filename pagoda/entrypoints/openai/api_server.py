@@ -4,7 +4,8 @@
   python -m pagoda.entrypoints.openai.api_server --model MODEL
 
 Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-tool-choice
---tool-call-parser hermes, llama3_json, mistral, pythonic or qwen3_coder), /v1/embeddings, /classify,
+--tool-call-parser hermes, llama3_json, mistral, pythonic or qwen3_coder; the thinking apart with
+--reasoning-parser qwen3 or deepseek_r1), /v1/embeddings, /classify,
 /v1/score, /rerank and /pooling (with --runner pooling), /tokenize, /detokenize, /v1/models, /health,
 /version, /metrics, /start_profile and /stop_profile; with VLLM_SERVER_DEV_MODE=1 (as vLLM) also
 /sleep, /wake_up, /is_sleeping and /reset_prefix_cache; with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
@@ -39,6 +40,7 @@ from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingPooling
 from pagoda.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagoda.entrypoints.openai.reasoning_parsers import check_reasoning_parser
 from pagoda.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, check_tool_call_parser
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              lora_modules: list[LoRAModulePath] | None = None) -> FastAPI:
+              lora_modules: list[LoRAModulePath] | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The server's routes over ``engine``. ``lora_modules``: adapters the requests may name
     (``app.state.models.init_static_loras()`` has the engine check them before serving)."""
     app = FastAPI(title="pagoda", version=pagoda.__version__)
@@ -54,7 +56,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     models = app.state.models = OpenAIServingModels(engine, served_model_names, lora_modules)
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models, enable_auto_tool_choice=enable_auto_tool_choice,
-                             tool_call_parser=tool_call_parser)
+                             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
     pooling = OpenAIServingPooling(engine, models)
     tokenization = OpenAIServingTokenization(engine, models)
 
@@ -245,6 +247,7 @@ def run_server(args) -> None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (known: "
                          f"{', '.join(TOOL_CALL_PARSERS)}).")
     check_tool_call_parser(args.tool_call_parser)
+    check_reasoning_parser(args.reasoning_parser)
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora.")
     if args.api_server_count < 1:
@@ -267,7 +270,7 @@ def _app(engine: AsyncLLM, args) -> FastAPI:
     """The app, its --lora-modules adapters checked by the engine (a bad one raises its
     ValueError before the server listens)."""
     app = build_app(engine, served_names(args), args.api_key, args.enable_auto_tool_choice, args.tool_call_parser,
-                    args.lora_modules)
+                    args.lora_modules, args.reasoning_parser)
     asyncio.run(app.state.models.init_static_loras())
     return app
 

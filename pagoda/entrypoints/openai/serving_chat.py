@@ -1,9 +1,12 @@
 """POST /v1/chat/completions: the messages (and tools) rendered with the model's chat template;
-with ``--enable-auto-tool-choice --tool-call-parser NAME``, tool calls found in the answer; with
-tool_choice "required" or a named function, the answer held to the calls' JSON schema."""
+with ``--reasoning-parser NAME``, the model's thinking returned apart (``reasoning``); with
+``--enable-auto-tool-choice --tool-call-parser NAME``, tool calls found in the answer (after the
+thinking); with tool_choice "required" or a named function, the answer held to the calls' JSON
+schema."""
 import json
 
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
+from pagoda.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagoda.entrypoints.openai.serving import OpenAIServing, finite_logprob
 from pagoda.entrypoints.openai.tool_parsers import ForcedCallStream, get_tool_parser, make_tool_call
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
@@ -25,9 +28,11 @@ class OpenAIServingChat(OpenAIServing):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, *args, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
+    def __init__(self, *args, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         super().__init__(*args)
         self.tool_parser = get_tool_parser(tool_call_parser) if enable_auto_tool_choice else None
+        self.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser else None
 
     def engine_prompts(self, request: ChatCompletionRequest) -> list:
         return [render_chat(self.engine.tokenizer, request)]
@@ -55,10 +60,18 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = {"content": [_token_logprob(lps[t], sorted((lp for lp in lps.values() if lp.rank <= k),
                                                                   key=lambda lp: lp.rank))
                                     for t, lps in zip(c.token_ids, c.logprobs)]}
-        text, calls, finish = c.text, [], c.finish_reason
+        text, calls, finish, reasoning = c.text, [], c.finish_reason, None
         if "tool_choice" not in state:      # (once a choice, not once a streamed chunk)
             state["tool_choice"] = _tool_choice(request)
+            # (an answer held to a grammar from its first token has no thinking in it)
+            state["thinks"] = self.reasoning_parser is not None and request.structured() is None \
+                and state["tool_choice"] in ("auto", "none")
         choice = state["tool_choice"]
+        if state["thinks"] and request.stream:
+            thinking = state.setdefault("reasoning", self.reasoning_parser.stream(out.prompt))
+            reasoning, text = thinking.feed(text, final=finish is not None)
+        elif state["thinks"]:
+            reasoning, text = self.reasoning_parser.extract(text, out.prompt)
         if choice not in ("auto", "none") and request.stream:
             # A forced call: the answer is its JSON, streamed as the calls' names and arguments.
             forced = state.setdefault("forced", ForcedCallStream(None if choice == "required"
@@ -73,26 +86,31 @@ class OpenAIServingChat(OpenAIServing):
         elif choice == "auto" and self.tool_parser is not None:
             if request.stream:
                 tools = state.setdefault("tools", self.tool_parser.stream(request.tools))
-                text, calls = tools.feed(c.text, final=finish is not None)
+                text, calls = tools.feed(text or "", final=finish is not None)
                 first_call = tools.num_calls - len(calls)
                 calls = [{"index": first_call + i, **call} for i, call in enumerate(calls)]
                 called = tools.num_calls > 0
             else:
-                text, calls = self.tool_parser.extract(c.text, request.tools)
+                text, calls = self.tool_parser.extract(text or "", request.tools)
                 called = bool(calls)
             if called and finish is not None:
                 finish = "tool_calls"
         if request.stream:
-            if not text and not calls and finish is None and logprobs is None and "started" in state:
-                return None                 # (held back: it may begin a tool call)
+            if not text and not reasoning and not calls and finish is None and logprobs is None \
+                    and "started" in state:
+                return None                 # (held back: it may begin a tool call or a tag)
             delta = {"content": text}
             if "started" not in state:      # a choice's first chunk names the role
                 delta, state["started"] = {"role": "assistant", "content": text}, True
+            if reasoning:
+                delta.update(reasoning=reasoning, reasoning_content=reasoning)
             if calls:
                 delta["tool_calls"] = calls
             body = {"delta": delta}
         else:
             message = {"role": "assistant", "content": text}
+            if state["thinks"]:             # (vLLM's field, and its older name)
+                message.update(reasoning=reasoning, reasoning_content=reasoning)
             if calls:
                 message["tool_calls"] = calls
             body = {"message": message}

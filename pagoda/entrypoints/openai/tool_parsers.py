@@ -132,7 +132,7 @@ class StreamingToolCalls:
                     content += head if not self.num_calls and not calls else ""
                     self.in_call, self.held = True, after
                     continue
-                keep = 0 if final else _partial_suffix(self.held, start)
+                keep = 0 if final else partial_suffix(self.held, start)
                 sent = self.held[:len(self.held) - keep]
                 content += sent if not self.num_calls and not calls else ""
                 self.held = self.held[len(sent):]
@@ -334,7 +334,7 @@ def _listed_calls(text: str) -> list[tuple[str | None, str]]:
     return [(name, "" if start is None else text[start:end]) for name, start, end in calls]
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
