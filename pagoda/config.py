@@ -215,6 +215,9 @@ class ModelConfig:
     # A causal LM read as a classifier (classifier_from_tokens): its tokens' ids, whose LM-head
     # rows make the score head at load
     classifier_token_ids: tuple[int, ...] = ()
+    # The model thinks before it answers (vLLM's reasoning_parser: "qwen3", "deepseek_r1"): a
+    # structured output's grammar then holds the answer after its </think>, not the thinking
+    reasoning_parser: str | None = None
 
     @property
     def is_gguf(self) -> bool:

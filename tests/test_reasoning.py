@@ -1,8 +1,10 @@
 """``--reasoning-parser qwen3 | deepseek_r1``: a reasoning model's thinking returned apart from
 its answer (the message's ``reasoning`` and ``reasoning_content``), whole and streamed in any
-pieces; tool calls read from the answer after it; none under a grammar; bad names refused."""
+pieces; tool calls read from the answer after it; a grammar holding only the answer after it
+(the engine's part on the real SmolLM2); bad names refused."""
 import json
 import random
+import re
 
 import pytest
 
@@ -106,15 +108,64 @@ def test_tool_calls_are_read_after_the_thinking(tokenizer, stream):
     assert _names_args(calls)[0][1] == {"city": "Paris"}
 
 
-def test_an_answer_held_to_a_grammar_has_no_thinking(tokenizer):
-    """A grammar constrains the answer from its first token (no room to think), so deepseek_r1,
-    whose answers begin inside the block, does not read the JSON as thinking."""
-    engine, client = _client(tokenizer, '{"city": "Paris"}', reasoning_parser="deepseek_r1")
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_held_to_a_grammar_thinks_first(tokenizer, stream):
+    """The grammar holds the answer after the thinking (the engine's part, below): the JSON is
+    the content, and a forced call's arguments are read from it."""
+    answer = 'The user wants JSON.</think>\n{"city": "Paris"}'
+    engine, client = _client(tokenizer, answer, reasoning_parser="deepseek_r1")
     with client:
         message = client.post("/v1/chat/completions", json=_chat(
             tools=None, response_format={"type": "json_object"})).json()["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": '{"city": "Paris"}'}
+        forced = _chat(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        if stream:
+            deltas = [c["delta"] for c in _stream(client, forced)]
+            arguments = "".join(tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", []))
+            reasoning = "".join(d.get("reasoning") or "" for d in deltas)
+        else:
+            called = client.post("/v1/chat/completions", json=forced).json()["choices"][0]["message"]
+            arguments, reasoning = called["tool_calls"][0]["function"]["arguments"], called["reasoning"]
+    assert (message["reasoning"], message["content"]) == ("The user wants JSON.", '\n{"city": "Paris"}')
     assert engine.params[0].structured_outputs is not None
+    assert json.loads(arguments) == {"city": "Paris"} and reasoning == "The user wants JSON."
+
+
+def test_thinking_end_by_the_prompt(smollm_path):
+    """The engine's grammar waits for </think> unless the prompt closed the block (thinking off)."""
+    from pagoda.engine.structured_output import StructuredOutputs
+    from pagoda.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(smollm_path)
+    think = StructuredOutputs(tok, tok.vocab_size, [2], reasoning=True)
+    end = tuple(tok.encode("</think>", add_special_tokens=False))
+    ids = lambda text: tok.encode(text, add_special_tokens=False)   # noqa: E731
+    assert think.thinking_end(ids("<|im_start|>assistant\n")) == end              # the model opens it
+    assert think.thinking_end(ids("<|im_start|>assistant\n<think>\n")) == end    # the prompt opened it
+    assert think.thinking_end(ids("assistant\n<think>\n\n</think>\n\n")) is None    # thinking off
+    assert think.thinking_end(ids("<think>a</think>\n\nuser\n<think>\n")) == end     # the last tag counts
+    assert StructuredOutputs(tok, tok.vocab_size, [2]).thinking_end(ids("<think>\n")) is None
+
+
+def test_the_grammar_holds_the_answer_after_the_thinking(smollm_path, monkeypatch):
+    """SmolLM2 (no thinking tags of its own), its third greedy token standing for </think>: the
+    tokens up to it come unconstrained, as without a grammar, and then the grammar's answer."""
+    from pagoda import LLM, SamplingParams, StructuredOutputsParams
+    from pagoda.engine.structured_output import StructuredOutputs
+    from tests.conftest import TEST_KV_BYTES
+    llm = LLM(smollm_path, dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=512,
+              reasoning_parser="qwen3")
+    prompt = "The year the first man walked on the moon was"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+    marker = (free[2],)
+    assert marker[0] not in free[:2]
+    monkeypatch.setattr(StructuredOutputs, "thinking_end", lambda self, ids: marker)
+    held = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex="[0-9]{4}"))
+    out = llm.generate(prompt, held, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:3] == free
+    answer = llm.get_tokenizer().decode(out.token_ids[3:])
+    assert re.fullmatch("[0-9]{4}", answer) and out.finish_reason == "stop"
+    monkeypatch.setattr(StructuredOutputs, "thinking_end", lambda self, ids: None)   # no thinking: held throughout
+    assert re.fullmatch("[0-9]{4}", llm.generate(prompt, held, use_tqdm=False)[0].outputs[0].text)
+    del llm
 
 
 def test_serve_refuses_an_unknown_reasoning_parser(capsys):

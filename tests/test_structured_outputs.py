@@ -151,7 +151,7 @@ def test_bitmask_against_a_reference(device):
 
 def test_batched_bitmasks_equal_each_matchers_own(smollm_path):
     """The step's masks, computed side by side, against each matcher's own (at different points
-    of different grammars); sequences without a matcher get none."""
+    of different grammars); sequences without a matcher, or still thinking, get none."""
     import types
     from pagoda.engine.structured_output import StructuredOutputs
     from pagoda.tokenizer import Tokenizer
@@ -164,9 +164,12 @@ def test_batched_bitmasks_equal_each_matchers_own(smollm_path):
                                    (StructuredOutputsParams(json_object=True), '{"a": [1, ')]):
         m = so.matcher(so.compile(c))
         assert m.consume_tokens(tok.encode(text, add_special_tokens=False))
-        requests[f"r{i}"] = types.SimpleNamespace(matcher=m)
-    requests["plain"] = types.SimpleNamespace(matcher=None)
-    masks = so.bitmasks(["plain", "r2", "r0", "r3", "r1", "gone"], requests)
+        requests[f"r{i}"] = types.SimpleNamespace(matcher=m, thinking_end=None)
+    requests["plain"] = types.SimpleNamespace(matcher=None, thinking_end=None)
+    # (a reasoning model's sequence still thinking: unmasked)
+    requests["thinking"] = types.SimpleNamespace(matcher=so.matcher(so.compile(StructuredOutputsParams(regex="a"))),
+                                                 thinking_end=(1,))
+    masks = so.bitmasks(["plain", "r2", "thinking", "r0", "r3", "r1", "gone"], requests)
     assert list(masks) == ["r2", "r0", "r3", "r1"]
     for r, mask in masks.items():
         own = np.frombuffer(requests[r].matcher.compute_bitmask(), dtype=np.int32)[:so.words]

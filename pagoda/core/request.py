@@ -65,8 +65,11 @@ class Request:
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         # Parallel sampling (n > 1): the sample that computes the prompt, which this one forks.
         self.fork_parent = fork_parent
-        # Structured outputs: the llguidance matcher of this sequence's grammar (set by the engine).
+        # Structured outputs: the llguidance matcher of this sequence's grammar (set by the engine),
+        # and, while a reasoning model thinks, the tokens that end its thinking (the grammar holds
+        # what follows them)
         self.matcher = None
+        self.thinking_end: tuple[int, ...] | None = None
         # A pooling request (LLM.embed): its output is one vector once its prompt is computed,
         # which the scheduler counts as its one output token (max_tokens 1).
         self.pooling_params = None

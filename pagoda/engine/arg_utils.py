@@ -65,6 +65,9 @@ class EngineArgs:
     trust_remote_code: bool = False
     tokenizer_mode: str = "auto"
     skip_tokenizer_init: bool = False
+    # "qwen3" / "deepseek_r1": structured outputs hold the answer after the model's </think> (the
+    # server's --reasoning-parser also returns the thinking apart)
+    reasoning_parser: str | None = None
     disable_log_stats: bool = True
     runner: str = "auto"                       # "generate", or "pooling" for LLM.embed / classify / score (vLLM's)
     task: str | None = None                    # vLLM's older name for it: "generate", "embed", "classify", "score"
@@ -205,6 +208,8 @@ class EngineArgs:
                              f"(or 'fp8_e4m3', 'fp8_e5m2'), not {self.kv_cache_dtype!r}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"Unknown scheduling_policy {self.scheduling_policy!r}; choose 'fcfs' or 'priority'.")
+        from pagoda.entrypoints.openai.reasoning_parsers import check_reasoning_parser
+        check_reasoning_parser(self.reasoning_parser)
         default_batched, default_seqs = _batch_defaults(device)
         max_num_seqs = self.max_num_seqs or default_seqs
         max_batched = self.max_num_batched_tokens or default_batched
@@ -220,7 +225,7 @@ class EngineArgs:
             quantization=quantization, quant_config=quant_config, tokenizer=self.tokenizer, revision=self.revision,
             generation_config=read_generation_config(path), runner=self._runner(arch.architecture),
             classifier_token_ids=self._classifier_token_ids(arch, path),
-            sampling_defaults=self._sampling_defaults(path))
+            sampling_defaults=self._sampling_defaults(path), reasoning_parser=self.reasoning_parser)
         if model.runner == "pooling":
             model.pooler = self._pooler(path)
         cache = CacheConfig(

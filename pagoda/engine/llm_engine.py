@@ -163,6 +163,7 @@ class LLMEngine:
         for req in children:
             if grammar is not None:
                 req.matcher = self.structured.matcher(grammar)
+                req.thinking_end = self.structured.thinking_end(token_ids)
                 self._structured_ids.add(req.request_id)
             self.scheduler.add_request(req)
         self.num_prompt_tokens += len(token_ids) * params.n
@@ -220,7 +221,8 @@ class LLMEngine:
     def _grammar(self, params) -> str:
         if self.structured is None:
             eos = sorted({self.eos_token_id, *(self.tokenizer.eos_token_ids if self.tokenizer else ())} - {None})
-            self.structured = StructuredOutputs(self.tokenizer, self.config.model.arch.vocab_size, eos)
+            self.structured = StructuredOutputs(self.tokenizer, self.config.model.arch.vocab_size, eos,
+                                                reasoning=self.config.model.reasoning_parser is not None)
         return self.structured.compile(params)
 
     def prompt_token_ids(self, prompt) -> list[int]:

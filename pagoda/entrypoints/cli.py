@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="first come first served, or by each request's priority (lower first)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--reasoning-parser", default=None, help="a reasoning model's thinking (<think> ... </think>): "
+                   "qwen3 (Qwen3, QwQ) or deepseek_r1 (DeepSeek-R1 and its distills); structured outputs then "
+                   "hold the answer after it, and the server returns it apart (the message's `reasoning`)")
     p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="generate text, or (pooling) embed or classify prompts: the server's /v1/embeddings, "
                         "/classify, /score, /rerank (auto: pooling for a *ForSequenceClassification model)")
@@ -109,7 +112,7 @@ def engine_args_from(args):
                       override_generation_config=args.override_generation_config,
                       speculative_config=args.speculative_config, enable_sleep_mode=args.enable_sleep_mode,
                       enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                      max_cpu_loras=args.max_cpu_loras)
+                      max_cpu_loras=args.max_cpu_loras, reasoning_parser=args.reasoning_parser)
 
 
 def _make_llm(args):
@@ -184,9 +187,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help='parse tool calls out of chat answers when a request has tools (tool_choice "auto")')
     p.add_argument("--tool-call-parser", default=None, help="the tool-call format of the model: hermes (Qwen2.5/3), "
                    "llama3_json (Llama 3.1-3.3), mistral, pythonic (Llama 3.2/4), qwen3_coder (Qwen3-Coder)")
-    p.add_argument("--reasoning-parser", default=None, help="return a reasoning model's thinking (<think> ... "
-                   "</think>) apart, in the message's `reasoning` field: qwen3 (Qwen3, QwQ), deepseek_r1 "
-                   "(DeepSeek-R1 and its distills)")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                    help="LoRA adapters (with --enable-lora) that requests name as their model: NAME=PATH, or JSON "
                         "'{\"name\": \"sql\", \"path\": \"/adapters/sql\", \"base_model_name\": \"...\"}'")

@@ -63,24 +63,23 @@ class OpenAIServingChat(OpenAIServing):
         text, calls, finish, reasoning = c.text, [], c.finish_reason, None
         if "tool_choice" not in state:      # (once a choice, not once a streamed chunk)
             state["tool_choice"] = _tool_choice(request)
-            # (an answer held to a grammar from its first token has no thinking in it)
-            state["thinks"] = self.reasoning_parser is not None and request.structured() is None \
-                and state["tool_choice"] in ("auto", "none")
         choice = state["tool_choice"]
-        if state["thinks"] and request.stream:
+        # (the thinking first: a grammar holds only the answer after it, the engine knowing the
+        # same reasoning_parser)
+        if self.reasoning_parser is not None and request.stream:
             thinking = state.setdefault("reasoning", self.reasoning_parser.stream(out.prompt))
             reasoning, text = thinking.feed(text, final=finish is not None)
-        elif state["thinks"]:
+        elif self.reasoning_parser is not None:
             reasoning, text = self.reasoning_parser.extract(text, out.prompt)
         if choice not in ("auto", "none") and request.stream:
             # A forced call: the answer is its JSON, streamed as the calls' names and arguments.
             forced = state.setdefault("forced", ForcedCallStream(None if choice == "required"
                                                                  else choice["function"]["name"]))
-            text, calls = None, forced.feed(c.text)
+            text, calls = None, forced.feed(text or "")
             if choice == "required" and forced.sent and finish == "stop":
                 finish = "tool_calls"
         elif choice not in ("auto", "none"):
-            text, calls = None, _forced_calls(choice, text)
+            text, calls = None, _forced_calls(choice, text or "")
             if choice == "required" and calls and finish == "stop":
                 finish = "tool_calls"
         elif choice == "auto" and self.tool_parser is not None:
@@ -109,7 +108,7 @@ class OpenAIServingChat(OpenAIServing):
             body = {"delta": delta}
         else:
             message = {"role": "assistant", "content": text}
-            if state["thinks"]:             # (vLLM's field, and its older name)
+            if self.reasoning_parser is not None:   # (vLLM's field, and its older name)
                 message.update(reasoning=reasoning, reasoning_content=reasoning)
             if calls:
                 message["tool_calls"] = calls
