@@ -118,7 +118,7 @@ def test_a_bad_adapter_is_refused_with_the_engines_reason(engine, adapters, tmp_
     request naming one that was not checked answers 400, and the engine goes on."""
     bad = modules(adapters) + [LoRAModulePath("bad", str(tmp_path / "missing"))]
     args = argparse.Namespace(served_model_name=[MODEL], model=None, api_key=None, enable_auto_tool_choice=False,
-                              tool_call_parser=None, lora_modules=bad)
+                              tool_call_parser=None, lora_modules=bad, reasoning_parser=None)
     with pytest.raises(ValueError, match="--lora-modules bad: No LoRA adapter at .*adapter_config.json"):
         _app(engine, args)
     with pytest.raises(ValueError, match="is the base model's"):
