@@ -41,6 +41,10 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 class QuantMethod:
+    # Whether ``input_quant`` can ever name a dtype: the layers before a matmul ask it only then
+    # (no Python work a forward for the methods that never quantize their input)
+    quantizes_input = False
+
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        dtype: torch.dtype) -> None:
         raise NotImplementedError

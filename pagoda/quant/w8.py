@@ -121,6 +121,7 @@ class W8LinearMethod(QuantMethod):
         self.dtype = dtype      # the checkpoint's weight dtype; None: quantize at load
         self.block = block      # weights that share a scale (block-wise FP8), else a scale a row
         self.scale_name = scale_name    # (the block scales' name in the checkpoint; kept as weight_scale_inv)
+        self.quantizes_input = block is None   # (block scales: W8A16 or dequantized, never W8A8)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.dtype or dtype),

@@ -28,8 +28,9 @@ class QuantizesForNext:
     _next = None
 
     def feeds(self, linear: nn.Module) -> None:
-        # (kept out of the module tree: the linear layer belongs to its own parent)
-        self.__dict__["_next"] = linear
+        if linear.quant_method.quantizes_input:
+            # (kept out of the module tree: the linear layer belongs to its own parent)
+            self.__dict__["_next"] = linear
 
     def quant_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         linear = self._next
