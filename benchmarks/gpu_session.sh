@@ -74,6 +74,7 @@
 #   bash benchmarks/gpu_session.sh int4moe32 # GPTQ / AWQ experts: MoE tests, GPU-vs-CPU, layer, W2 MoE bf16 / gptq / awq
 #   BASE=dir bash benchmarks/gpu_session.sh s35a  # GPTQ batches over MAX_M dequantized in Triton: tests, matrices, W1
 #   BASE=dir bash benchmarks/gpu_session.sh s35b  # W8A8 quantization in the norms: tests, W1 INT8 / FP8 BASE vs tree
+#   bash benchmarks/gpu_session.sh s36a      # issue 3's table with HF in the same runs (then s36b, warm: all GPU tests)
 #   bash benchmarks/gpu_session.sh s35c      # check31, then the GPU engine tests and the quantized layers' tests
 #   bash benchmarks/gpu_session.sh s33a      # the AWQ MoE GPU test with its traceback, then check31
 #   bash benchmarks/gpu_session.sh s33b      # MoE GPU tests (five expert kinds), quantized kernel tests, --int4 B vs A operand
@@ -1228,6 +1229,28 @@ case "${1:-}" in
         done
       done
     done
+    ;;
+  s36a)
+    # Issue 3's table with its HF baselines in the same runs (W2 then W1, both models); SmolLM2's
+    # first half kept for s36b
+    keep_smollm2_half
+    for m in qwen3-0.6b llama3-8b; do
+      timeout 200 python3 benchmarks/latency.py --model-config $MA/$m.json --batch 1 64 --hf --out "$OUT/w2" 2>&1 \
+        | grep -E "^pagoda|^hf|start-up|floor|Error" | sed "s/^/W2 $m: /"
+    done
+    warm_w1 .
+    timeout 150 python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json --hf --no-tqdm --out "$OUT/w1" 2>&1 \
+      | grep -E "^pagoda|^hf|^roofline|Error" | sed "s/^/W1 qwen3-0.6b: /"
+    timeout 200 python3 benchmarks/throughput.py --model-config $MA/llama3-8b.json --hf --hf-requests 32 --no-tqdm \
+      --out "$OUT/w1" 2>&1 | grep -E "^pagoda|^hf|^roofline|Error" | sed "s/^/W1 llama3-8b: /"
+    ;;
+  s36b)
+    # (warm, after s36a) The GPU engine tests with SmolLM2 joined, then every kernel test compiled and the
+    # quantized layers' tests
+    join_smollm2
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -4
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_quant_w8.py tests/test_quant_int4.py \
+      2>&1 | tail -4
     ;;
   s35c)
     # Issue 3's table on this tree (check31), then the GPU engine tests of the paths changed:

@@ -268,34 +268,39 @@ def test_block_fp8_matmul_paths(monkeypatch):
             assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def test_norms_hand_w8a8_matmuls_their_rows_quantized(tmp_path, monkeypatch):
-    """INT8 W8A8: the RMSNorms and SiLU-and-mul before qkv_proj, gate_up_proj and down_proj write
-    their rows quantized (only o_proj, after the attention, quantizes its own), and the model
-    generates exactly what it does with each matmul quantizing its input. The GPU's choice of
-    path (INT8 tensor cores from two rows) is made on the CPU here, the kernels in the
-    interpreter; no LoRA adapter on the layer, which reads the plain rows itself."""
+@pytest.mark.parametrize("kind,path,dtype", [("int", "int8", torch.int8), ("float", "fp8", torch.float8_e4m3fn)])
+def test_norms_hand_w8a8_matmuls_their_rows_quantized(tmp_path, monkeypatch, kind, path, dtype):
+    """W8A8 (INT8 and FP8): the RMSNorms and SiLU-and-mul before qkv_proj, gate_up_proj and
+    down_proj write their rows quantized (only o_proj, after the attention, quantizes its own),
+    and the model generates exactly what it does with each matmul quantizing its input. The
+    GPU's choice of path (INT8 or FP8 tensor cores from two rows) is made on the CPU here: the
+    norms' torch versions quantize (their Triton kernels are held to them in tests/kernels), the
+    INT8 GEMM runs in the interpreter, torch._scaled_mm on the CPU; no LoRA adapter on the layer,
+    which reads the plain rows itself."""
     from pagoda.kernels import triton_ops
     from pagoda.model.layers.layernorm import QuantizesForNext
     from pagoda.quant.w8 import W8LinearMethod
     folder, _ = save_tiny(tmp_path, "llama3")
-    path = compressed_folder(folder, str(tmp_path / "ct"), "int", "channel")
-    monkeypatch.setattr(W8LinearMethod, "path", lambda self, layer, x: "int8" if x.shape[0] > 1 else "dense")
+    checkpoint = compressed_folder(folder, str(tmp_path / "ct"), kind, "channel")
+    monkeypatch.setattr(W8LinearMethod, "path", lambda self, layer, x: path if x.shape[0] > 1 else "dense")
     launches = []
     monkeypatch.setattr(triton_ops, "per_token_quant", lambda x, dtype, real=triton_ops.per_token_quant:
                         launches.append(x.shape) or real(x, dtype))
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    # (CUDA's row-scaled FP8 matmul writes only bf16)
+    model_dtype = "bfloat16" if kind == "float" and torch.cuda.is_available() else "float32"
 
     def run():
         launches.clear()
-        llm = LLM(path, dtype="float32", **SMALL)
+        llm = LLM(checkpoint, dtype=model_dtype, **SMALL)
         outs = llm.generate(prompts, params, use_tqdm=False)
         layer = llm.llm_engine.executor.runner.model.model.layers[0]
         del llm
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], len(launches), layer
 
     fused, fused_launches, layer = run()
-    assert layer.input_layernorm.quant_dtype(torch.zeros(2, 64)) == torch.int8
+    assert layer.input_layernorm.quant_dtype(torch.zeros(2, 64)) == dtype
     monkeypatch.setattr(QuantizesForNext, "quant_dtype", lambda self, x: None)
     plain, plain_launches = run()[:2]
     assert fused_launches > 0 and plain_launches == 4 * fused_launches

@@ -12,6 +12,7 @@ from pagoda.config import (KV_CACHE_DTYPES, ArchConfig, CacheConfig, EngineConfi
 from pagoda.model.hub import default_model_path, resolve_model_path
 from pagoda.model.loader import read_arch_config, read_generation_config, read_pooler_config, read_quant_config
 from pagoda.quant.base import check_quantization_name, resolve_quantization
+from pagoda.reasoning import check_reasoning_parser
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +209,6 @@ class EngineArgs:
                              f"(or 'fp8_e4m3', 'fp8_e5m2'), not {self.kv_cache_dtype!r}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"Unknown scheduling_policy {self.scheduling_policy!r}; choose 'fcfs' or 'priority'.")
-        from pagoda.entrypoints.openai.reasoning_parsers import check_reasoning_parser
         check_reasoning_parser(self.reasoning_parser)
         default_batched, default_seqs = _batch_defaults(device)
         max_num_seqs = self.max_num_seqs or default_seqs

@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 
+from pagoda.reasoning import THINK_END, THINK_START
 from pagoda.sampling_params import StructuredOutputsParams
 
 
@@ -53,7 +54,7 @@ class StructuredOutputs:
         self.words = (vocab_size + 31) // 32
         self.executor = llg.LLExecutor()
         # (the thinking block's tags as token ids: one added token each in Qwen3's and R1's vocabularies)
-        self.think_tags = tuple(tuple(tokenizer.encode(t, add_special_tokens=False)) for t in ("<think>", "</think>")) \
+        self.think_tags = tuple(tuple(tokenizer.encode(t, add_special_tokens=False)) for t in (THINK_START, THINK_END)) \
             if reasoning else None
 
     def thinking_end(self, prompt_token_ids: list[int]) -> tuple[int, ...] | None:

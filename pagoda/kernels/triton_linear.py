@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.triton_utils import pdl_launch, pdl_wait
+from pagoda.kernels.triton_utils import fix_interpreter_bugs, pdl_launch, pdl_wait
+
+fix_interpreter_bugs()
 
 MAX_M = 1                    # rows of x (the kernel takes up to 4; 0 turns it off)
 CHUNK_K = 4096               # K per slab; a longer K is streamed in chunks of this

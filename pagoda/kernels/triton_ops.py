@@ -20,7 +20,9 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels import reference
-from pagoda.kernels.triton_utils import pdl_launch, pdl_wait
+from pagoda.kernels.triton_utils import fix_interpreter_bugs, pdl_launch, pdl_wait
+
+fix_interpreter_bugs()
 
 
 def _num_warps(tile: int) -> int:
@@ -41,6 +43,9 @@ def _quantize_rows(x, Q_MAX: tl.constexpr, IS_INT8: tl.constexpr):
     return q, scale
 
 
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
 def _quant_args(quant_dtype: torch.dtype | None, rows: int, k: int, device) -> tuple:
     """(q, scale) outputs for rows quantized to ``quant_dtype`` (or none), and the kernels' constants."""
     if quant_dtype is None:
@@ -59,7 +64,8 @@ def _quant_args(quant_dtype: torch.dtype | None, rows: int, k: int, device) -> t
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_ptr,
                      num_rows, n_inner, stride_x0, stride_x1, stride_r, N, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     QUANT: tl.constexpr, Q_MAX: tl.constexpr, IS_INT8: tl.constexpr, USE_PDL: tl.constexpr):
+                     OUT_DTYPE: tl.constexpr, QUANT: tl.constexpr, Q_MAX: tl.constexpr, IS_INT8: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     # BLOCK_M rows of BLOCK_N (>= N) columns per program. Row r of x sits at
     # (r // n_inner) * stride_x0 + (r % n_inner) * stride_x1, which covers 2-D inputs with a row
@@ -80,8 +86,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_p
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
     y = (xf * rstd[:, None]).to(x.dtype)                    # HF: back to the input dtype ...
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
-    out = (y.to(tl.float32) * w.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty)   # ... then times the weight
-    if QUANT:   # the next matmul's per-token 8-bit input in place of the norm's output
+    out = (y.to(tl.float32) * w.to(tl.float32)[None, :]).to(OUT_DTYPE)   # ... then times the weight
+    if QUANT:   # the next matmul's per-token 8-bit input in place of the norm's output (rounded to it first)
         q, scale = _quantize_rows(out.to(tl.float32), Q_MAX, IS_INT8)
         tl.store(q_ptr + out_off, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
@@ -127,13 +133,12 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out, quant_dtype=No
     BLOCK_N = triton.next_power_of_2(N)
     BLOCK_M = min(max(1, 2048 // BLOCK_N), triton.next_power_of_2(num_rows))
     has_res = residual is not None
-    # (pointers a variant does not use; the quantizing one rounds to out_ptr's dtype first)
-    dummy = out if quant_dtype is None else torch.empty(1, dtype=out_dtype, device=x.device)
+    dummy = out if quant_dtype is None else x     # (a pointer the variant does not use)
     _rms_norm_kernel[(triton.cdiv(num_rows, BLOCK_M),)](
         x, residual if has_res else x, weight, dummy, residual_out if has_res else dummy,
         dummy if q is None else q, dummy if scale is None else scale,
         num_rows, n_inner, sx0, sx1, residual.stride(0) if has_res else 0, N, eps,
-        HAS_RESIDUAL=has_res, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, **quant,
+        HAS_RESIDUAL=has_res, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, OUT_DTYPE=_TL_DTYPES[out_dtype], **quant,
         num_warps=_num_warps(BLOCK_M * BLOCK_N), **pdl_launch(x.device))
     return out, residual_out
 

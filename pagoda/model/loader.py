@@ -174,6 +174,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     others = () if strict else missing_prefixes(model)
     modules = dict(model.named_modules())
     mapping = getattr(model, "packed_modules_mapping", {})
+    aliases = checkpoint_aliases(params)
     tied = ties_lm_head(model)
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -186,6 +187,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
                 and "model.embed_tokens.weight" not in params:
             name = "lm_head.weight"       # a last stage without the embedding: its LM head is it
         name, shard_id = _param_name(name, mapping)
+        name = aliases.get(name, name)
         param = params.get(name)
         if param is None and others and name.startswith(others):
             continue
@@ -206,6 +208,15 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     if missing and strict:
         raise ValueError(f"The checkpoint lacks {len(missing)} weights, e.g. {missing[:4]}.")
     return loaded
+
+
+def checkpoint_aliases(params: dict[str, nn.Parameter]) -> dict[str, str]:
+    """Parameters a checkpoint stores under another name (``param.checkpoint_name``, set where
+    the layer makes it), by that name: compressed-tensors' block-wise FP8 scales, its
+    ``weight_scale``, held as ``weight_scale_inv`` (the name vLLM's FP8 checkpoints give them,
+    and the kernels read)."""
+    return {f"{name.rpartition('.')[0]}.{p.checkpoint_name}": name for name, p in params.items()
+            if hasattr(p, "checkpoint_name")}
 
 
 def _param_name(name: str, mapping: dict) -> tuple[str, object]:

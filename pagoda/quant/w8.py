@@ -120,7 +120,7 @@ class W8LinearMethod(QuantMethod):
                  scale_name: str = "weight_scale_inv"):
         self.dtype = dtype      # the checkpoint's weight dtype; None: quantize at load
         self.block = block      # weights that share a scale (block-wise FP8), else a scale a row
-        self.scale_name = scale_name    # (the block scales' name in the checkpoint; kept as weight_scale_inv)
+        self.scale_name = scale_name    # (the block scales' name in the checkpoint; held as weight_scale_inv)
         self.quantizes_input = block is None   # (block scales: W8A16 or dequantized, never W8A8)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
@@ -138,7 +138,9 @@ class W8LinearMethod(QuantMethod):
                              requires_grad=False)
             # (split with the weight, in blocks: _narrow_output divides by output_pack)
             p.output_pack, p.input_pack = bn, bk
-            setattr(layer, self.scale_name, p)
+            if self.scale_name != "weight_scale_inv":
+                p.checkpoint_name = self.scale_name
+            layer.weight_scale_inv = p
             return
         # A scale a row ((N, 1), as compressed-tensors stores per-channel scales); a per-tensor
         # scale fills its shard's rows. Activation scales are read and not used (optional).
@@ -154,8 +156,6 @@ class W8LinearMethod(QuantMethod):
             layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         elif self.block is None:
             del layer.input_scale
-        elif self.scale_name != "weight_scale_inv":
-            layer.weight_scale_inv = layer._parameters.pop(self.scale_name)
 
     def path(self, layer: nn.Module, x: torch.Tensor) -> str:
         """Which matmul runs ``x`` (module docstring; from shapes only, the same at CUDA-graph

@@ -40,8 +40,8 @@ from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingPooling
 from pagoda.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagoda.entrypoints.openai.reasoning_parsers import check_reasoning_parser
 from pagoda.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, check_tool_call_parser
+from pagoda.reasoning import check_reasoning_parser
 
 logger = logging.getLogger(__name__)
 

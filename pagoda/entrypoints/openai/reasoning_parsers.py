@@ -15,14 +15,9 @@ The content after it is what tool-call parsing then reads. Streamed, a tag cut b
 deltas is held back until it is known.
 """
 from pagoda.entrypoints.openai.tool_parsers import partial_suffix
-
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
-START, END = "<think>", "</think>"
-
-
-def check_reasoning_parser(name: str | None) -> None:
-    if name is not None and name not in REASONING_PARSERS:
-        raise ValueError(f"Unknown reasoning parser {name!r}; known: {list(REASONING_PARSERS)}.")
+from pagoda.reasoning import THINK_END as END
+from pagoda.reasoning import THINK_START as START
+from pagoda.reasoning import check_reasoning_parser
 
 
 class ReasoningParser:

@@ -87,11 +87,11 @@ class FusedMoE(nn.Module):
         self._add("w2_weight", (h, i), dtype, 1)
         if self.w8 == "checkpoint" and self.block:
             bn, bk = self.block
-            self.block_scale_name = quant.scale_name    # (renamed weight_scale_inv once loaded)
-            self._add(f"w13_{quant.scale_name}", (2 * i // bn, -(-h // bk)), torch.float32, 0)
-            self._add(f"w2_{quant.scale_name}", (-(-h // bn), i // bk), torch.float32, 1)
-            if quant.scale_name != "weight_scale_inv":
-                self.quant_method = _AfterLoading()
+            scales = (self._add("w13_weight_scale_inv", (2 * i // bn, -(-h // bk)), torch.float32, 0),
+                      self._add("w2_weight_scale_inv", (-(-h // bn), i // bk), torch.float32, 1))
+            if quant.scale_name != "weight_scale_inv":     # (the loader's alias: checkpoint_aliases)
+                for w, p in zip(("w13", "w2"), scales):
+                    p.checkpoint_name = f"{w}_{quant.scale_name}"
         elif self.w8 == "checkpoint":
             self._add("w13_weight_scale", (2 * i, 1), torch.float32, 0)
             self._add("w2_weight_scale", (h, 1), torch.float32, None)
@@ -217,8 +217,5 @@ class _AfterLoading(QuantMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.int4:
             layer.repack_int4()
-        elif layer.w8 == "online":
+        else:
             layer.quantize_rows()
-        else:       # (compressed-tensors' block scales, under the name the kernels read)
-            for w in ("w13", "w2"):
-                setattr(layer, f"{w}_weight_scale_inv", layer._parameters.pop(f"{w}_{layer.block_scale_name}"))
