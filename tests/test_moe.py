@@ -105,9 +105,13 @@ def test_block_fp8_experts_match_their_dequantized_weights(tmp_path, case, block
     path = fp8_block_folder(folder, str(tmp_path / "fp8b"), block, compressed)
     same_outputs(path, path + "-dequant")
     llm = LLM(path, **SMALL)
-    experts = llm.llm_engine.executor.runner.model.model.layers[0].mlp.experts
+    model = llm.llm_engine.executor.runner.model
+    experts = model.model.layers[0].mlp.experts
     assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.w2_weight_scale_inv.shape[1:] == (
         64 // block[0], 32 // block[1])
+    # A weight update (RL) reads the checkpoint's own names: compressed-tensors' weight_scale too
+    from pagoda.model.loader import iter_safetensors
+    assert "model.layers.0.mlp.experts.w2_weight_scale_inv:(3, None)" in model.load_weights(iter_safetensors(path))
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagoda import LLM, SamplingParams
+from pagoda.model.loader import iter_safetensors
 from pagoda.quant.w8 import FP8, quantize_rows
 from tests.quant_utils import LINEARS, compressed_folder, fp8_block_folder, fp8_folder, quantize_folder
 from tests.test_architectures import save_tiny
@@ -59,8 +60,11 @@ def test_block_fp8_checkpoint_matches_its_dequantized_weights(tmp_path, case, bl
     path = fp8_block_folder(folder, str(tmp_path / "fp8b"), block, compressed)
     same_outputs(path, path + "-dequant")
     llm = LLM(path, dtype="float32", **SMALL)
-    layer = llm.llm_engine.executor.runner.model.model.layers[0].mlp.gate_up_proj
+    model = llm.llm_engine.executor.runner.model
+    layer = model.model.layers[0].mlp.gate_up_proj
     assert layer.weight.dtype == FP8 and layer.weight_scale_inv.shape == (2 * 128 // block[0], -(-64 // block[1]))
+    # A weight update (RL) reads the checkpoint's own names: compressed-tensors' weight_scale too
+    assert "model.layers.0.mlp.gate_up_proj.weight_scale_inv:1" in model.load_weights(iter_safetensors(path))
 
 
 def test_block_fp8_tensor_parallel(tmp_path):
