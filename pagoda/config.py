@@ -38,6 +38,19 @@ class ArchConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
+    @property
+    def max_context(self) -> int:
+        """The longest context the model takes, as vLLM derives it: max_position_embeddings, or
+        with a linear or YaRN rope scaling that times its factor (YaRN's: original_max_position_
+        embeddings times it); Llama-3's scaling is in max_position_embeddings already."""
+        s = self.rope_scaling or {}
+        kind = s.get("rope_type", s.get("type"))
+        if kind not in ("linear", "yarn"):
+            return self.max_position_embeddings
+        base = s.get("original_max_position_embeddings", self.max_position_embeddings) if kind == "yarn" \
+            else self.max_position_embeddings
+        return int(base * s.get("factor", 1.0))
+
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ArchConfig":
         archs = d.get("architectures") or []

@@ -1,4 +1,4 @@
-"""Llama (with Llama-3 rope scaling), Qwen2, Qwen3 and the mixtures of experts Mixtral,
+"""Llama (with Llama-3 rope scaling), Qwen2, Qwen3 (also with YaRN) and the mixtures of experts Mixtral,
 Qwen2-MoE and Qwen3-MoE from HF safetensors folders, against HF transformers on tiny random
 models; and dummy weights from a config alone."""
 import json
@@ -21,6 +21,10 @@ CASES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=10000.0, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1000000.0,
                                                       tie_word_embeddings=True)),
+    # (YaRN, as Qwen3's card sets it for 4x its context; here 4 x 16 positions, so the prompts run
+    # past the original context)
+    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1000000.0, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
     # Mixtures of experts: every MLP one (weights renormalised), or all but mlp_only_layers (not)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
                                                             rope_theta=1000000.0)),
@@ -75,6 +79,25 @@ def test_dummy_weights_from_config_alone(tmp_path):
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
     assert all(0 <= t < 512 for t in out.outputs[0].token_ids)
+
+
+def test_yarn_by_hf_overrides_sets_the_context(tmp_path):
+    """YaRN added to a model as Qwen3's card says (vLLM's hf_overrides): its context is the
+    original one times the factor, the default max_model_len, and no longer may be asked for; a
+    YaRN scaling without its original context is refused by name."""
+    cfg = dict(BASE, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    kw = dict(load_format="dummy", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    llm = LLM(str(tmp_path), hf_overrides={"rope_scaling": yarn}, **kw)
+    assert llm.llm_engine.config.scheduler.max_model_len == 1024
+    out = llm.generate({"prompt_token_ids": list(range(3, 400))}, SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]      # (past the original 256 positions)
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="larger than the model's maximum context .1024 tokens"):
+        LLM(str(tmp_path), hf_overrides={"rope_scaling": yarn}, max_model_len=1025, **kw)
+    with pytest.raises(ValueError, match="'yarn' needs 'factor' and 'original_max_position_embeddings'"):
+        LLM(str(tmp_path), hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, **kw)
 
 
 def test_sharded_checkpoint_with_index(tmp_path):

@@ -195,10 +195,10 @@ class EngineArgs:
         dtype, compute_dtype = _resolve_dtype(self.dtype, arch.torch_dtype, device)
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"Unknown load_format {self.load_format!r}; choose one of {_LOAD_FORMATS}.")
-        max_model_len = self.max_model_len or arch.max_position_embeddings
-        if max_model_len > arch.max_position_embeddings:
+        max_model_len = self.max_model_len or arch.max_context
+        if max_model_len > arch.max_context:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's maximum "
-                             f"context ({arch.max_position_embeddings} tokens).")
+                             f"context ({arch.max_context} tokens).")
         if self.block_size not in (1, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 1, 8, 16, 32, 64, 128, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

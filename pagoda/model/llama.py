@@ -113,7 +113,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if pp.is_first_rank \
             else PPMissingLayer()
         # One cos/sin table for all layers, owned by the model: freed with it.
-        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling)
         self.start_layer, self.end_layer, self.layers = make_layers(
             cfg.num_hidden_layers, pp.rank_in_group, pp.world_size,
             lambda i: LlamaDecoderLayer(cfg, i, rope, qk_norm, quant))

@@ -1,5 +1,5 @@
 """Rotary position embedding (rotate-half / NeoX layout, as HF checkpoints use), with the
-Llama-3 and linear scalings of the frequencies: the cos/sin table. The attention backends
+Llama-3, linear and YaRN scalings of the frequencies: the cos/sin table. The attention backends
 apply it (``reference.Rope``), on the GPU inside the KV-write and attention kernels."""
 import math
 
@@ -18,21 +18,52 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, base: float, s: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5's and Qwen3's long-context setting): each frequency between its own (those
+    that turn more than ``beta_fast`` times over the original context) and its own over
+    ``factor`` (those that turn fewer than ``beta_slow`` times), on a linear ramp over the pairs of
+    dimensions in between; and the attention factor (0.1 ln(factor) + 1 unless the config gives
+    it), by which cos and sin are scaled, as HF does, so that the scores grow by its square."""
+    if "factor" not in s or "original_max_position_embeddings" not in s:
+        raise ValueError("rope_scaling of type 'yarn' needs 'factor' and 'original_max_position_embeddings'.")
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+
+    def pair_turning(turns):   # the pair of dimensions whose frequency turns `turns` times over old_len
+        return head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+    lo, hi = pair_turning(s.get("beta_fast") or 32), pair_turning(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=inv_freq.dtype) - lo) / (hi - lo or 1e-3)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+    def mscale(m):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    attention = s.get("attention_factor")
+    if attention is None:
+        both = s.get("mscale") and s.get("mscale_all_dim")
+        attention = mscale(s["mscale"]) / mscale(s["mscale_all_dim"]) if both else mscale(1.0)
+    return inv_freq, attention
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):
         super().__init__()
         self.head_dim = head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+        attention = 1.0
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
         elif kind == "linear":
             inv_freq = inv_freq / rope_scaling["factor"]
+        elif kind == "yarn":
+            inv_freq, attention = _yarn_inv_freq(inv_freq, head_dim, base, rope_scaling)
         elif kind not in (None, "default"):
-            raise ValueError(f"Unsupported rope_scaling type {kind!r}.")
+            raise ValueError(f"Unsupported rope_scaling type {kind!r} (supported: llama3, linear, yarn).")
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         # (max_position, head_dim): cos for the first half, sin for the second.
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(),
+        self.register_buffer("cos_sin_cache", (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention).float(),
                              persistent=False)
 
