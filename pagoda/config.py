@@ -34,6 +34,8 @@ class ArchConfig:
     norm_topk_prob: bool = True           # renormalise the chosen experts' weights to sum to 1
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE: a gated MLP every token runs through too
     dense_layers: tuple[int, ...] = ()    # the MoE model's layers with a dense MLP
+    # Attention over the last this many positions only (Mistral-7B-v0.1 and its fine-tunes), or None
+    sliding_window: int | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -88,7 +90,16 @@ class ArchConfig:
             eos_token_id=eos,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             hf_config=d,
+            sliding_window=_sliding_window(d, model_type),
         )
+
+
+def _sliding_window(d: dict, model_type: str) -> int | None:
+    """The window HF's attention applies: Mistral's and Mixtral's ``sliding_window``; Qwen2's and
+    Qwen3's only under ``use_sliding_window`` (their configs name one they do not use)."""
+    if model_type.startswith(("qwen2", "qwen3")) and not d.get("use_sliding_window"):
+        return None
+    return d.get("sliding_window") or None
 
 
 def _moe_fields(d: dict) -> dict:

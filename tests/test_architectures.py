@@ -1,4 +1,4 @@
-"""Llama (with Llama-3 rope scaling), Qwen2, Qwen3 (also with YaRN) and the mixtures of experts Mixtral,
+"""Llama (with Llama-3 rope scaling), Mistral, Qwen2, Qwen3 (also with YaRN) and the mixtures of experts Mixtral,
 Qwen2-MoE and Qwen3-MoE from HF safetensors folders, against HF transformers on tiny random
 models; and dummy weights from a config alone."""
 import json
@@ -19,6 +19,7 @@ CASES = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=10000.0, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=10000.0, sliding_window=None)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1000000.0,
                                                       tie_word_embeddings=True)),
     # (YaRN, as Qwen3's card sets it for 4x its context; here 4 x 16 positions, so the prompts run
@@ -39,9 +40,10 @@ CASES = {
 }
 
 
-def save_tiny(tmp_path, case, seed=0, max_shard_size="5GB") -> tuple[str, torch.nn.Module]:
+def save_tiny(tmp_path, case, seed=0, max_shard_size="5GB", **config) -> tuple[str, torch.nn.Module]:
+    """A tiny random HF model of ``CASES[case]`` (``config``: fields over its own) saved as safetensors."""
     cfg_cls, model_cls, extra = CASES[case]
-    cfg = getattr(transformers, cfg_cls)(**BASE, **extra)
+    cfg = getattr(transformers, cfg_cls)(**BASE, **{**extra, **config})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():   # larger weights than the init gives, so the logits are not flat
@@ -69,6 +71,28 @@ def test_tiny_model_matches_hf(tmp_path, case):
             lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
             for pos in range(1, len(p)):
                 assert abs(out.prompt_logprobs[pos][p[pos]].logprob - lp[pos - 1, p[pos]].item()) < 1e-3
+
+
+def test_a_sliding_window_caps_the_context(tmp_path):
+    """Mistral-7B-v0.1's sliding window (here 24 positions), which pagoda does not implement: within
+    the window it attends to what the window would, so max_model_len is capped to it (the outputs
+    are HF's there) and a longer one is refused by name. Qwen2's configs name a window they do not
+    use (use_sliding_window false): no cap."""
+    folder, hf = save_tiny(tmp_path, "mistral", sliding_window=24)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    assert llm.llm_engine.config.scheduler.max_model_len == 24
+    prompt = torch.randint(3, 512, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    with pytest.raises(ValueError, match="longer than the model's sliding window .24 tokens"):
+        LLM(folder, max_model_len=25, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    qwen2, _ = save_tiny(tmp_path / "q", "qwen2", sliding_window=24, use_sliding_window=False)
+    assert LLM(qwen2, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24).llm_engine.config.scheduler.max_model_len \
+        == 256
 
 
 def test_dummy_weights_from_config_alone(tmp_path):
