@@ -54,6 +54,14 @@ def save_tiny(tmp_path, case, seed=0, max_shard_size="5GB", **config) -> tuple[s
     return str(folder), model
 
 
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """HF transformers' greedy continuation of ``prompt``, ``n`` tokens, EOS ignored."""
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return ref[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_tiny_model_matches_hf(tmp_path, case):
     folder, hf = save_tiny(tmp_path, case)
@@ -65,9 +73,7 @@ def test_tiny_model_matches_hf(tmp_path, case):
                         use_tqdm=False)
     with torch.no_grad():
         for p, out in zip(prompts, outs):
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                              pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))
-            assert out.outputs[0].token_ids == ref[0, len(p):].tolist()
+            assert out.outputs[0].token_ids == hf_greedy(hf, p, 12)
             lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
             for pos in range(1, len(p)):
                 assert abs(out.prompt_logprobs[pos][p[pos]].logprob - lp[pos - 1, p[pos]].item()) < 1e-3
@@ -84,10 +90,7 @@ def test_a_sliding_window_caps_the_context(tmp_path):
     prompt = torch.randint(3, 512, (12,), generator=torch.Generator().manual_seed(2)).tolist()
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                        use_tqdm=False)[0]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
     with pytest.raises(ValueError, match="longer than the model's sliding window .24 tokens"):
         LLM(folder, max_model_len=25, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
     qwen2, _ = save_tiny(tmp_path / "q", "qwen2", sliding_window=24, use_sliding_window=False)
@@ -132,10 +135,7 @@ def test_sharded_checkpoint_with_index(tmp_path):
     prompt = [5, 9, 200, 17, 3, 44]
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                        use_tqdm=False)[0]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 8)
     (tmp_path / "llama3" / shards[-1]).unlink()
     with pytest.raises(ValueError, match="missing weight files listed in its index"):
         LLM(folder, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
