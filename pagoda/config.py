@@ -34,7 +34,8 @@ class ArchConfig:
     norm_topk_prob: bool = True           # renormalise the chosen experts' weights to sum to 1
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE: a gated MLP every token runs through too
     dense_layers: tuple[int, ...] = ()    # the MoE model's layers with a dense MLP
-    # Attention over the last this many positions only (Mistral-7B-v0.1 and its fine-tunes), or None
+    # Each query attends to its last this many positions only (Mistral-7B-v0.1 and its
+    # fine-tunes), or None
     sliding_window: int | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -95,9 +96,13 @@ class ArchConfig:
 
 
 def _sliding_window(d: dict, model_type: str) -> int | None:
-    """The window HF's attention applies: Mistral's and Mixtral's ``sliding_window``; Qwen2's and
-    Qwen3's only under ``use_sliding_window`` (their configs name one they do not use)."""
-    if model_type.startswith(("qwen2", "qwen3")) and not d.get("use_sliding_window"):
+    """The window HF's attention applies: Mistral's and Mixtral's ``sliding_window``. Qwen2's and
+    Qwen3's configs name one they do not use (``use_sliding_window`` false); where they would
+    (on the layers from ``max_window_layers`` on), it is refused: one window for every layer here."""
+    if model_type.startswith(("qwen2", "qwen3")):
+        if d.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true (sliding windows on some layers only, Qwen2's "
+                             "max_window_layers) is not supported; its released checkpoints leave it false.")
         return None
     return d.get("sliding_window") or None
 

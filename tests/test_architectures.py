@@ -79,23 +79,29 @@ def test_tiny_model_matches_hf(tmp_path, case):
                 assert abs(out.prompt_logprobs[pos][p[pos]].logprob - lp[pos - 1, p[pos]].item()) < 1e-3
 
 
-def test_a_sliding_window_caps_the_context(tmp_path):
-    """Mistral-7B-v0.1's sliding window (here 24 positions), which pagoda does not implement: within
-    the window it attends to what the window would, so max_model_len is capped to it (the outputs
-    are HF's there) and a longer one is refused by name. Qwen2's configs name a window they do not
-    use (use_sliding_window false): no cap."""
-    folder, hf = save_tiny(tmp_path, "mistral", sliding_window=24)
-    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
-    assert llm.llm_engine.config.scheduler.max_model_len == 24
-    prompt = torch.randint(3, 512, (12,), generator=torch.Generator().manual_seed(2)).tolist()
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                       use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
-    with pytest.raises(ValueError, match="longer than the model's sliding window .24 tokens"):
-        LLM(folder, max_model_len=25, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
-    qwen2, _ = save_tiny(tmp_path / "q", "qwen2", sliding_window=24, use_sliding_window=False)
-    assert LLM(qwen2, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24).llm_engine.config.scheduler.max_model_len \
-        == 256
+def test_sliding_window_matches_hf(tmp_path):
+    """Mistral-7B-v0.1's sliding window (here 8 positions: the prompts and answers run far past
+    it, over several KV blocks), as HF masks it; chunked prefill over a cached prefix too. Qwen2's
+    configs name a window they do not use (use_sliding_window false): none is applied; where they
+    would use it (on some layers), it is refused."""
+    folder, hf = save_tiny(tmp_path, "mistral", sliding_window=8)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, block_size=8,
+              max_num_batched_tokens=16)
+    layer = llm.llm_engine.executor.runner.model.model.layers[0].self_attn.attn
+    assert layer.sliding_window == 8
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 30, 41)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, 12)
+    qwen2, _ = save_tiny(tmp_path / "q", "qwen2", sliding_window=8, use_sliding_window=False)
+    llm = LLM(qwen2, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    assert llm.llm_engine.executor.runner.model.model.layers[0].self_attn.attn.sliding_window == 0
+    config = json.loads((tmp_path / "q" / "qwen2" / "config.json").read_text())
+    (tmp_path / "q" / "qwen2" / "config.json").write_text(json.dumps(dict(config, use_sliding_window=True)))
+    with pytest.raises(ValueError, match="use_sliding_window=true .* is not supported"):
+        LLM(qwen2, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
 
 
 def test_dummy_weights_from_config_alone(tmp_path):

@@ -199,17 +199,6 @@ class EngineArgs:
         if max_model_len > arch.max_context:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's maximum "
                              f"context ({arch.max_context} tokens).")
-        window = arch.sliding_window
-        if window and max_model_len > window:
-            # (within the window, sliding-window attention is the whole causal context: the
-            # outputs are the model's, as vLLM's disable_sliding_window caps them)
-            if self.max_model_len:
-                raise ValueError(f"max_model_len={max_model_len} is longer than the model's sliding window "
-                                 f"({window} tokens), which pagoda does not implement (its attention reads the "
-                                 f"whole context): set max_model_len <= {window}.")
-            logger.warning("The model attends over a sliding window of %d tokens, which pagoda does not implement: "
-                           "max_model_len is capped to it.", window)
-            max_model_len = window
         if self.block_size not in (1, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 1, 8, 16, 32, 64, 128, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

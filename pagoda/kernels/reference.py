@@ -101,10 +101,12 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, batch: int, m
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                     max_seq_len: int | None = None, max_query_len: int | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int = 0) -> torch.Tensor:
     """Causal attention of a varlen query batch ``(num_tokens, num_heads, head_dim)`` against
     each request's paged context. GQA: query head ``h`` reads KV head ``h // (num_heads //
     num_kv_heads)``. Returns ``(num_tokens, num_heads, head_dim)`` in the query's dtype.
+    ``sliding_window`` (0: none): a query at position p attends to positions (p - window, p] only
+    (Mistral's; HF's mask).
 
     All requests are padded to the longest query and context and computed by one masked
     scaled_dot_product_attention in float32, so the Python work is O(1) whatever the batch.
@@ -130,6 +132,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     k_pos = torch.arange(max_seq_len, device=device)
     in_context = k_pos[None, :] < seq_lens[:, None]                          # (B, S)
     allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & in_context[:, None, :]
+    if sliding_window:
+        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     out = F.scaled_dot_product_attention(
         q.float().transpose(1, 2), dequantize_kv(k, k_scale, torch.float32).transpose(1, 2),
         dequantize_kv(v, v_scale, torch.float32).transpose(1, 2),

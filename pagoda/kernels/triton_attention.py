@@ -301,10 +301,11 @@ def _find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i, l_i, acc, qk_scale,
                  stride_kb, stride_ks, stride_kh, offs_d, d_valid,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 MASKED: tl.constexpr):
+                 MASKED: tl.constexpr, WINDOW: tl.constexpr):
     """One K/V tile of TILE_N context tokens into the online softmax (m_i, l_i, acc). A tile
     wholly before every query of the program, and before kv_end, needs no mask (MASKED=False):
-    its loads and scores then skip the predicates and the select."""
+    its loads and scores then skip the predicates and the select. (With a sliding WINDOW every
+    tile is masked: a query attends to positions (q_pos - WINDOW, q_pos].)"""
     offs_n = t * TILE_N + tl.arange(0, TILE_N)
     # Each context token through the block table: (physical block, offset in block).
     if MASKED:
@@ -344,6 +345,8 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, 
     s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if WINDOW > 0:
+            allowed &= offs_n[None, :] > q_pos[:, None] - WINDOW
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Rows with nothing allowed yet keep m = -inf; subtract 0 there so exp2 gives 0, not NaN.
@@ -374,7 +377,7 @@ def _paged_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
         DECODE: tl.constexpr, SKIP_DECODES: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-        FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr):
+        FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0):
     # (pdl_wait comes after the tiles of the old context: see the K/V loops)
     if DECODE:
         # At most one query token per request: no search (its dependent loads are most of a
@@ -436,9 +439,14 @@ def _paged_attention_kernel(
     # Context range of this tile: up to its last query's position (causal), split into segments.
     kv_end = tl.minimum(seq_len, context_len + tl.minimum((local_tile + 1) * BLOCK_Q, q_len))
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    tile_lo = segment * tiles_per_segment
+    if WINDOW > 0:   # from the tile of the first query's earliest position in its window
+        tile_start = tl.maximum(context_len + local_tile * BLOCK_Q - WINDOW + 1, 0) // TILE_N
+    else:
+        tile_start = 0
+    tiles_per_segment = tl.cdiv(num_tiles - tile_start, NUM_SEGMENTS)
+    tile_lo = tile_start + segment * tiles_per_segment
     tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
+    EDGES: tl.constexpr = (HEAD_DIM != HEAD_DIM_P) or (WINDOW > 0)   # masks in the tiles otherwise unmasked
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_M], tl.float32)                # running sum of exp2
@@ -456,13 +464,13 @@ def _paged_attention_kernel(
     for t in tl.range(tile_lo, tile_mid, num_stages=LOOP_STAGES):
         m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i, l_i,
                                      acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
-                                     BLOCK_SIZE, TILE_N, DOT_PRECISION, HEAD_DIM != HEAD_DIM_P)
+                                     BLOCK_SIZE, TILE_N, DOT_PRECISION, EDGES, WINDOW)
     pdl_wait(USE_PDL)
     if DECODE:  # the new token's tile, the last, if this segment has it: no second loop body
         if tile_mid < tile_hi:
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile_mid, kv_end, q_pos, kv_head,
                                          m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d,
-                                         d_valid, BLOCK_SIZE, TILE_N, DOT_PRECISION, True)
+                                         d_valid, BLOCK_SIZE, TILE_N, DOT_PRECISION, True, WINDOW)
     else:
         # The new tokens' tiles: those wholly at or before the tile's first query are before every
         # query of the tile (causal) and before kv_end, so unmasked too; only the diagonal's are
@@ -471,11 +479,11 @@ def _paged_attention_kernel(
         for t in tl.range(tile_mid, tile_diag, num_stages=LOOP_STAGES):
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i,
                                          l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
-                                         BLOCK_SIZE, TILE_N, DOT_PRECISION, HEAD_DIM != HEAD_DIM_P)
+                                         BLOCK_SIZE, TILE_N, DOT_PRECISION, EDGES, WINDOW)
         for t in tl.range(tile_diag, tile_hi, num_stages=LOOP_STAGES):
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i,
                                          l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
-                                         BLOCK_SIZE, TILE_N, DOT_PRECISION, True)
+                                         BLOCK_SIZE, TILE_N, DOT_PRECISION, True, WINDOW)
 
     acc *= v_scale
     if NUM_SEGMENTS == 1:
@@ -546,7 +554,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                            max_seq_len: int | None = None, max_query_len: int | None = None,
                            out: torch.Tensor | None = None,
                            num_segments: int | None = None, rope: Rope | None = None,
-                           skip_decodes: bool = False, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           skip_decodes: bool = False, k_scale: float = 1.0, v_scale: float = 1.0,
+                           sliding_window: int = 0) -> torch.Tensor:
     """Causal attention of a varlen batch against its paged context; same contract as
     ``reference.paged_attention``. ``query``: ``(num_tokens, num_heads, head_dim)`` (strided
     views fine, head_dim contiguous); ``kv_cache``: ``(2, num_blocks, block_size, num_kv_heads,
@@ -562,6 +571,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     itself is left unchanged), each at its place in its context: ``seq_len - q_len + i`` for
     the request's i-th query, which is what the runner's positions are (``rope.positions`` is
     not read here). ``k_scale`` / ``v_scale``: an FP8 cache's (``reference.quantize_kv``).
+    ``sliding_window`` (0: none): each query attends to its last ``sliding_window`` positions.
 
     One batch of decodes and longer requests in any order can be attended by two launches, each
     leaving the other's requests alone (a CUDA graph of mixed steps, where which requests are
@@ -590,8 +600,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     decode = max_query_len == 1
     if num_segments is None:
         # (for decode, each request has one query tile per KV head)
-        num_segments = _pick_num_segments(num_seqs * num_kv_heads, max_query_len, max_seq_len,
-                                          query.device)
+        num_segments = _pick_num_segments(num_seqs * num_kv_heads, max_query_len,
+                                          min(max_seq_len, sliding_window or max_seq_len), query.device)
     assert num_segments >= 1 and num_segments & (num_segments - 1) == 0
     head_dim_p = triton.next_power_of_2(head_dim)
     if num_segments > 1:
@@ -622,8 +632,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
         NUM_SEGMENTS=num_segments,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        LOOP_STAGES=tiles["num_stages"], DECODE=decode, SKIP_DECODES=skip_decodes, FP8_DOTS_F16=dots_f16, **tiles,
-        **pdl_launch(query.device))
+        LOOP_STAGES=tiles["num_stages"], DECODE=decode, SKIP_DECODES=skip_decodes, FP8_DOTS_F16=dots_f16,
+        WINDOW=sliding_window, **tiles, **pdl_launch(query.device))
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc, num_seqs,

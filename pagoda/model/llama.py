@@ -34,7 +34,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                         bias=False, quant_method=quant)
         self.rotary_emb = rope
-        self.attn = Attention(self.num_heads, cfg.head_dim, cfg.head_dim ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, cfg.head_dim, cfg.head_dim ** -0.5, self.num_kv_heads,
+                              cfg.sliding_window or 0)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

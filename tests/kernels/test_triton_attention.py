@@ -52,15 +52,16 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
 
 
 def check_attention(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen,
-                    num_segments=None, max_seq_len=None):
+                    num_segments=None, max_seq_len=None, sliding_window=0):
     query, kv_cache, tables, seq_lens_t, qsl = make_batch(
         q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen)
     scale = head_dim ** -0.5
-    ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, scale)
+    ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, scale,
+                                    sliding_window=sliding_window)
     out = torch.full_like(query, float("nan"))  # poison: every element must be written
     ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale,
                               max_seq_len or max(seq_lens), max(q_lens), out=out,
-                              num_segments=num_segments)
+                              num_segments=num_segments, sliding_window=sliding_window)
     assert not out.isnan().any(), "unwritten (or NaN) output elements"
     err = rel_err(out, ref)
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
@@ -161,6 +162,22 @@ def test_split_kv_decode(num_segments, request):
     # 16 segments over 17 tokens (one tile) leaves most segments empty: they must weigh nothing.
     check_attention([1, 1, 1, 1], [LONG, 17, LONG // 2 + 5, 1], *HEADS[2], 128, 16,
                     DTYPES[-1], seed_for(request), num_segments=num_segments)
+
+
+WINDOW = 1000 if ON_GPU else 37     # (not a multiple of a block or a tile)
+
+
+@pytest.mark.parametrize("case", ["decode_long", "prefill", "chunked_prefill", "long_prefill", "mixed"])
+def test_sliding_window(case, request):
+    """Mistral-7B-v0.1's sliding window: each query attends to its last WINDOW positions only."""
+    check_attention(*CASES[case], *HEADS[1], 64, 16, DTYPES[0], seed_for(request), sliding_window=WINDOW)
+
+
+@pytest.mark.parametrize("num_segments", [2, 8])
+def test_sliding_window_split_kv(num_segments, request):
+    # segments over the window alone, some empty (a context shorter than the window, or of one tile)
+    check_attention([1, 1, 1, 1], [LONG, 17, WINDOW + 3, 1], *HEADS[2], 128, 16, DTYPES[-1], seed_for(request),
+                    num_segments=num_segments, sliding_window=WINDOW)
 
 
 def test_split_kv_chosen_for_few_long_decodes(monkeypatch):

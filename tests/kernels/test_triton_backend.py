@@ -10,10 +10,12 @@ pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_triton_backend_matches_torch_backend(tmp_path, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,case,window", [("auto", "qwen3", None), ("fp8", "qwen3", None),
+                                                        ("auto", "mistral", 8)])
+def test_triton_backend_matches_torch_backend(tmp_path, kv_cache_dtype, case, window):
+    """(Mistral with a sliding window of 8 positions: both backends' windowed attention.)"""
     from tests.test_architectures import save_tiny
-    folder, _ = save_tiny(tmp_path, "qwen3")
+    folder, _ = save_tiny(tmp_path, case, sliding_window=window)
     # Small budget: prompts are chunked, so prefills run against a cached prefix too.
     llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22,
               max_num_batched_tokens=24, max_model_len=128, kv_cache_dtype=kv_cache_dtype)

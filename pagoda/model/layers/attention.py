@@ -4,8 +4,10 @@ The model runner describes the batch once per step in an ``AttentionMetadata`` a
 with ``set_forward_context``; every attention layer then applies the rotary embedding to its
 new q and k, writes the new K/V into its own paged cache at ``slot_mapping`` and attends
 through the block tables. Backends are the one plug-in point: ``forward(q, k, v, kv_cache,
-metadata, scale, rope, k_scale, v_scale) -> out``, plus ``copy_blocks`` for the copy-on-write of
-forked sequences. ``k_scale`` / ``v_scale`` are an FP8 cache's (``reference.quantize_kv``).
+metadata, scale, rope, k_scale, v_scale, sliding_window) -> out``, plus ``copy_blocks`` for the
+copy-on-write of forked sequences. ``k_scale`` / ``v_scale`` are an FP8 cache's
+(``reference.quantize_kv``); ``sliding_window`` (0: none) the model's window (Mistral-7B-v0.1's:
+each query attends to its last ``sliding_window`` positions; the cache still holds them all).
 """
 import functools
 from contextlib import contextmanager
@@ -84,7 +86,7 @@ class TorchAttentionBackend:
 
     @staticmethod
     def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float, rope: Rope | None = None,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int = 0) -> torch.Tensor:
         n = md.num_actual_tokens
         if rope is not None:
             q, k = reference.rotary_embedding(rope.positions, q, k, rope.cos_sin_cache, q.shape[-1],
@@ -92,7 +94,7 @@ class TorchAttentionBackend:
         reference.write_kv_cache(k[:n], v[:n], kv_cache, md.slot_mapping[:n], k_scale, v_scale)
         out = torch.empty_like(q)
         nd = md.num_decodes
-        groups = TorchAttentionBackend._decode_groups(md, kv_cache, q.dtype)
+        groups = TorchAttentionBackend._decode_groups(md, kv_cache, q.dtype, sliding_window)
         if groups:
             # In context-length order each group is a slice: one gather of the queries and one
             # scatter of the outputs per layer, whatever the number of groups.
@@ -109,7 +111,7 @@ class TorchAttentionBackend:
         for g in TorchAttentionBackend._prefill_groups(md):
             out[g.tokens] = reference.paged_attention(q[g.tokens], kv_cache, g.block_tables, g.seq_lens,
                                                       g.query_start_loc, scale, g.max_seq_len, g.max_query_len,
-                                                      k_scale, v_scale)
+                                                      k_scale, v_scale, sliding_window)
         return out
 
     @staticmethod
@@ -127,9 +129,10 @@ class TorchAttentionBackend:
         return out.reshape(b, num_heads, head_dim)   # (SDPA on CUDA may return it strided)
 
     @staticmethod
-    def _decode_groups(md: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype) -> list[DecodeGroup]:
+    def _decode_groups(md: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype,
+                       sliding_window: int) -> list[DecodeGroup]:
         """The decodes sorted by context length and cut into groups; planned once per step (the
-        tensors live on the CPU: no syncs)."""
+        tensors live on the CPU: no syncs), so every layer has the same window (a model's one)."""
         if md.decode_groups is None:
             nd = md.num_decodes
             token_bytes = kv_cache[:, 0, 0].numel() * kv_cache.element_size()     # K and V of a token
@@ -141,16 +144,20 @@ class TorchAttentionBackend:
                 seq_lens, tables = seq_lens[md.decode_order], tables[md.decode_order]
             bounds = [i * nd // num_groups for i in range(num_groups + 1)] if nd else []
             md.decode_groups = [TorchAttentionBackend._plan(slice(lo, hi), seq_lens[lo:hi], tables[lo:hi], kv_cache,
-                                                            dtype)
+                                                            dtype, sliding_window)
                                 for lo, hi in zip(bounds, bounds[1:])]
         return md.decode_groups
 
     @staticmethod
-    def _plan(rows: slice, seq_lens, block_tables, kv_cache: torch.Tensor, dtype: torch.dtype) -> DecodeGroup:
+    def _plan(rows: slice, seq_lens, block_tables, kv_cache: torch.Tensor, dtype: torch.dtype,
+              sliding_window: int) -> DecodeGroup:
         max_len = int(seq_lens.max())
         num_blocks = -(-max_len // kv_cache.shape[2])
         block_ids = block_tables[:, :num_blocks].reshape(-1).long()
-        past = torch.arange(max_len, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+        pos = torch.arange(max_len, device=seq_lens.device)[None, :]
+        past = pos >= seq_lens[:, None]
+        if sliding_window:      # (the query sits at seq_len - 1)
+            past |= pos < seq_lens[:, None] - sliding_window
         mask = torch.zeros(past.shape, dtype=dtype, device=seq_lens.device)
         return DecodeGroup(rows, block_ids, max_len, mask.masked_fill_(past, float("-inf"))[:, None, None, :])
 
@@ -183,12 +190,12 @@ class TritonAttentionBackend:
 
     @staticmethod
     def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float, rope: Rope | None = None,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int = 0) -> torch.Tensor:
         from pagoda.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
         n, nd = md.num_actual_tokens, md.num_decodes
         write_kv_cache_triton(k, v, kv_cache, md.slot_mapping, rope, k_scale, v_scale)
         attend = functools.partial(paged_attention_triton, kv_cache=kv_cache, scale=scale, rope=rope,
-                                   k_scale=k_scale, v_scale=v_scale)
+                                   k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window)
         out = torch.empty_like(q)
         if nd is None:   # a mixed-step graph: the decodes (wherever they are), then the rest
             attend(q[:n], block_tables=md.block_tables, seq_lens=md.seq_lens, query_start_loc=md.query_start_loc,
@@ -238,10 +245,11 @@ def set_forward_context(attn_metadata: AttentionMetadata | None, backend=TorchAt
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, sliding_window: int = 0):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window     # (0: the whole context)
         self.kv_cache = torch.tensor([])   # bound by the model runner
         # An FP8 cache's scales (vLLM's k_scale / v_scale): the checkpoint's, if it has them
         # (loader.load_weights), else 1.0; other caches ignore them. With calculate_kv_scales the
@@ -263,7 +271,7 @@ class Attention(nn.Module):
             n = ctx.attn_metadata.num_actual_tokens
             self._calibrate(q[:n], k[:n], v[:n], rope and rope._replace(positions=rope.positions[:n]))
         out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale, rope,
-                                  self.k_scale, self.v_scale)
+                                  self.k_scale, self.v_scale, self.sliding_window)
         return out.view(-1, self.num_heads * self.head_dim)
 
     def _calibrate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None) -> None:
