@@ -74,7 +74,8 @@
 #   bash benchmarks/gpu_session.sh int4moe32 # GPTQ / AWQ experts: MoE tests, GPU-vs-CPU, layer, W2 MoE bf16 / gptq / awq
 #   BASE=dir bash benchmarks/gpu_session.sh s35a  # GPTQ batches over MAX_M dequantized in Triton: tests, matrices, W1
 #   BASE=dir bash benchmarks/gpu_session.sh s35b  # W8A8 quantization in the norms: tests, W1 INT8 / FP8 BASE vs tree
-#   bash benchmarks/gpu_session.sh s37a      # the thirty-sixth session's changes compiled, then s36a
+#   bash benchmarks/gpu_session.sh s37a      # the thirty-sixth session's changes compiled (norms, FP8 fused norms,
+#                                            # sliding window), then s36a
 #   bash benchmarks/gpu_session.sh s36a      # issue 3's table with HF in the same runs (then s36b, warm: all GPU tests)
 #   bash benchmarks/gpu_session.sh s35c      # check31, then the GPU engine tests and the quantized layers' tests
 #   bash benchmarks/gpu_session.sh s33a      # the AWQ MoE GPU test with its traceback, then check31
@@ -1234,9 +1235,12 @@ case "${1:-}" in
   s37a)
     # The thirty-sixth session's changes compiled: the norm kernels (output dtype a constexpr; PTX
     # compared equal for sm_90 on the CPU), the fused-norm engine test with FP8 (bf16 on CUDA), the
-    # quantized tests; then issue 3's table with HF (s36a) on whatever card comes
+    # quantized tests, the sliding window; then issue 3's table with HF (s36a) on whatever card comes
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_ops.py 2>&1 | tail -1
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_quant_w8.py tests/test_architectures.py 2>&1 | tail -1
+    # the sliding window compiled (window 1,000 over 4,000-token contexts; WINDOW=0's PTX is unchanged)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py tests/kernels/test_triton_backend.py \
+      -k "sliding or matches_torch" 2>&1 | tail -1
     bash "$0" s36a
     ;;
   s36a)
