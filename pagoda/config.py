@@ -67,6 +67,10 @@ class ArchConfig:
         rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        partial = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor={partial} (a rotary embedding over part of each head, Phi-4-mini's) "
+                             "is not supported.")
         model_type = d.get("model_type", "")
         return cls(
             **_moe_fields(d),

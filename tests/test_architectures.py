@@ -1,4 +1,4 @@
-"""Llama (with Llama-3 rope scaling), Mistral, Qwen2, Qwen3 (also with YaRN) and the mixtures of experts Mixtral,
+"""Llama (with Llama-3 rope scaling), Mistral, Phi-3, Qwen2, Qwen3 (also with YaRN) and the mixtures of experts Mixtral,
 Qwen2-MoE and Qwen3-MoE from HF safetensors folders, against HF transformers on tiny random
 models; and dummy weights from a config alone."""
 import json
@@ -20,6 +20,8 @@ CASES = {
         "original_max_position_embeddings": 64}, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=10000.0, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=10000.0, sliding_window=None)),
+    # (q/k/v and gate/up stored fused; Phi-3-mini-4k's sliding window, here past the prompts' ends)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(rope_theta=10000.0, sliding_window=24, pad_token_id=0)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1000000.0,
                                                       tie_word_embeddings=True)),
     # (YaRN, as Qwen3's card sets it for 4x its context; here 4 x 16 positions, so the prompts run
@@ -102,6 +104,18 @@ def test_sliding_window_matches_hf(tmp_path):
     (tmp_path / "q" / "qwen2" / "config.json").write_text(json.dumps(dict(config, use_sliding_window=True)))
     with pytest.raises(ValueError, match="use_sliding_window=true .* is not supported"):
         LLM(qwen2, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+
+
+@pytest.mark.parametrize("extra,error", [
+    (dict(partial_rotary_factor=0.75), "partial_rotary_factor=0.75 .* is not supported"),
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                        "original_max_position_embeddings": 64}), "Unsupported rope_scaling type 'longrope'")])
+def test_phi3_variants_not_supported_are_refused_by_name(tmp_path, extra, error):
+    """Phi-4-mini's partial rotary embedding and Phi-3.5 / Phi-3-128k's LongRoPE."""
+    cfg = dict(BASE, architectures=["Phi3ForCausalLM"], model_type="phi3", **extra)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=error):
+        LLM(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
 
 
 def test_dummy_weights_from_config_alone(tmp_path):

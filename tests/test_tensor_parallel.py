@@ -168,6 +168,26 @@ def test_kv_heads_replicated(tmp_path, own_engine):
     assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
 
 
+def test_fused_checkpoint_projections_split(tiny, tmp_path, own_engine):
+    """Phi-3's checkpoints store q/k/v and gate/up fused: the same weights saved so, each rank
+    cuts its heads and columns out of the fused tensors, and tp=2 gives the unfused model's tp=1."""
+    from safetensors.torch import load_file
+    weights = load_file(os.path.join(tiny, "model.safetensors"))
+    for i in range(2):
+        p = f"model.layers.{i}."
+        weights[p + "self_attn.qkv_proj.weight"] = torch.cat([weights.pop(p + f"self_attn.{x}_proj.weight")
+                                                               for x in "qkv"])
+        weights[p + "mlp.gate_up_proj.weight"] = torch.cat([weights.pop(p + f"mlp.{x}_proj.weight")
+                                                             for x in ("gate", "up")])
+    fused = tmp_path / "phi3"
+    fused.mkdir()
+    save_file(weights, str(fused / "model.safetensors"))
+    with open(os.path.join(tiny, "config.json")) as f:
+        cfg = dict(json.load(f), architectures=["Phi3ForCausalLM"], model_type="phi3")
+    (fused / "config.json").write_text(json.dumps(cfg))
+    assert_same(outputs_at(tiny, 1), outputs_at(str(fused), 2))
+
+
 def test_dead_worker_raises_instead_of_hanging(tiny, own_engine):
     llm = LLM(tiny, tensor_parallel_size=2, **SMALL)
     [proc] = worker_procs(llm)

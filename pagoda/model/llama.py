@@ -1,4 +1,4 @@
-"""Llama-family decoder: Llama 2/3 (and Mistral), Qwen2 (q/k/v biases) and Qwen3 (per-head
+"""Llama-family decoder: Llama 2/3 (and Mistral, Phi-3), Qwen2 (q/k/v biases) and Qwen3 (per-head
 q/k RMSNorm), and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: the config's experts
 replace the MLP). One definition with a few switches, since they differ in nothing else; with an LM
 head (generation) or a classification head (sequence classification, cross-encoders)."""

@@ -196,9 +196,16 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
         # The layer that owns the parameter cuts its shard. (Its method is looked up here, not
         # stored on the parameter: a bound method there makes a layer <-> parameter cycle,
         # which the engine's gc.freeze() would keep alive after the engine is dropped.)
-        loader = getattr(modules[name.rpartition(".")[0]], "weight_loader", None)
+        module = modules[name.rpartition(".")[0]]
+        loader = getattr(module, "weight_loader", None)
         if loader is None:
             param.data.copy_(tensor)
+        elif shard_id is None and hasattr(module, "checkpoint_shards"):
+            # a fused layer's projections stored whole (Phi-3's qkv_proj, gate_up_proj)
+            for sid, part in module.checkpoint_shards(param, tensor):
+                loader(param, part, sid)
+                loaded.add(f"{name}:{sid}")
+            continue
         elif shard_id is None:
             loader(param, tensor)
         else:

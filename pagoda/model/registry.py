@@ -9,6 +9,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,     # q/k/v biases come from config.attention_bias
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,      # its q/k/v and gate/up come fused (loader: checkpoint_shards)
     # mixtures of experts
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,

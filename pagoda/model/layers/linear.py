@@ -74,6 +74,17 @@ def _load_shared(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.shared_loaded = True
 
 
+def _split_output(param, loaded: torch.Tensor, sizes: dict) -> list[tuple[object, torch.Tensor]]:
+    """A checkpoint tensor that holds a fused layer's projections whole (Phi-3's qkv_proj and
+    gate_up_proj), cut into each projection's (shard id, tensor), ``sizes`` in output features
+    (a tensor every projection carries, ``output_dim`` None, goes to each whole)."""
+    dim = getattr(param, "output_dim", 0)
+    if dim is None:
+        return [(sid, loaded) for sid in sizes]
+    pack = getattr(param, "output_pack", 1)
+    return list(zip(sizes, loaded.split([size // pack for size in sizes.values()], dim=dim)))
+
+
 def _narrow_output(param, loaded, offset: int, size: int, rank: int) -> None:
     """Copy output features ``[rank * size, + size)`` of a checkpoint shard to ``[offset, +
     size)`` of the parameter's (counted in features; divided by the packing)."""
@@ -111,6 +122,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         _narrow_output(param, loaded, offset, size, self.tp_rank)
 
+    def checkpoint_shards(self, param, loaded):
+        return _split_output(param, loaded, dict(enumerate(self.output_sizes)))
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matmul. With more ranks than KV heads, KV heads are
@@ -122,6 +136,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = _divide(num_heads, tp)
         self.num_kv_heads = max(1, num_kv_heads // tp)
         self.kv_replicas = max(1, tp // num_kv_heads)
+        self.checkpoint_sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
         super().__init__(hidden_size, out, bias, quant_method)
 
@@ -130,6 +145,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
         _narrow_output(param, loaded, offset, size, rank)
+
+    def checkpoint_shards(self, param, loaded):
+        return _split_output(param, loaded, self.checkpoint_sizes)
 
 
 class RowParallelLinear(LinearBase):
