@@ -54,6 +54,9 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   This takes one kernel a layer out of every step, and the attention still reads all it needs
   before its PDL wait: the raw queries come from the qkv projection, two kernels back. (On the
   H200 no change to W1 or W2 showed beyond the 2-4% between machines; see BENCHMARKS.md.)
+- A sliding window (``sliding_window``, Mistral-7B-v0.1's): a program starts at the tile of its
+  first query's window and masks every tile (the window's lower edge moves with each query). A
+  constexpr: without a window the kernel is the one it was (the same sm_90 PTX).
 - CUDA graphs of mixed steps do not know at capture which requests are decodes: a launch with
   ``max_query_len = 1`` then skips the requests with more queries, and one with
   ``skip_decodes`` skips the decodes, so the two launches of a mixed step need no
