@@ -311,9 +311,28 @@ def test_mixture_of_experts_on_the_gpu_matches_cpu(tmp_path, monkeypatch, quant)
         folder = compressed_folder(folder, str(tmp_path / "int8"))
     elif quant:
         folder = quantize_folder(folder, str(tmp_path / quant), quant, group=16, v2=True, desc_act=quant == "gptq")
-    kw = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=256)
+    assert_gpu_greedy_is_cpu_greedy(folder, monkeypatch)
+
+
+@pytest.mark.parametrize("case,config", [("mistral", dict(sliding_window=16)), ("phi3", dict(sliding_window=24)),
+                                         ("qwen3_yarn", {})])
+def test_sliding_windows_and_yarn_on_the_gpu_match_cpu(tmp_path, monkeypatch, case, config):
+    """Mistral's and Phi-3's sliding windows (the prompts and answers run past them) in the
+    Triton attention and its CUDA graphs, and YaRN's scaled cos / sin in its kernels, give the
+    CPU path's greedy tokens in float32."""
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, case, **config)
+    assert_gpu_greedy_is_cpu_greedy(folder, monkeypatch, max_model_len=64 if case == "qwen3_yarn" else 256)
+
+
+def assert_gpu_greedy_is_cpu_greedy(folder, monkeypatch, max_model_len=256):
+    """A tiny model's greedy tokens through the GPU path (Triton kernels, CUDA graphs, async
+    scheduling) equal the CPU path's, float32, for prompts of 5 to 67 tokens (fewer where
+    max_model_len is short)."""
+    kw = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=max_model_len)
     g = torch.Generator().manual_seed(3)
-    prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in range(5, 69, 2)]
+    prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()}
+               for n in range(5, min(69, max_model_len - 24), 2)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     cpu = LLM(folder, device="cpu", kv_cache_memory_bytes=1 << 26, **kw)
     want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
