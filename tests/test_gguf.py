@@ -195,14 +195,16 @@ _HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
                "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}     # (Phi-3's fused ones)
 _HF_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
                "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
 
-def _moe_gguf(folder, path, arch):
-    """A tiny HF mixture of experts as llama.cpp's converter writes it: experts stacked (E, out,
-    in) per projection, llama's q/k rows permuted, the shared expert's gate a vector; F32."""
+def _hf_gguf(folder, path, arch):
+    """A tiny HF model as llama.cpp's converter writes it: a mixture's experts stacked (E, out,
+    in) per projection, llama's q/k rows permuted, the shared expert's gate a vector, Phi-3's
+    fused projections kept fused; F32."""
     import glob
     import json
     import re
@@ -220,8 +222,9 @@ def _moe_gguf(folder, path, arch):
                        ("rope_freq_base", cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]),
                        ("vocab_size", cfg["vocab_size"]),
                        ("expert_count", cfg.get("num_experts") or cfg.get("num_local_experts")),
-                       ("expert_used_count", cfg["num_experts_per_tok"])]:
-        getattr(w, f"add_{key}")(value)
+                       ("expert_used_count", cfg.get("num_experts_per_tok")), ("sliding_window", cfg.get("sliding_window"))]:
+        if value is not None:
+            getattr(w, f"add_{key}")(value)
     if cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
     if "moe_intermediate_size" in cfg:
@@ -263,7 +266,7 @@ def test_mixture_of_experts_gguf_equals_its_safetensors(tmp_path, case, arch):
     from pagoda import LLM, SamplingParams
     from tests.test_architectures import save_tiny
     folder, _ = save_tiny(tmp_path, case)
-    path = _moe_gguf(folder, tmp_path / f"{case}.gguf", arch)
+    path = _hf_gguf(folder, tmp_path / f"{case}.gguf", arch)
     cfg = GGUFModel(path).hf_config
     assert cfg["model_type"] == {"llama": "mixtral"}.get(arch, case)
     assert cfg["mlp_only_layers"] == ([1] if case == "qwen3_moe" else [])
@@ -278,6 +281,29 @@ def test_mixture_of_experts_gguf_equals_its_safetensors(tmp_path, case, arch):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert next(iter(pa.values())).logprob == pytest.approx(next(iter(pb.values())).logprob, abs=1e-4)
+
+
+def test_phi3_gguf_equals_its_safetensors(tmp_path):
+    """Phi-3 as llama.cpp writes it (arch "phi3": attn_qkv fused, ffn_up holding gate and up, no
+    q/k permutation, its sliding window): the HF folder's greedy tokens, past the window; a
+    LongRoPE file refused by name."""
+    from pagoda import LLM, SamplingParams
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, "phi3")
+    path = _hf_gguf(folder, tmp_path / "phi3.gguf", "phi3")
+    assert GGUFModel(path).hf_config["sliding_window"] == 24
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 14, 3, 77], list(range(20, 60)))]
+    outs = []
+    for model in (folder, path):
+        llm = LLM(model, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        del llm
+    assert outs[0] == outs[1]
+    factors = np.ones(8, np.float32)
+    with pytest.raises(ValueError, match="LongRoPE"):
+        _ = GGUFModel(_write(tmp_path / "long.gguf", "phi3", {"rope_factors_long.weight": factors,
+                                                             "rope_factors_short.weight": factors})).hf_config
 
 
 def test_unsupported_type_names_tensor(tmp_path):

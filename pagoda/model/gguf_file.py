@@ -37,6 +37,7 @@ _ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")
 
@@ -55,7 +56,11 @@ _LAYER_NAMES = {
     "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    # Phi-3's q/k/v stored fused (and its gate/up: ffn_up, below)
+    "attn_qkv": "self_attn.qkv_proj",
 }
+# Names that mean another module in one architecture's files: Phi-3's ffn_up holds gate and up
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 # The experts' projections, stacked in one tensor (experts first): each expert's, one by one
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -161,6 +166,9 @@ class GGUFModel:
                              f"(supported: {sorted(_ARCHITECTURES)})")
         get = lambda key, default=None: md.get(f"{arch}.{key}", default)  # noqa: E731
         model_type, cls = _MIXTRAL if arch == "llama" and get("expert_count") else _ARCHITECTURES[arch]
+        if "rope_factors_long.weight" in self.tensor_infos:
+            raise ValueError(f"{self.path}: LongRoPE (rope_factors_long / rope_factors_short: Phi-3-128k, Phi-3.5) "
+                             "is not supported.")
         hidden, heads = get("embedding_length"), get("attention.head_count")
         kv_heads = get("attention.head_count_kv", heads)
         embed = self.tensor_infos.get("token_embd.weight")
@@ -186,6 +194,7 @@ class GGUFModel:
             "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
             "torch_dtype": self._torch_dtype(),
             "hidden_act": "silu",
+            "sliding_window": get("attention.sliding_window"),
         } | self._moe_config(get)
 
     def _moe_config(self, get) -> dict:
@@ -224,16 +233,16 @@ class GGUFModel:
 
     # ---- weights ------------------------------------------------------------------------------
 
-    @staticmethod
-    def hf_name(gguf_name: str) -> str | None:
+    def hf_name(self, gguf_name: str) -> str | None:
         """HF parameter name for a GGUF tensor name; None for tensors HF has no parameter for."""
         if gguf_name in _SKIPPED:
             return None
         if gguf_name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[gguf_name]
         m = _LAYER_RE.fullmatch(gguf_name)
-        if m and m.group(2) in _LAYER_NAMES:
-            return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(self.architecture, {})}
+        if m and m.group(2) in names:
+            return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
         return gguf_name  # unknown: pass through so the loader reports it by its real name
 
     def tensor(self, gguf_name: str) -> torch.Tensor:
