@@ -1241,7 +1241,7 @@ case "${1:-}" in
     # the sliding window compiled (window 1,000 over 4,000-token contexts; WINDOW=0's PTX is unchanged)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py tests/kernels/test_triton_backend.py \
       -k "sliding or matches_torch" 2>&1 | tail -1
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding or mixture" 2>&1 | tail -1
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding or mixture" 2>&1 | tail -1
     bash "$0" s36a
     ;;
   s36a)

@@ -37,6 +37,12 @@ class ArchConfig:
     # Each query attends to its last this many positions only (Mistral-7B-v0.1 and its
     # fine-tunes), or None
     sliding_window: int | None = None
+    # Granite's scalings: the embeddings times, each sublayer's output times (before it joins the
+    # residual), the attention's scores times (in head_dim ** -0.5's place), the logits over
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -96,6 +102,10 @@ class ArchConfig:
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             hf_config=d,
             sliding_window=_sliding_window(d, model_type),
+            embedding_multiplier=d.get("embedding_multiplier", 1.0),
+            residual_multiplier=d.get("residual_multiplier", 1.0),
+            attention_multiplier=d.get("attention_multiplier"),
+            logits_scaling=d.get("logits_scaling", 1.0),
         )
 
 

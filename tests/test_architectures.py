@@ -1,4 +1,4 @@
-"""Llama (with Llama-3 rope scaling), Mistral, Phi-3, Qwen2, Qwen3 (also with YaRN) and the mixtures of experts Mixtral,
+"""Llama (with Llama-3 rope scaling), Mistral, Phi-3, Granite, Qwen2, Qwen3 (also with YaRN) and the mixtures of experts Mixtral,
 Qwen2-MoE and Qwen3-MoE from HF safetensors folders, against HF transformers on tiny random
 models; and dummy weights from a config alone."""
 import json
@@ -20,6 +20,10 @@ CASES = {
         "original_max_position_embeddings": 64}, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=10000.0, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=10000.0, sliding_window=None)),
+    # (its four scalings, at Granite-3's values)
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(rope_theta=10000.0, embedding_multiplier=12.0,
+                                                          residual_multiplier=0.22, attention_multiplier=0.0078125,
+                                                          logits_scaling=8.0, tie_word_embeddings=True)),
     # (q/k/v and gate/up stored fused; Phi-3-mini-4k's sliding window, here past the prompts' ends)
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(rope_theta=10000.0, sliding_window=24, pad_token_id=0)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1000000.0,

@@ -1,4 +1,4 @@
-"""Llama-family decoder: Llama 2/3 (and Mistral, Phi-3), Qwen2 (q/k/v biases) and Qwen3 (per-head
+"""Llama-family decoder: Llama 2/3 (and Mistral, Phi-3, Granite's scalings), Qwen2 (q/k/v biases) and Qwen3 (per-head
 q/k RMSNorm), and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: the config's experts
 replace the MLP). One definition with a few switches, since they differ in nothing else; with an LM
 head (generation) or a classification head (sequence classification, cross-encoders)."""
@@ -34,8 +34,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                         bias=False, quant_method=quant)
         self.rotary_emb = rope
-        self.attn = Attention(self.num_heads, cfg.head_dim, cfg.head_dim ** -0.5, self.num_kv_heads,
-                              cfg.sliding_window or 0)
+        self.attn = Attention(self.num_heads, cfg.head_dim, cfg.attention_multiplier or cfg.head_dim ** -0.5,
+                              self.num_kv_heads, cfg.sliding_window or 0)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -91,6 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMoE(cfg, quant) if cfg.is_moe_layer(layer) else LlamaMLP(cfg, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.residual_multiplier = cfg.residual_multiplier   # (Granite's; 1.0 elsewhere)
         # (W8A8: the norms hand their matmuls rows already quantized; not a mixture's router)
         self.input_layernorm.feeds(self.self_attn.qkv_proj)
         if isinstance(self.mlp, LlamaMLP):
@@ -102,8 +103,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.residual_multiplier != 1.0:
+            hidden = hidden * self.residual_multiplier
+        return hidden, residual
 
 
 class LlamaModel(nn.Module):
@@ -119,6 +125,7 @@ class LlamaModel(nn.Module):
             cfg.num_hidden_layers, pp.rank_in_group, pp.world_size,
             lambda i: LlamaDecoderLayer(cfg, i, rope, qk_norm, quant))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
+        self.embedding_multiplier = cfg.embedding_multiplier   # (Granite's; 1.0 elsewhere)
         # The decoder layers this stage runs (all of them without pipeline parallelism), as a
         # tuple: iterating it costs no more than iterating the ModuleList did.
         self.local_layers = tuple(self.layers[self.start_layer:self.end_layer])
@@ -126,6 +133,8 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, intermediate_tensors: IntermediateTensors | None = None):
         if self.is_first_stage:
             hidden, residual = self.embed_tokens(input_ids), None
+            if self.embedding_multiplier != 1.0:
+                hidden = hidden * self.embedding_multiplier
         else:
             hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
         for layer in self.local_layers:
@@ -173,7 +182,8 @@ class LlamaForCausalLM(_LlamaDecoder):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -10,6 +10,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,     # q/k/v biases come from config.attention_bias
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,      # its q/k/v and gate/up come fused (loader: checkpoint_shards)
+    "GraniteForCausalLM": LlamaForCausalLM,   # (its multipliers: ArchConfig)
     # mixtures of experts
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
