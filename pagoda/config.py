@@ -43,9 +43,14 @@ class ArchConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # SmolLM3's layers without a rotary embedding (NoPE): HF's no_rope_layers, 1 where a layer has one
+    no_rope_layers: tuple[int, ...] = ()
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
+
+    def uses_rope(self, layer: int) -> bool:
+        return not self.no_rope_layers or bool(self.no_rope_layers[layer])
 
     @property
     def max_context(self) -> int:
@@ -75,8 +80,8 @@ class ArchConfig:
             rope_scaling = None
         partial = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
         if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor={partial} (a rotary embedding over part of each head, Phi-4-mini's) "
-                             "is not supported.")
+            raise ValueError(f"partial_rotary_factor={partial} (a rotary embedding over part of each head, "
+                             "Phi-4-mini's) is not supported.")
         model_type = d.get("model_type", "")
         return cls(
             **_moe_fields(d),
@@ -106,14 +111,16 @@ class ArchConfig:
             residual_multiplier=d.get("residual_multiplier", 1.0),
             attention_multiplier=d.get("attention_multiplier"),
             logits_scaling=d.get("logits_scaling", 1.0),
+            no_rope_layers=tuple(d.get("no_rope_layers") or ()),
         )
 
 
 def _sliding_window(d: dict, model_type: str) -> int | None:
-    """The window HF's attention applies: Mistral's and Mixtral's ``sliding_window``. Qwen2's and
-    Qwen3's configs name one they do not use (``use_sliding_window`` false); where they would
-    (on the layers from ``max_window_layers`` on), it is refused: one window for every layer here."""
-    if model_type.startswith(("qwen2", "qwen3")):
+    """The window HF's attention applies: Mistral's, Mixtral's and Phi-3's ``sliding_window``.
+    Configs with a ``use_sliding_window`` switch (Qwen2/3, SmolLM3) name one they do not use while
+    it is off; where they would (on some layers: Qwen2's ``max_window_layers``), it is refused: one
+    window for every layer here."""
+    if model_type.startswith(("qwen2", "qwen3")) or "use_sliding_window" in d:
         if d.get("use_sliding_window"):
             raise ValueError("use_sliding_window=true (sliding windows on some layers only, Qwen2's "
                              "max_window_layers) is not supported; its released checkpoints leave it false.")

@@ -1,6 +1,6 @@
-"""Llama (with Llama-3 rope scaling), Mistral, Phi-3, Granite, Qwen2, Qwen3 (also with YaRN) and the mixtures of experts Mixtral,
-Qwen2-MoE and Qwen3-MoE from HF safetensors folders, against HF transformers on tiny random
-models; and dummy weights from a config alone."""
+"""Llama (with Llama-3 rope scaling), Mistral, Phi-3, Granite, SmolLM3, Qwen2, Qwen3 (also with
+YaRN) and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE from HF safetensors folders,
+against HF transformers on tiny random models; and dummy weights from a config alone."""
 import json
 
 import pytest
@@ -20,6 +20,9 @@ CASES = {
         "original_max_position_embeddings": 64}, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=10000.0, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=10000.0, sliding_window=None)),
+    # (the first layer without a rotary embedding: NoPE)
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(rope_theta=10000.0, no_rope_layers=[0, 1], pad_token_id=0,
+                                                          tie_word_embeddings=True)),
     # (its four scalings, at Granite-3's values)
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(rope_theta=10000.0, embedding_multiplier=12.0,
                                                           residual_multiplier=0.22, attention_multiplier=0.0078125,

@@ -222,7 +222,8 @@ def _hf_gguf(folder, path, arch):
                        ("rope_freq_base", cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]),
                        ("vocab_size", cfg["vocab_size"]),
                        ("expert_count", cfg.get("num_experts") or cfg.get("num_local_experts")),
-                       ("expert_used_count", cfg.get("num_experts_per_tok")), ("sliding_window", cfg.get("sliding_window"))]:
+                       ("expert_used_count", cfg.get("num_experts_per_tok")),
+                       ("sliding_window", cfg.get("sliding_window"))]:
         if value is not None:
             getattr(w, f"add_{key}")(value)
     if cfg.get("head_dim"):

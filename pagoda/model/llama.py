@@ -1,7 +1,8 @@
-"""Llama-family decoder: Llama 2/3 (and Mistral, Phi-3, Granite's scalings), Qwen2 (q/k/v biases) and Qwen3 (per-head
-q/k RMSNorm), and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: the config's experts
-replace the MLP). One definition with a few switches, since they differ in nothing else; with an LM
-head (generation) or a classification head (sequence classification, cross-encoders)."""
+"""Llama-family decoder: Llama 2/3 (and Mistral, Phi-3, Granite's scalings, SmolLM3's NoPE
+layers), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm), and their mixtures of experts
+(Mixtral, Qwen2-MoE, Qwen3-MoE: the config's experts replace the MLP). One definition with a few
+switches, since they differ in nothing else; with an LM head (generation) or a classification
+head (sequence classification, cross-encoders)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,8 +23,10 @@ from pagoda.quant.base import QuantMethod
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rope: RotaryEmbedding, qk_norm: bool, quant: QuantMethod | None):
+    def __init__(self, cfg: ArchConfig, rope: RotaryEmbedding | None, qk_norm: bool, quant: QuantMethod | None):
+        """``rope`` None: a layer without a rotary embedding (SmolLM3's NoPE layers)."""
         super().__init__()
+        assert rope is not None or not qk_norm, "the q/k norms ride with the rotary embedding"
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, bias=cfg.attention_bias,
@@ -46,7 +49,8 @@ class LlamaAttention(nn.Module):
         # The rotary embedding and the per-head norms are applied by the attention backend (on
         # the GPU inside its KV-write and attention kernels: no kernels of their own).
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
-        return self.o_proj(self.attn(q, k, v, Rope(positions, self.rotary_emb.cos_sin_cache, *norms)))
+        rope = self.rotary_emb and Rope(positions, self.rotary_emb.cos_sin_cache, *norms)
+        return self.o_proj(self.attn(q, k, v, rope))
 
 
 class LlamaMLP(nn.Module):
@@ -87,7 +91,7 @@ class LlamaMoE(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int, rope: RotaryEmbedding, qk_norm: bool, quant: QuantMethod | None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rope, qk_norm, quant)
+        self.self_attn = LlamaAttention(cfg, rope if cfg.uses_rope(layer) else None, qk_norm, quant)
         self.mlp = LlamaMoE(cfg, quant) if cfg.is_moe_layer(layer) else LlamaMLP(cfg, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

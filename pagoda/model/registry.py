@@ -11,6 +11,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,      # its q/k/v and gate/up come fused (loader: checkpoint_shards)
     "GraniteForCausalLM": LlamaForCausalLM,   # (its multipliers: ArchConfig)
+    "SmolLM3ForCausalLM": LlamaForCausalLM,   # (its layers without a rotary embedding: ArchConfig)
     # mixtures of experts
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
