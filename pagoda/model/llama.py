@@ -49,7 +49,7 @@ class LlamaAttention(nn.Module):
         # The rotary embedding and the per-head norms are applied by the attention backend (on
         # the GPU inside its KV-write and attention kernels: no kernels of their own).
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
-        rope = self.rotary_emb and Rope(positions, self.rotary_emb.cos_sin_cache, *norms)
+        rope = None if self.rotary_emb is None else Rope(positions, self.rotary_emb.cos_sin_cache, *norms)
         return self.o_proj(self.attn(q, k, v, rope))
 
 
