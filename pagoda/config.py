@@ -35,8 +35,8 @@ class ArchConfig:
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE: a gated MLP every token runs through too
     dense_layers: tuple[int, ...] = ()    # the MoE model's layers with a dense MLP
     # Each query attends to its last this many positions only (Mistral-7B-v0.1 and its
-    # fine-tunes), or None
-    sliding_window: int | None = None
+    # fine-tunes); 0: the whole context
+    sliding_window: int = 0
     # Granite's scalings: the embeddings times, each sublayer's output times (before it joins the
     # residual), the attention's scores times (in head_dim ** -0.5's place), the logits over
     embedding_multiplier: float = 1.0
@@ -58,7 +58,7 @@ class ArchConfig:
         with a linear or YaRN rope scaling that times its factor (YaRN's: original_max_position_
         embeddings times it); Llama-3's scaling is in max_position_embeddings already."""
         s = self.rope_scaling or {}
-        kind = s.get("rope_type", s.get("type"))
+        kind = s.get("rope_type")
         if kind not in ("linear", "yarn"):
             return self.max_position_embeddings
         base = s.get("original_max_position_embeddings", self.max_position_embeddings) if kind == "yarn" \
@@ -76,8 +76,9 @@ class ArchConfig:
         rope_scaling = d.get("rope_scaling") or (d.get("rope_parameters") if isinstance(
             d.get("rope_parameters"), dict) and "rope_type" in d.get("rope_parameters", {}) else None)
         rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
-            rope_scaling = None
+        if rope_scaling is not None:    # (older configs name the kind "type": one name from here on)
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            rope_scaling = None if kind == "default" else dict(rope_scaling, rope_type=kind)
         partial = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
         if partial != 1.0:
             raise ValueError(f"partial_rotary_factor={partial} (a rotary embedding over part of each head, "
@@ -115,7 +116,7 @@ class ArchConfig:
         )
 
 
-def _sliding_window(d: dict, model_type: str) -> int | None:
+def _sliding_window(d: dict, model_type: str) -> int:
     """The window HF's attention applies: Mistral's, Mixtral's and Phi-3's ``sliding_window``.
     Configs with a ``use_sliding_window`` switch (Qwen2/3, SmolLM3) name one they do not use while
     it is off; where they would (on some layers: Qwen2's ``max_window_layers``), it is refused: one
@@ -124,8 +125,8 @@ def _sliding_window(d: dict, model_type: str) -> int | None:
         if d.get("use_sliding_window"):
             raise ValueError("use_sliding_window=true (sliding windows on some layers only, Qwen2's "
                              "max_window_layers) is not supported; its released checkpoints leave it false.")
-        return None
-    return d.get("sliding_window") or None
+        return 0
+    return d.get("sliding_window") or 0
 
 
 def _moe_fields(d: dict) -> dict:

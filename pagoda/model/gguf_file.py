@@ -215,7 +215,7 @@ class GGUFModel:
         kind = self.metadata.get(prefix + "type")
         if kind in (None, "none"):
             return None
-        scaling = {"rope_type": kind, "type": kind, "factor": self.metadata.get(prefix + "factor", 1.0)}
+        scaling = {"rope_type": kind, "factor": self.metadata.get(prefix + "factor", 1.0)}
         if (orig := self.metadata.get(prefix + "original_context_length")) is not None:
             scaling["original_max_position_embeddings"] = orig
         return scaling

@@ -38,7 +38,7 @@ class LlamaAttention(nn.Module):
                                         bias=False, quant_method=quant)
         self.rotary_emb = rope
         self.attn = Attention(self.num_heads, cfg.head_dim, cfg.attention_multiplier or cfg.head_dim ** -0.5,
-                              self.num_kv_heads, cfg.sliding_window or 0)
+                              self.num_kv_heads, cfg.sliding_window)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

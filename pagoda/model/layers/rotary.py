@@ -51,7 +51,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+        kind = (rope_scaling or {}).get("rope_type")   # (ArchConfig names every kind so)
         attention = 1.0
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
