@@ -74,8 +74,8 @@
 #   bash benchmarks/gpu_session.sh int4moe32 # GPTQ / AWQ experts: MoE tests, GPU-vs-CPU, layer, W2 MoE bf16 / gptq / awq
 #   BASE=dir bash benchmarks/gpu_session.sh s35a  # GPTQ batches over MAX_M dequantized in Triton: tests, matrices, W1
 #   BASE=dir bash benchmarks/gpu_session.sh s35b  # W8A8 quantization in the norms: tests, W1 INT8 / FP8 BASE vs tree
-#   bash benchmarks/gpu_session.sh s37a      # the thirty-sixth session's changes compiled (norms, FP8 fused norms,
-#                                            # sliding window), then s36a
+#   bash benchmarks/gpu_session.sh s37a      # the thirty-sixth and -seventh sessions' changes compiled (norms, FP8
+#                                            # fused norms, sliding windows, Gemma's kernels), W2 Gemma-3-1B's shapes
 #   bash benchmarks/gpu_session.sh s36a      # issue 3's table with HF in the same runs (then s36b, warm: all GPU tests)
 #   bash benchmarks/gpu_session.sh s35c      # check31, then the GPU engine tests and the quantized layers' tests
 #   bash benchmarks/gpu_session.sh s33a      # the AWQ MoE GPU test with its traceback, then check31
@@ -1233,16 +1233,19 @@ case "${1:-}" in
     done
     ;;
   s37a)
-    # The thirty-sixth session's changes compiled: the norm kernels (output dtype a constexpr; PTX
-    # compared equal for sm_90 on the CPU), the fused-norm engine test with FP8 (bf16 on CUDA), the
-    # quantized tests, the sliding window; then issue 3's table with HF (s36a) on whatever card comes
+    # The thirty-sixth and thirty-seventh sessions' changes compiled: the norm kernels (output dtype
+    # a constexpr, Gemma's offset; PTX compared equal for sm_90 on the CPU), GELU-and-mul, the
+    # fused-norm engine test with FP8 (bf16 on CUDA), the quantized tests, the sliding windows (on
+    # some layers too), Gemma 2's score cap, head_dim 256, the Gemma models against the CPU path
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_ops.py 2>&1 | tail -1
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_quant_w8.py tests/test_architectures.py 2>&1 | tail -1
     # the sliding window compiled (window 1,000 over 4,000-token contexts; WINDOW=0's PTX is unchanged)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py tests/kernels/test_triton_backend.py \
-      -k "sliding or matches_torch" 2>&1 | tail -1
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding or mixture" 2>&1 | tail -1
-    bash "$0" s36a
+      -k "sliding or matches_torch or softcap or head_dim_256" 2>&1 | tail -1
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding or mixture" 2>&1 | tail -3
+    # Gemma-3-1B's shapes (head_dim 256, one KV head, windows on five layers of six, a 262k vocabulary)
+    timeout 150 python3 benchmarks/latency.py --model-config benchmarks/models/gemma3-1b.json --batch 1 64 \
+      --out "$OUT/w2" 2>&1 | grep -E "^pagoda|start-up|floor|Error" | sed "s/^/W2 gemma3-1b: /"
     ;;
   s36a)
     # Issue 3's table with its HF baselines in the same runs (W2 then W1, both models); SmolLM2's

@@ -35,8 +35,20 @@ class ArchConfig:
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE: a gated MLP every token runs through too
     dense_layers: tuple[int, ...] = ()    # the MoE model's layers with a dense MLP
     # Each query attends to its last this many positions only (Mistral-7B-v0.1 and its
-    # fine-tunes); 0: the whole context
+    # fine-tunes); 0: the whole context. With ``layer_types`` (HF's "sliding_attention" /
+    # "full_attention" a layer: Gemma 2/3, Qwen2's max_window_layers), on the sliding layers only.
     sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    # Gemma 3's sliding layers' own rope base (no scaling); 0: every layer has the model's rope
+    local_rope_theta: float = 0.0
+    # Gemma's: every RMSNorm's weight an offset from 1, applied in float32 before rounding (HF's
+    # x * (1 + w)); the MLP's activation; (Gemma 2/3) each sublayer's output normed before it
+    # joins the residual; tanh caps on the attention scores and on the logits (0: none)
+    rms_norm_unit_offset: bool = False
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
     # Granite's scalings: the embeddings times, each sublayer's output times (before it joins the
     # residual), the attention's scores times (in head_dim ** -0.5's place), the logits over
     embedding_multiplier: float = 1.0
@@ -52,6 +64,12 @@ class ArchConfig:
     def uses_rope(self, layer: int) -> bool:
         return not self.no_rope_layers or bool(self.no_rope_layers[layer])
 
+    def window(self, layer: int) -> int:
+        """The layer's sliding window (0: it attends to the whole context)."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
+
     @property
     def max_context(self) -> int:
         """The longest context the model takes, as vLLM derives it: max_position_embeddings, or
@@ -59,7 +77,8 @@ class ArchConfig:
         embeddings times it); Llama-3's scaling is in max_position_embeddings already."""
         s = self.rope_scaling or {}
         kind = s.get("rope_type")
-        if kind not in ("linear", "yarn"):
+        # (Gemma 3's linear scaling is in its max_position_embeddings already, as vLLM reads it)
+        if kind not in ("linear", "yarn") or self.hf_config.get("model_type", "").startswith("gemma3"):
             return self.max_position_embeddings
         base = s.get("original_max_position_embeddings", self.max_position_embeddings) if kind == "yarn" \
             else self.max_position_embeddings
@@ -67,23 +86,36 @@ class ArchConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ArchConfig":
+        d = _text_model_config(d)
         archs = d.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot tell which model this is.")
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
-        rope_scaling = d.get("rope_scaling") or (d.get("rope_parameters") if isinstance(
-            d.get("rope_parameters"), dict) and "rope_type" in d.get("rope_parameters", {}) else None)
-        rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        model_type = d.get("model_type", "")
+        gemma = model_type.startswith("gemma")
+        rope_params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+        # (transformers 5 writes Gemma 3's per kind of layer: the full layers' is the model's)
+        local_rope = rope_params.get("sliding_attention") or {}
+        rope_params = rope_params.get("full_attention", rope_params)
+        rope_scaling = d.get("rope_scaling") or (rope_params if "rope_type" in rope_params else None)
+        rope_theta = d.get("rope_theta") or rope_params.get(
+            "rope_theta", 1000000.0 if model_type.startswith("gemma3") else 10000.0)
         if rope_scaling is not None:    # (older configs name the kind "type": one name from here on)
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
             rope_scaling = None if kind == "default" else dict(rope_scaling, rope_type=kind)
-        partial = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+        if local_rope.get("rope_type", "default") != "default":
+            raise ValueError(f"A rope scaling of the sliding layers ({local_rope['rope_type']!r}) is not supported.")
+        partial = d.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor", 1.0)
         if partial != 1.0:
             raise ValueError(f"partial_rotary_factor={partial} (a rotary embedding over part of each head, "
                              "Phi-4-mini's) is not supported.")
-        model_type = d.get("model_type", "")
+        window, layer_types = _sliding_windows(d, model_type)
+        hidden_act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if gemma and hidden_act == "gelu":   # (Gemma's first configs: HF and vLLM read it as tanh's)
+            hidden_act = "gelu_pytorch_tanh"
+        pre_attn = d.get("query_pre_attn_scalar")   # (Gemma 2/3: the scores over its root, not head_dim's)
         return cls(
             **_moe_fields(d),
             architecture=archs[0],
@@ -107,26 +139,70 @@ class ArchConfig:
             eos_token_id=eos,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             hf_config=d,
-            sliding_window=_sliding_window(d, model_type),
-            embedding_multiplier=d.get("embedding_multiplier", 1.0),
+            sliding_window=window,
+            layer_types=layer_types,
+            local_rope_theta=float(d.get("rope_local_base_freq") or local_rope.get("rope_theta")
+                                   or (10000.0 if model_type.startswith("gemma3") else 0.0)),
+            # (Gemma scales its embeddings by the root of the hidden size)
+            embedding_multiplier=d["hidden_size"] ** 0.5 if gemma else d.get("embedding_multiplier", 1.0),
             residual_multiplier=d.get("residual_multiplier", 1.0),
-            attention_multiplier=d.get("attention_multiplier"),
+            attention_multiplier=pre_attn ** -0.5 if gemma and pre_attn else d.get("attention_multiplier"),
             logits_scaling=d.get("logits_scaling", 1.0),
             no_rope_layers=tuple(d.get("no_rope_layers") or ()),
+            rms_norm_unit_offset=gemma,
+            hidden_act=hidden_act,
+            sandwich_norms=model_type.startswith(("gemma2", "gemma3")),
+            attn_logit_softcapping=d.get("attn_logit_softcapping") or 0.0,
+            final_logit_softcapping=d.get("final_logit_softcapping") or 0.0,
         )
 
 
-def _sliding_window(d: dict, model_type: str) -> int:
-    """The window HF's attention applies: Mistral's, Mixtral's and Phi-3's ``sliding_window``.
-    Configs with a ``use_sliding_window`` switch (Qwen2/3, SmolLM3) name one they do not use while
-    it is off; where they would (on some layers: Qwen2's ``max_window_layers``), it is refused: one
-    window for every layer here."""
+# Multimodal checkpoints whose text model runs alone (text prompts only: images are not
+# supported), by architecture: the defaults of their text_config, whose entries their config.json
+# files give only where they differ (transformers' Gemma3TextConfig's).
+_TEXT_CONFIG_DEFAULTS = {
+    "Gemma3ForConditionalGeneration": dict(
+        model_type="gemma3_text", vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=131072, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=4096,
+        sliding_window_pattern=6),
+}
+# (what the top level of such a config.json says for the whole model)
+_TOP_LEVEL_KEYS = ("architectures", "quantization_config", "torch_dtype", "dtype", "bos_token_id", "eos_token_id",
+                   "tie_word_embeddings")
+
+
+def _text_model_config(d: dict) -> dict:
+    """A multimodal config.json (``_TEXT_CONFIG_DEFAULTS``) as its text model's; others as they are."""
+    defaults = _TEXT_CONFIG_DEFAULTS.get((d.get("architectures") or [None])[0])
+    if defaults is None or not isinstance(d.get("text_config"), dict):
+        return d
+    return {**defaults, **d["text_config"], **{k: d[k] for k in _TOP_LEVEL_KEYS if d.get(k) is not None}}
+
+
+def _sliding_windows(d: dict, model_type: str) -> tuple[int, tuple[str, ...]]:
+    """The window HF's attention applies and the layers it applies to (none named: all): Mistral's,
+    Mixtral's and Phi-3's on every layer; Gemma 2's on every other layer, Gemma 3's on five of six
+    (``layer_types``, or the ``sliding_window_pattern`` older configs give). Configs with a
+    ``use_sliding_window`` switch (Qwen2/3, SmolLM3) name a window they do not use while it is off;
+    on, HF applies it from layer ``max_window_layers`` on."""
+    window, n = d.get("sliding_window") or 0, d["num_hidden_layers"]
+    types = d.get("layer_types")
     if model_type.startswith(("qwen2", "qwen3")) or "use_sliding_window" in d:
-        if d.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=true (sliding windows on some layers only, Qwen2's "
-                             "max_window_layers) is not supported; its released checkpoints leave it false.")
-        return 0
-    return d.get("sliding_window") or 0
+        if not d.get("use_sliding_window"):
+            return 0, ()
+        types = types or ["sliding_attention" if i >= d.get("max_window_layers", n) else "full_attention"
+                          for i in range(n)]
+    elif model_type.startswith("gemma2"):
+        types = types or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    elif model_type.startswith("gemma3"):
+        pattern = d.get("sliding_window_pattern") or 6
+        types = types or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    types = tuple(types or ())
+    if not window or (types and "sliding_attention" not in types):
+        return 0, ()
+    return window, types
 
 
 def _moe_fields(d: dict) -> dict:

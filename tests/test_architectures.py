@@ -35,6 +35,20 @@ CASES = {
     # past the original context)
     "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1000000.0, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
+    # Gemma: norms as offsets from 1, GELU (tanh), the embeddings scaled
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=32, rope_theta=10000.0)),
+    # Gemma 2: also each sublayer's output normed, the scores over query_pre_attn_scalar's root and
+    # capped, the logits capped, a sliding window (8 positions) on the first layer
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
+        final_logit_softcapping=6.0, attn_implementation="eager")),
+    # Gemma 3: the same, less the caps, plus per-head q/k norms, per-head q/k norms, the scores over
+    # query_pre_attn_scalar's root, a sliding window (8 positions, past which the prompts run) on
+    # the first layer with a rope of its own, and a linear scaling on the other's
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})),
     # Mixtures of experts: every MLP one (weights renormalised), or all but mlp_only_layers (not)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
                                                             rope_theta=1000000.0)),
@@ -91,8 +105,8 @@ def test_tiny_model_matches_hf(tmp_path, case):
 def test_sliding_window_matches_hf(tmp_path):
     """Mistral-7B-v0.1's sliding window (here 8 positions: the prompts and answers run far past
     it, over several KV blocks), as HF masks it; chunked prefill over a cached prefix too. Qwen2's
-    configs name a window they do not use (use_sliding_window false): none is applied; where they
-    would use it (on some layers), it is refused."""
+    configs name a window they do not use (use_sliding_window false): none is applied; switched
+    on, it is, from layer max_window_layers on (here the second of two), as HF does."""
     folder, hf = save_tiny(tmp_path, "mistral", sliding_window=8)
     llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, block_size=8,
               max_num_batched_tokens=16)
@@ -107,10 +121,15 @@ def test_sliding_window_matches_hf(tmp_path):
     qwen2, _ = save_tiny(tmp_path / "q", "qwen2", sliding_window=8, use_sliding_window=False)
     llm = LLM(qwen2, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
     assert llm.llm_engine.executor.runner.model.model.layers[0].self_attn.attn.sliding_window == 0
-    config = json.loads((tmp_path / "q" / "qwen2" / "config.json").read_text())
-    (tmp_path / "q" / "qwen2" / "config.json").write_text(json.dumps(dict(config, use_sliding_window=True)))
-    with pytest.raises(ValueError, match="use_sliding_window=true .* is not supported"):
-        LLM(qwen2, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    del llm
+    qwen2, hf = save_tiny(tmp_path / "w", "qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=1)
+    llm = LLM(qwen2, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    layers = llm.llm_engine.executor.runner.model.model.layers
+    assert [layer.self_attn.attn.sliding_window for layer in layers] == [0, 8]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, 12)
 
 
 @pytest.mark.parametrize("extra,error", [
@@ -166,3 +185,71 @@ def test_sharded_checkpoint_with_index(tmp_path):
     (tmp_path / "llama3" / shards[-1]).unlink()
     with pytest.raises(ValueError, match="missing weight files listed in its index"):
         LLM(folder, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+
+
+def test_gemma3_multimodal_checkpoint_as_its_text_model(tmp_path):
+    """Gemma 3's 4B-27B checkpoints (Gemma3ForConditionalGeneration) run text prompts: the text
+    model from under its prefix (as transformers saves it, and as it loads it), the vision
+    tower's tensors never read; greedy tokens and logprobs equal HF's on the same text."""
+    from safetensors.torch import load_file, save_file
+    from pagoda.model.loader import iter_safetensors
+    text = transformers.Gemma3TextConfig(**{**BASE, **CASES["gemma3"][2]})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=509, boi_token_index=507, eoi_token_index=508)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(8.0) if p.dim() > 1 else p.normal_(1.0, 0.1)
+    folder = tmp_path / "g3mm"
+    hf.save_pretrained(folder, safe_serialization=True)
+    stored = dict(iter_safetensors(str(folder)))
+    assert any(n.startswith("vision_tower.") for n in stored) and "language_model.model.norm.weight" in stored
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 30)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
+    want = [hf_greedy(hf, p, 10) for p in prompts]
+    with torch.no_grad():
+        want_lp = [hf(torch.tensor([p])).logits[0].log_softmax(-1) for p in prompts]
+    for prefix in ("language_model.model.", "model.language_model."):
+        if prefix == "model.language_model.":   # (the names transformers loads them as)
+            tensors = load_file(folder / "model.safetensors")
+            save_file({k.replace("language_model.model.", prefix): v.contiguous() for k, v in tensors.items()},
+                      folder / "model.safetensors", metadata={"format": "pt"})
+        llm = LLM(str(folder), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+        model = llm.llm_engine.executor.runner.model
+        assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [8, 0]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for p, out, w, lp in zip(prompts, outs, want, want_lp):
+            assert out.outputs[0].token_ids == w
+            for pos in range(1, len(p)):
+                assert abs(out.prompt_logprobs[pos][p[pos]].logprob - lp[pos - 1, p[pos]].item()) < 1e-3
+        del llm
+
+
+def test_gemma3_hub_config_reads_as_transformers_does():
+    """A Gemma 3 4B config.json as published (its text_config only where it differs from the
+    defaults; rope_local_base_freq, sliding_window_pattern): the text model transformers makes."""
+    from pagoda.config import ArchConfig
+    d = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+         "torch_dtype": "bfloat16", "text_config": {
+             "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+             "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+         "vision_config": {"model_type": "siglip_vision_model"}}
+    arch = ArchConfig.from_hf_dict(d)
+    ref = transformers.Gemma3TextConfig(**d["text_config"])
+    assert (arch.architecture, arch.vocab_size, arch.hidden_size, arch.num_hidden_layers) == \
+        ("Gemma3ForConditionalGeneration", ref.vocab_size, 2560, 34)
+    assert (arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim) == \
+        (ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim)
+    assert arch.layer_types == tuple(ref.layer_types) and arch.sliding_window == 1024
+    assert [arch.window(i) for i in range(6)] == [1024] * 5 + [0]
+    assert arch.rope_theta == ref.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert arch.local_rope_theta == ref.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    assert arch.rope_scaling == {"factor": 8.0, "rope_type": "linear"}
+    assert arch.max_context == ref.max_position_embeddings == 131072     # (the scaling is in it already)
+    assert arch.attention_multiplier == ref.query_pre_attn_scalar ** -0.5
+    assert arch.embedding_multiplier == 2560 ** 0.5 and arch.hidden_act == "gelu_pytorch_tanh"
+    assert arch.eos_token_id == [1, 106] and arch.tie_word_embeddings and arch.sandwich_norms

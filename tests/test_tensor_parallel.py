@@ -168,6 +168,14 @@ def test_kv_heads_replicated(tmp_path, own_engine):
     assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
 
 
+def test_gemma3_split(tmp_path, own_engine):
+    """Gemma 3 (its per-head q/k norms on each rank's heads, windows on some layers, a scaled
+    embedding) at tp=2 equals tp=1."""
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, "gemma3")
+    assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
+
+
 def test_fused_checkpoint_projections_split(tiny, tmp_path, own_engine):
     """Phi-3's checkpoints store q/k/v and gate/up fused: the same weights saved so, each rank
     cuts its heads and columns out of the fused tensors, and tp=2 gives the unfused model's tp=1."""

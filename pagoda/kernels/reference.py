@@ -101,12 +101,13 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, batch: int, m
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                     max_seq_len: int | None = None, max_query_len: int | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int = 0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of a varlen query batch ``(num_tokens, num_heads, head_dim)`` against
     each request's paged context. GQA: query head ``h`` reads KV head ``h // (num_heads //
     num_kv_heads)``. Returns ``(num_tokens, num_heads, head_dim)`` in the query's dtype.
     ``sliding_window`` (0: none): a query at position p attends to positions (p - window, p] only
-    (Mistral's; HF's mask).
+    (Mistral's; HF's mask). ``softcap`` (0: none): scores capped as ``sdpa``'s.
 
     All requests are padded to the longest query and context and computed by one masked
     scaled_dot_product_attention in float32, so the Python work is O(1) whatever the batch.
@@ -134,11 +135,23 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & in_context[:, None, :]
     if sliding_window:
         allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(1, 2), dequantize_kv(k, k_scale, torch.float32).transpose(1, 2),
-        dequantize_kv(v, v_scale, torch.float32).transpose(1, 2),
-        attn_mask=allowed[:, None], scale=scale, enable_gqa=True)              # (B, H, Q, D)
-    return out.transpose(1, 2)[q_valid].to(query.dtype)
+    out = sdpa(q.float().transpose(1, 2), dequantize_kv(k, k_scale, torch.float32).transpose(1, 2),
+               dequantize_kv(v, v_scale, torch.float32).transpose(1, 2), allowed[:, None], scale, softcap)
+    return out.transpose(1, 2)[q_valid].to(query.dtype)                      # (B, H, Q, D) ->
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+         softcap: float = 0.0) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of ``(..., heads, queries, head_dim)`` against fewer
+    KV heads (GQA), with a boolean or additive ``mask``; ``softcap`` (Gemma 2's, 0: none): each
+    score ``softcap * tanh(score / softcap)`` before the mask, computed in float32 by hand."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, -3).float(), v.repeat_interleave(group, -3).float()
+    s = softcap * torch.tanh(q.float() @ k.transpose(-1, -2) * (scale / softcap))
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return (s.softmax(-1) @ v).to(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,47 +159,53 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 # pagoda.kernels.triton_ops, which has the same functions with the same signatures).
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: torch.dtype | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: torch.dtype | None = None,
+             unit_offset: bool = False):
     """RMSNorm over the last dim, as HF computes it: normalise in float32, cast back to the
-    input dtype, then multiply by ``weight`` (in the promoted dtype of the two). ``quant_dtype``
-    (INT8 or FP8): that output quantized per token for the W8A8 matmul that takes it
-    (``QuantizedInput``)."""
+    input dtype, then multiply by ``weight`` (in the promoted dtype of the two). ``unit_offset``
+    (Gemma's): times ``1 + weight`` instead, in float32 before the cast. ``quant_dtype`` (INT8 or
+    FP8): that output quantized per token for the W8A8 matmul that takes it (``QuantizedInput``)."""
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return quantized((x * (1.0 + weight.float())).to(dtype), quant_dtype)
     return quantized(x.to(dtype) * weight, quant_dtype)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float, quant_dtype: torch.dtype | None = None) -> tuple:
+                       eps: float, quant_dtype: torch.dtype | None = None, unit_offset: bool = False) -> tuple:
     """``(rms_norm(x + residual), x + residual)``: a decoder layer's residual add and norm; the
     sum (in the inputs' dtype) is the next residual. The inputs are left unchanged."""
     x = x + residual
-    return rms_norm(x, weight, eps, quant_dtype), x
+    return rms_norm(x, weight, eps, quant_dtype, unit_offset), x
 
 
 class Rope(NamedTuple):
     """The rotary embedding of a step's new tokens: their positions and the cos/sin table, plus
-    the per-head RMSNorm weights applied to q and k first where the model has them (Qwen3)."""
+    the per-head RMSNorm weights applied to q and k first where the model has them (Qwen3; Gemma 3,
+    whose norms are of their own kind: ``rms_norm``'s ``unit_offset``)."""
     positions: torch.Tensor                    # (num_tokens,) integer
     cos_sin_cache: torch.Tensor                # (max_position, head_dim) float32: cos | sin
     q_norm_weight: torch.Tensor | None = None  # (head_dim,)
     k_norm_weight: torch.Tensor | None = None
     eps: float = 1e-6
+    norm_unit_offset: bool = False
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor, head_dim: int, q_norm_weight: torch.Tensor | None = None,
-                     k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6
+                     k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, norm_unit_offset: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half (NeoX) rotary embedding of ``q (tokens, heads * head_dim)`` and
     ``k (tokens, kv_heads * head_dim)`` at ``positions``; ``cos_sin_cache (max_position,
     head_dim)`` float32 holds cos in its first half and sin in its second. Math in float32,
     results in the inputs' dtype, as new tensors (q and k are left unchanged). With
-    ``q_norm_weight`` / ``k_norm_weight`` each head is first RMS-normalised (Qwen3)."""
+    ``q_norm_weight`` / ``k_norm_weight`` each head is first RMS-normalised (Qwen3; Gemma 3's
+    norm with ``norm_unit_offset``)."""
     if q_norm_weight is not None:
-        q = rms_norm(q.unflatten(-1, (-1, head_dim)), q_norm_weight, eps).flatten(-2)
-        k = rms_norm(k.unflatten(-1, (-1, head_dim)), k_norm_weight, eps).flatten(-2)
+        q = rms_norm(q.unflatten(-1, (-1, head_dim)), q_norm_weight, eps, unit_offset=norm_unit_offset).flatten(-2)
+        k = rms_norm(k.unflatten(-1, (-1, head_dim)), k_norm_weight, eps, unit_offset=norm_unit_offset).flatten(-2)
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
     cos, sin = cos[:, None], sin[:, None]
 
@@ -210,6 +229,12 @@ def silu_and_mul(x: torch.Tensor, quant_dtype: torch.dtype | None = None):
     (``quant_dtype``: then quantized per token, as ``rms_norm``'s)."""
     gate, up = x.chunk(2, dim=-1)
     return quantized(F.silu(gate) * up, quant_dtype)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, quant_dtype: torch.dtype | None = None):
+    """``gelu(gate) * up`` with GELU's tanh approximation (Gemma's MLP), as ``silu_and_mul``."""
+    gate, up = x.chunk(2, dim=-1)
+    return quantized(F.gelu(gate, approximate="tanh") * up, quant_dtype)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

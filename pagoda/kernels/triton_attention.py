@@ -48,8 +48,8 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   waits (``pdl_wait``): its first, dependent loads (block table, K/V) overlap the KV write
   instead of following it. On the H200 this took W2 Llama-3-8B batch 64 from 6.60 to 6.35 ms
   a step.
-- Rotary embedding: no kernel of its own. The KV write rotates (and, for Qwen3, RMS-normalises)
-  the new keys before storing them; the attention does the same to its queries as it loads them,
+- Rotary embedding: no kernel of its own. The KV write rotates (and, for Qwen3 and Gemma 3,
+  RMS-normalises) the new keys before storing them; the attention does the same to its queries as it loads them,
   each at its place in its context. The rotated half is a second, permuted read of the same row.
   This takes one kernel a layer out of every step, and the attention still reads all it needs
   before its PDL wait: the raw queries come from the qkv projection, two kernels back. (On the
@@ -57,6 +57,8 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
 - A sliding window (``sliding_window``, Mistral-7B-v0.1's): a program starts at the tile of its
   first query's window and masks every tile (the window's lower edge moves with each query). A
   constexpr: without a window the kernel is the one it was (the same sm_90 PTX).
+- Gemma 2's cap on the scores (``softcap``): ``cap * tanh(s / cap)`` on each tile's scores before
+  the mask, tanh from ``exp2``; a constexpr too (0: none, the kernel as it was).
 - CUDA graphs of mixed steps do not know at capture which requests are decodes: a launch with
   ``max_query_len = 1`` then skips the requests with more queries, and one with
   ``skip_decodes`` skips the decodes, so the two launches of a mixed step need no
@@ -143,24 +145,26 @@ def _rope_args(rope: Rope | None, of: str, head_dim: int, dummy: torch.Tensor) -
     """A kernel's rotary arguments for the queries (``of="q"``) or the keys (``"k"``): the
     cos/sin table and that side's norm weight, dummy pointers without ``rope``."""
     if rope is None:
-        return dict(cos_sin_ptr=dummy, norm_ptr=dummy, stride_cs=0, eps=0.0, HAS_ROPE=False, HAS_NORM=False)
+        return dict(cos_sin_ptr=dummy, norm_ptr=dummy, stride_cs=0, eps=0.0, HAS_ROPE=False, HAS_NORM=False,
+                    NORM_UNIT_OFFSET=False)
     norm_weight = rope.q_norm_weight if of == "q" else rope.k_norm_weight
     cache = rope.cos_sin_cache
     assert cache.shape[-1] == head_dim and cache.stride(-1) == 1 and head_dim % 2 == 0
     assert norm_weight is None or (norm_weight.shape == (head_dim,) and norm_weight.is_contiguous())
     return dict(cos_sin_ptr=cache, norm_ptr=dummy if norm_weight is None else norm_weight,
-                stride_cs=cache.stride(0), eps=rope.eps, HAS_ROPE=True, HAS_NORM=norm_weight is not None)
+                stride_cs=cache.stride(0), eps=rope.eps, HAS_ROPE=True, HAS_NORM=norm_weight is not None,
+                NORM_UNIT_OFFSET=rope.norm_unit_offset)
 
 
 @triton.jit
 def _load_heads(ptr, row_off, row_valid, pos, cos_sin_ptr, stride_cs, norm_ptr, eps,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HAS_ROPE: tl.constexpr,
-                HAS_NORM: tl.constexpr):
+                HAS_NORM: tl.constexpr, NORM_UNIT_OFFSET: tl.constexpr):
     """Rows of head vectors ``ptr + row_off[r] + d``, with rotary at positions ``pos[r]`` if
-    HAS_ROPE (each head RMS-normalised first if HAS_NORM). The rotated half is a second,
-    permuted read of the same row (``d -> d +- HEAD_DIM / 2``). The roundings are those of the
-    torch path: normalised back to the dtype, times the weight back to the dtype, the rotation in
-    float32 rounded once."""
+    HAS_ROPE (each head RMS-normalised first if HAS_NORM; Gemma's norm if NORM_UNIT_OFFSET). The
+    rotated half is a second, permuted read of the same row (``d -> d +- HEAD_DIM / 2``). The
+    roundings are those of the torch path: normalised back to the dtype, times the weight back to
+    the dtype (Gemma's: times 1 + w in float32, then back), the rotation in float32 rounded once."""
     d = tl.arange(0, HEAD_DIM_P)
     mask = row_valid[:, None] & (d < HEAD_DIM)[None, :]
     x = tl.load(ptr + row_off[:, None] + d[None, :], mask=mask, other=0.0)
@@ -178,8 +182,12 @@ def _load_heads(ptr, row_off, row_valid, pos, cos_sin_ptr, stride_cs, norm_ptr, 
             w = tl.load(norm_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
             wp = tl.load(norm_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
             rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)[:, None]
-            xf = ((xf * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
-            xpf = ((xpf * rstd).to(x.dtype).to(tl.float32) * wp).to(x.dtype).to(tl.float32)
+            if NORM_UNIT_OFFSET:
+                xf = (xf * rstd * (1.0 + w)).to(x.dtype).to(tl.float32)
+                xpf = (xpf * rstd * (1.0 + wp)).to(x.dtype).to(tl.float32)
+            else:
+                xf = ((xf * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
+                xpf = ((xpf * rstd).to(x.dtype).to(tl.float32) * wp).to(x.dtype).to(tl.float32)
         # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin
         x = (xf * cos + xpf * tl.where(first[None, :], -sin, sin)).to(x.dtype)
     return x
@@ -197,7 +205,7 @@ def _write_kv_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ma
                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr,
                            BLOCK_SIZE: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                           FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr):
+                           FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr, NORM_UNIT_OFFSET: tl.constexpr = False):
     token = tl.program_id(0).to(tl.int64)
     # (the slot mapping is a step input, written before the previous kernel started)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -212,7 +220,7 @@ def _write_kv_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ma
     if HAS_ROPE:
         pos = tl.load(pos_ptr + token)
     k = _load_heads(key_ptr, token * stride_kt + offs_h * stride_kh, heads, pos + 0 * offs_h, cos_sin_ptr,
-                    stride_cs, norm_ptr, eps, HEAD_DIM, HEAD_DIM_P, HAS_ROPE, HAS_NORM)
+                    stride_cs, norm_ptr, eps, HEAD_DIM, HEAD_DIM_P, HAS_ROPE, HAS_NORM, NORM_UNIT_OFFSET)
     v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d, mask=mask)
     if FP8_MAX > 0:  # (reference.quantize_kv)
         k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
@@ -304,7 +312,7 @@ def _find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i, l_i, acc, qk_scale,
                  stride_kb, stride_ks, stride_kh, offs_d, d_valid,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 MASKED: tl.constexpr, WINDOW: tl.constexpr):
+                 MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """One K/V tile of TILE_N context tokens into the online softmax (m_i, l_i, acc). A tile
     wholly before every query of the program, and before kv_end, needs no mask (MASKED=False):
     its loads and scores then skip the predicates and the select. (With a sliding WINDOW every
@@ -346,6 +354,8 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, 
         kt = tl.trans(k)
 
     s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP > 0:   # Gemma 2's cap * tanh(s / cap), in s's log2 units (SOFTCAP: the cap times log2 e)
+        s = SOFTCAP * (1.0 - 2.0 / (tl.math.exp2(s * (2.0 * 1.4426950408889634 / SOFTCAP)) + 1.0))
     if MASKED:
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         if WINDOW > 0:
@@ -380,7 +390,8 @@ def _paged_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
         DECODE: tl.constexpr, SKIP_DECODES: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-        FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr):
+        FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
+        NORM_UNIT_OFFSET: tl.constexpr = False):
     # (pdl_wait comes after the tiles of the old context: see the K/V loops)
     if DECODE:
         # At most one query token per request: no search (its dependent loads are most of a
@@ -435,7 +446,7 @@ def _paged_attention_kernel(
     # rotary position is q_pos (a request's positions are its context's last ones), not a load
     # of the positions: that would be one more dependent load before the first K/V tile.
     q = _load_heads(q_ptr, token * stride_qt + head * stride_qh, row_valid, q_pos, cos_sin_ptr,
-                    stride_cs, norm_ptr, eps, HEAD_DIM, HEAD_DIM_P, HAS_ROPE, HAS_NORM)
+                    stride_cs, norm_ptr, eps, HEAD_DIM, HEAD_DIM_P, HAS_ROPE, HAS_NORM, NORM_UNIT_OFFSET)
     if FP8_DOTS_F16:  # the dots in fp16, q / 256 so that it cannot overflow (qk_scale * 256)
         q = (q.to(tl.float32) * (1.0 / FP8_Q_DIVISOR)).to(tl.float16)
 
@@ -467,13 +478,13 @@ def _paged_attention_kernel(
     for t in tl.range(tile_lo, tile_mid, num_stages=LOOP_STAGES):
         m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i, l_i,
                                      acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
-                                     BLOCK_SIZE, TILE_N, DOT_PRECISION, EDGES, WINDOW)
+                                     BLOCK_SIZE, TILE_N, DOT_PRECISION, EDGES, WINDOW, SOFTCAP)
     pdl_wait(USE_PDL)
     if DECODE:  # the new token's tile, the last, if this segment has it: no second loop body
         if tile_mid < tile_hi:
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile_mid, kv_end, q_pos, kv_head,
                                          m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d,
-                                         d_valid, BLOCK_SIZE, TILE_N, DOT_PRECISION, True, WINDOW)
+                                         d_valid, BLOCK_SIZE, TILE_N, DOT_PRECISION, True, WINDOW, SOFTCAP)
     else:
         # The new tokens' tiles: those wholly at or before the tile's first query are before every
         # query of the tile (causal) and before kv_end, so unmasked too; only the diagonal's are
@@ -482,11 +493,11 @@ def _paged_attention_kernel(
         for t in tl.range(tile_mid, tile_diag, num_stages=LOOP_STAGES):
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i,
                                          l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
-                                         BLOCK_SIZE, TILE_N, DOT_PRECISION, EDGES, WINDOW)
+                                         BLOCK_SIZE, TILE_N, DOT_PRECISION, EDGES, WINDOW, SOFTCAP)
         for t in tl.range(tile_diag, tile_hi, num_stages=LOOP_STAGES):
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, m_i,
                                          l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d, d_valid,
-                                         BLOCK_SIZE, TILE_N, DOT_PRECISION, True, WINDOW)
+                                         BLOCK_SIZE, TILE_N, DOT_PRECISION, True, WINDOW, SOFTCAP)
 
     acc *= v_scale
     if NUM_SEGMENTS == 1:
@@ -558,7 +569,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                            out: torch.Tensor | None = None,
                            num_segments: int | None = None, rope: Rope | None = None,
                            skip_decodes: bool = False, k_scale: float = 1.0, v_scale: float = 1.0,
-                           sliding_window: int = 0) -> torch.Tensor:
+                           sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of a varlen batch against its paged context; same contract as
     ``reference.paged_attention``. ``query``: ``(num_tokens, num_heads, head_dim)`` (strided
     views fine, head_dim contiguous); ``kv_cache``: ``(2, num_blocks, block_size, num_kv_heads,
@@ -575,6 +586,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     the request's i-th query, which is what the runner's positions are (``rope.positions`` is
     not read here). ``k_scale`` / ``v_scale``: an FP8 cache's (``reference.quantize_kv``).
     ``sliding_window`` (0: none): each query attends to its last ``sliding_window`` positions.
+    ``softcap`` (0: none): the scores capped to ``softcap * tanh(score / softcap)`` (Gemma 2's).
 
     One batch of decodes and longer requests in any order can be attended by two launches, each
     leaving the other's requests alone (a CUDA graph of mixed steps, where which requests are
@@ -636,7 +648,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         NUM_SEGMENTS=num_segments,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         LOOP_STAGES=tiles["num_stages"], DECODE=decode, SKIP_DECODES=skip_decodes, FP8_DOTS_F16=dots_f16,
-        WINDOW=sliding_window, **tiles, **pdl_launch(query.device))
+        WINDOW=sliding_window, SOFTCAP=softcap * math.log2(math.e), **tiles, **pdl_launch(query.device))
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc, num_seqs,

@@ -65,7 +65,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_p
                      num_rows, n_inner, stride_x0, stride_x1, stride_r, N, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      OUT_DTYPE: tl.constexpr, QUANT: tl.constexpr, Q_MAX: tl.constexpr, IS_INT8: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     USE_PDL: tl.constexpr, UNIT_OFFSET: tl.constexpr = False):
     pdl_wait(USE_PDL)
     # BLOCK_M rows of BLOCK_N (>= N) columns per program. Row r of x sits at
     # (r // n_inner) * stride_x0 + (r % n_inner) * stride_x1, which covers 2-D inputs with a row
@@ -84,8 +84,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_p
         tl.store(res_out_ptr + out_off, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
-    y = (xf * rstd[:, None]).to(x.dtype)                    # HF: back to the input dtype ...
-    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
+    if UNIT_OFFSET:   # Gemma's: times 1 + w, in float32
+        y = xf * rstd[:, None]
+        w = 1.0 + tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    else:
+        y = (xf * rstd[:, None]).to(x.dtype)                # HF: back to the input dtype ...
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
     out = (y.to(tl.float32) * w.to(tl.float32)[None, :]).to(OUT_DTYPE)   # ... then times the weight
     if QUANT:   # the next matmul's per-token 8-bit input in place of the norm's output (rounded to it first)
         q, scale = _quantize_rows(out.to(tl.float32), Q_MAX, IS_INT8)
@@ -103,7 +107,7 @@ def _output(out, shape, dtype, device):
     return out
 
 
-def _launch_rms_norm(x, residual, weight, eps, out, residual_out, quant_dtype=None):
+def _launch_rms_norm(x, residual, weight, eps, out, residual_out, quant_dtype=None, unit_offset=False):
     N = x.shape[-1]
     assert weight.shape == (N,) and weight.is_contiguous(), "weight must be a contiguous (N,) vector"
     if x.stride(-1) != 1:
@@ -121,7 +125,7 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out, quant_dtype=No
         residual = residual.reshape(-1, N)
         if residual.stride(-1) != 1:
             residual = residual.contiguous()
-    out_dtype = torch.promote_types(res_dtype, weight.dtype)
+    out_dtype = res_dtype if unit_offset else torch.promote_types(res_dtype, weight.dtype)
     q, scale, quant = _quant_args(quant_dtype, num_rows, N, x.device)
     if quant_dtype is None:
         out = _output(out, x.shape, out_dtype, x.device)
@@ -139,28 +143,30 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out, quant_dtype=No
         dummy if q is None else q, dummy if scale is None else scale,
         num_rows, n_inner, sx0, sx1, residual.stride(0) if has_res else 0, N, eps,
         HAS_RESIDUAL=has_res, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, OUT_DTYPE=_TL_DTYPES[out_dtype], **quant,
-        num_warps=_num_warps(BLOCK_M * BLOCK_N), **pdl_launch(x.device))
+        UNIT_OFFSET=unit_offset, num_warps=_num_warps(BLOCK_M * BLOCK_N), **pdl_launch(x.device))
     return out, residual_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             out: torch.Tensor | None = None, quant_dtype: torch.dtype | None = None):
+             out: torch.Tensor | None = None, quant_dtype: torch.dtype | None = None, unit_offset: bool = False):
     """RMSNorm over the last dim of ``x`` (any shape; rows may be strided, e.g. a 3-D
     ``(tokens, heads, head_dim)`` view of a qkv output). Returns ``out``: by default a new
     contiguous tensor; a given one must be contiguous (it may be ``x`` itself, if contiguous).
     ``quant_dtype`` (INT8 or FP8; 2-D ``x``): the output's rows quantized per token for a W8A8
-    matmul instead, a ``QuantizedInput`` (``per_token_quant`` of the output, in one pass)."""
-    return _launch_rms_norm(x, None, weight, eps, out, None, quant_dtype)[0]
+    matmul instead, a ``QuantizedInput`` (``per_token_quant`` of the output, in one pass).
+    ``unit_offset``: Gemma's norm (``reference.rms_norm``'s)."""
+    return _launch_rms_norm(x, None, weight, eps, out, None, quant_dtype, unit_offset)[0]
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                        out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-                       quant_dtype: torch.dtype | None = None) -> tuple:
+                       quant_dtype: torch.dtype | None = None, unit_offset: bool = False) -> tuple:
     """``(rms_norm(x + residual), x + residual)`` in one pass. By default into new tensors,
     the inputs unchanged (what the torch version does; in place would move the same bytes).
     ``out=x, residual_out=residual`` (both contiguous) makes it in place, vLLM style: each
-    program reads its whole row before it writes it. ``quant_dtype``: as ``rms_norm``'s."""
-    return _launch_rms_norm(x, residual, weight, eps, out, residual_out, quant_dtype)
+    program reads its whole row before it writes it. ``quant_dtype``, ``unit_offset``: as
+    ``rms_norm``'s."""
+    return _launch_rms_norm(x, residual, weight, eps, out, residual_out, quant_dtype, unit_offset)
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,15 +175,21 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, scale_ptr, stride_x, d, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                         Q_MAX: tl.constexpr, IS_INT8: tl.constexpr, USE_PDL: tl.constexpr):
+                         Q_MAX: tl.constexpr, IS_INT8: tl.constexpr, USE_PDL: tl.constexpr,
+                         GELU_TANH: tl.constexpr = False):
     pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     gate = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + t * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
-    # As torch does in the input dtype: silu rounded to it, then the product rounded to it.
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    # As torch does in the input dtype: the activation rounded to it, then the product rounded to it.
+    if GELU_TANH:   # 0.5 g (1 + tanh(u)) = g * sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3)
+        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = gate / (1.0 + tl.exp(-2.0 * u))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
     out = (act * up).to(out_ptr.dtype.element_ty)
     if QUANT:   # (a whole row a program) the next matmul's per-token 8-bit input instead
         q, scale = _quantize_rows(out.to(tl.float32)[None, :], Q_MAX, IS_INT8)
@@ -191,6 +203,15 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, quant_dtype: 
     """``silu(gate) * up`` of ``x = [gate, up]`` (..., 2 * d) -> ``out`` (..., d), by default
     a new tensor (rows of x may be strided). ``quant_dtype`` (INT8 or FP8; 2-D ``x``): the rows
     quantized per token for a W8A8 matmul instead, a ``QuantizedInput``."""
+    return _act_and_mul(x, out, quant_dtype, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, quant_dtype: torch.dtype | None = None):
+    """``gelu(gate) * up``, GELU's tanh approximation (Gemma's MLP); otherwise ``silu_and_mul``."""
+    return _act_and_mul(x, out, quant_dtype, gelu_tanh=True)
+
+
+def _act_and_mul(x, out, quant_dtype, gelu_tanh: bool):
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     if x2.stride(-1) != 1:
@@ -208,7 +229,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, quant_dtype: 
     dummy = out if quant_dtype is None else x2
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, BLOCK))](
         x2, dummy, dummy if q is None else q, dummy if scale is None else scale, x2.stride(0), d, BLOCK=BLOCK,
-        **quant, num_warps=_num_warps(2 * BLOCK), **pdl_launch(x.device))
+        **quant, GELU_TANH=gelu_tanh, num_warps=_num_warps(2 * BLOCK), **pdl_launch(x.device))
     return out
 
 

@@ -1,8 +1,9 @@
 """Llama-family decoder: Llama 2/3 (and Mistral, Phi-3, Granite's scalings, SmolLM3's NoPE
-layers), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm), and their mixtures of experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE: the config's experts replace the MLP). One definition with a few
-switches, since they differ in nothing else; with an LM head (generation) or a classification
-head (sequence classification, cross-encoders)."""
+layers), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm), their mixtures of experts
+(Mixtral, Qwen2-MoE, Qwen3-MoE: the config's experts replace the MLP), and Gemma 1-3 (norms of
+their own, GELU, each sublayer's output normed too, sliding windows on some layers). One definition
+with a few switches (``ArchConfig``'s), since they differ in nothing else; with an LM head
+(generation) or a classification head (sequence classification, cross-encoders)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,7 +11,7 @@ from torch import nn
 from pagoda.config import ArchConfig, class_labels
 from pagoda.distributed.parallel_state import get_pp_group
 from pagoda.kernels.reference import Rope
-from pagoda.model.layers.activation import SiluAndMul
+from pagoda.model.layers.activation import act_and_mul
 from pagoda.model.layers.attention import Attention
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.model.layers.layernorm import RMSNorm
@@ -23,7 +24,8 @@ from pagoda.quant.base import QuantMethod
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rope: RotaryEmbedding | None, qk_norm: bool, quant: QuantMethod | None):
+    def __init__(self, cfg: ArchConfig, rope: RotaryEmbedding | None, qk_norm: bool, quant: QuantMethod | None,
+                 sliding_window: int = 0):
         """``rope`` None: a layer without a rotary embedding (SmolLM3's NoPE layers)."""
         super().__init__()
         assert rope is not None or not qk_norm, "the q/k norms ride with the rotary embedding"
@@ -38,17 +40,18 @@ class LlamaAttention(nn.Module):
                                         bias=False, quant_method=quant)
         self.rotary_emb = rope
         self.attn = Attention(self.num_heads, cfg.head_dim, cfg.attention_multiplier or cfg.head_dim ** -0.5,
-                              self.num_kv_heads, cfg.sliding_window)
+                              self.num_kv_heads, sliding_window, cfg.attn_logit_softcapping)
         self.qk_norm = qk_norm
         if qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # The rotary embedding and the per-head norms are applied by the attention backend (on
         # the GPU inside its KV-write and attention kernels: no kernels of their own).
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset) \
+            if self.qk_norm else ()
         rope = None if self.rotary_emb is None else Rope(positions, self.rotary_emb.cos_sin_cache, *norms)
         return self.o_proj(self.attn(q, k, v, rope))
 
@@ -59,7 +62,7 @@ class LlamaMLP(nn.Module):
         intermediate_size = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [intermediate_size] * 2, quant_method=quant)
         self.down_proj = RowParallelLinear(intermediate_size, cfg.hidden_size, quant_method=quant)
-        self.act_fn = SiluAndMul()
+        self.act_fn = act_and_mul(cfg.hidden_act)
         self.act_fn.feeds(self.down_proj)
 
     def forward(self, x):
@@ -91,15 +94,27 @@ class LlamaMoE(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, layer: int, rope: RotaryEmbedding, qk_norm: bool, quant: QuantMethod | None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rope if cfg.uses_rope(layer) else None, qk_norm, quant)
+        self.self_attn = LlamaAttention(cfg, rope if cfg.uses_rope(layer) else None, qk_norm, quant,
+                                        cfg.window(layer))
         self.mlp = LlamaMoE(cfg, quant) if cfg.is_moe_layer(layer) else LlamaMLP(cfg, quant)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+        def norm():
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
+        self.input_layernorm = norm()
+        # Gemma 2/3 norm each sublayer's output as well: its post_attention_layernorm is that
+        # of the attention's, and pre_feedforward_layernorm the MLP's input norm, which Llama's
+        # post_attention_layernorm is.
+        self.post_attention_layernorm = norm()
+        mlp_norm = self.post_attention_layernorm
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+            mlp_norm = self.pre_feedforward_layernorm
         self.residual_multiplier = cfg.residual_multiplier   # (Granite's; 1.0 elsewhere)
         # (W8A8: the norms hand their matmuls rows already quantized; not a mixture's router)
         self.input_layernorm.feeds(self.self_attn.qkv_proj)
         if isinstance(self.mlp, LlamaMLP):
-            self.post_attention_layernorm.feeds(self.mlp.gate_up_proj)
+            mlp_norm.feeds(self.mlp.gate_up_proj)
 
     def forward(self, positions, hidden, residual):
         if residual is None:
@@ -109,6 +124,10 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden)
         if self.residual_multiplier != 1.0:
             hidden = hidden * self.residual_multiplier
+        if self.sandwich:
+            hidden = self.post_attention_layernorm(hidden)
+            hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         hidden = self.mlp(hidden)
         if self.residual_multiplier != 1.0:
@@ -123,13 +142,21 @@ class LlamaModel(nn.Module):
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if pp.is_first_rank \
             else PPMissingLayer()
-        # One cos/sin table for all layers, owned by the model: freed with it.
+        # One cos/sin table for all layers (Gemma 3: another for its sliding layers), owned by
+        # the model: freed with it.
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling)
+        local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.local_rope_theta) \
+            if cfg.local_rope_theta else rope
+
+        def layer(i):
+            return LlamaDecoderLayer(cfg, i, local_rope if cfg.window(i) else rope, qk_norm, quant)
         self.start_layer, self.end_layer, self.layers = make_layers(
-            cfg.num_hidden_layers, pp.rank_in_group, pp.world_size,
-            lambda i: LlamaDecoderLayer(cfg, i, rope, qk_norm, quant))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
-        self.embedding_multiplier = cfg.embedding_multiplier   # (Granite's; 1.0 elsewhere)
+            cfg.num_hidden_layers, pp.rank_in_group, pp.world_size, layer)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.rms_norm_unit_offset) if pp.is_last_rank \
+            else PPMissingLayer()
+        # (Granite's and Gemma's; 1.0 elsewhere) rounded to the model's dtype, as HF's Gemma does
+        self.embedding_multiplier = torch.tensor(cfg.embedding_multiplier, dtype=torch.get_default_dtype(),
+                                                 device="cpu").item()
         # The decoder layers this stage runs (all of them without pipeline parallelism), as a
         # tuple: iterating it costs no more than iterating the ModuleList did.
         self.local_layers = tuple(self.layers[self.start_layer:self.end_layer])
@@ -187,11 +214,29 @@ class LlamaForCausalLM(_LlamaDecoder):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)
-        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        if cap := self.config.final_logit_softcapping:    # (Gemma 2's)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3's text model: per-head q/k norms (Gemma's kind) and the rest of Gemma 2."""
+    qk_norm = True
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3's multimodal checkpoints (4B, 12B, 27B) as their text model, for text prompts: its
+    tensors under the prefix transformers saves them with (or the one it loads them as), the
+    vision tower's and the projector's never read (ArchConfig reads the text_config)."""
+    checkpoint_prefixes = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                           "model.language_model.": "model.", "vision_tower.": None, "multi_modal_projector.": None,
+                           "model.vision_tower.": None, "model.multi_modal_projector.": None}
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

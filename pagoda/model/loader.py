@@ -78,31 +78,46 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def iter_safetensors(folder: str, skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors, but for those whose names start with one of ``skip`` (never read)."""
+def iter_safetensors(folder: str, skip: tuple[str, ...] = (), prefixes: dict | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors by the model's names (``prefixes``: its ``checkpoint_prefixes``),
+    but for those whose names start with one of ``skip`` and those it has no use for (never read)."""
     from safetensors import SafetensorError, safe_open
     for file in safetensors_files(folder):
         try:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    if not (skip and name.startswith(skip)):
-                        yield name, f.get_tensor(name)
+                for stored in f.keys():
+                    name = renamed(stored, prefixes)
+                    if name is not None and not (skip and name.startswith(skip)):
+                        yield name, f.get_tensor(stored)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ValueError(f"Cannot read weights file {file} (truncated or corrupt?): {e}") from None
 
 
-def stored_unquantized(folder: str) -> set[str]:
+def renamed(name: str, prefixes: dict | None) -> str | None:
+    """A checkpoint tensor's name in the model: the first of ``prefixes`` (a model class's
+    ``checkpoint_prefixes``: {stored prefix: the model's, or None for tensors it does not use})
+    that it starts with replaced."""
+    for old, new in (prefixes or {}).items():
+        if name.startswith(old):
+            return None if new is None else new + name[len(old):]
+    return name
+
+
+def stored_unquantized(folder: str, prefixes: dict | None = None) -> set[str]:
     """The modules whose ``.weight`` a (quantized) checkpoint stores in 16- or 32-bit floats: the
     layers its quantization left out (compressed-tensors' ``ignore``, FP8's ``ignored_layers``,
     AWQ's ``modules_to_not_convert``: each format names them its own way, the tensors say it
-    one way). Reads the files' headers only."""
+    one way), by the model's names (``prefixes``: as ``iter_safetensors``'). Reads the files'
+    headers only."""
     from safetensors import SafetensorError, safe_open
     found = set()
     for file in safetensors_files(folder):
         try:
             with safe_open(file, framework="pt") as f:
-                found.update(name.removesuffix(".weight") for name in f.keys()
-                             if name.endswith(".weight") and f.get_slice(name).get_dtype() in ("BF16", "F16", "F32"))
+                found.update(renamed(name, prefixes).removesuffix(".weight") for name in f.keys()
+                             if name.endswith(".weight") and renamed(name, prefixes) is not None
+                             and f.get_slice(name).get_dtype() in ("BF16", "F16", "F32"))
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ValueError(f"Cannot read weights file {file} (truncated or corrupt?): {e}") from None
     return found
@@ -176,8 +191,12 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     mapping = getattr(model, "packed_modules_mapping", {})
     aliases = checkpoint_aliases(params)
     tied = ties_lm_head(model)
+    prefixes = getattr(model, "checkpoint_prefixes", None)
     loaded: set[str] = set()
     for name, tensor in weights:
+        name = renamed(name, prefixes)
+        if name is None:
+            continue
         # (compressed-tensors' packed weights carry their unpacked shape, which the config gives)
         if "rotary_emb.inv_freq" in name or name.endswith(".weight_shape") or _load_kv_scale(modules, name, tensor):
             continue
@@ -319,7 +338,7 @@ def _build(cls, config: ModelConfig, device: torch.device | str) -> nn.Module:
         with torch.device(device):
             model = cls(config.arch, get_quant_method(config.quantization, config.quant_config))
             if config.quant_config is not None and config.load_format != "dummy" and not config.is_gguf:
-                leave_unquantized(model, stored_unquantized(config.path))
+                leave_unquantized(model, stored_unquantized(config.path, getattr(cls, "checkpoint_prefixes", None)))
             return model
     finally:
         torch.set_default_dtype(prev)
@@ -362,7 +381,8 @@ def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
         init_dummy_weights(model, config.seed)
     else:
         skip = other_stages_weights(model)
-        weights = GGUFModel(config.path).iter_weights(skip) if config.is_gguf else iter_safetensors(config.path, skip)
+        weights = GGUFModel(config.path).iter_weights(skip) if config.is_gguf \
+            else iter_safetensors(config.path, skip, getattr(model, "checkpoint_prefixes", None))
         if config.classifier_token_ids:
             weights = score_from_lm_head(weights, model, config.classifier_token_ids)
         load_weights(model, weights)

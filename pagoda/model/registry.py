@@ -1,8 +1,9 @@
 """Architecture name (config.json's ``architectures[0]``) -> model class."""
 from torch import nn
 
-from pagoda.model.llama import (LlamaForCausalLM, LlamaForSequenceClassification, MixtralForCausalLM,
-                                Qwen3ForCausalLM, Qwen3ForSequenceClassification)
+from pagoda.model.llama import (Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM,
+                                LlamaForSequenceClassification, MixtralForCausalLM, Qwen3ForCausalLM,
+                                Qwen3ForSequenceClassification)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -12,6 +13,10 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": LlamaForCausalLM,      # its q/k/v and gate/up come fused (loader: checkpoint_shards)
     "GraniteForCausalLM": LlamaForCausalLM,   # (its multipliers: ArchConfig)
     "SmolLM3ForCausalLM": LlamaForCausalLM,   # (its layers without a rotary embedding: ArchConfig)
+    "GemmaForCausalLM": LlamaForCausalLM,     # (Gemma's norms, GELU, embedding scale: ArchConfig)
+    "Gemma2ForCausalLM": LlamaForCausalLM,    # (and its sublayers' output norms, windows, tanh caps)
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,   # (its text model, text prompts)
     # mixtures of experts
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,

@@ -52,16 +52,16 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
 
 
 def check_attention(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen,
-                    num_segments=None, max_seq_len=None, sliding_window=0):
+                    num_segments=None, max_seq_len=None, sliding_window=0, softcap=0.0):
     query, kv_cache, tables, seq_lens_t, qsl = make_batch(
         q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen)
     scale = head_dim ** -0.5
     ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, scale,
-                                    sliding_window=sliding_window)
+                                    sliding_window=sliding_window, softcap=softcap)
     out = torch.full_like(query, float("nan"))  # poison: every element must be written
     ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale,
                               max_seq_len or max(seq_lens), max(q_lens), out=out,
-                              num_segments=num_segments, sliding_window=sliding_window)
+                              num_segments=num_segments, sliding_window=sliding_window, softcap=softcap)
     assert not out.isnan().any(), "unwritten (or NaN) output elements"
     err = rel_err(out, ref)
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
@@ -89,6 +89,13 @@ CASES = {  # name: (q_lens, seq_lens)
 def test_paged_attention(case, heads, head_dim, block_size, dtype, request):
     q_lens, seq_lens = CASES[case]
     check_attention(q_lens, seq_lens, *heads, head_dim, block_size, dtype, seed_for(request))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_head_dim_256(case, request):
+    """Gemma's heads (256: Gemma 2 / 3; one KV head, GQA 4, as Gemma-3-1B's)."""
+    q_lens, seq_lens = CASES[case]
+    check_attention(q_lens, seq_lens, 4, 1, 256, 16, DTYPES[0], seed_for(request))
 
 
 @pytest.mark.skipif(ON_GPU, reason="fp16 is in the GPU matrix already")
@@ -178,6 +185,20 @@ def test_sliding_window_split_kv(num_segments, request):
     # segments over the window alone, some empty (a context shorter than the window, or of one tile)
     check_attention([1, 1, 1, 1], [LONG, 17, WINDOW + 3, 1], *HEADS[2], 128, 16, DTYPES[-1], seed_for(request),
                     num_segments=num_segments, sliding_window=WINDOW)
+
+
+@pytest.mark.parametrize("case", ["decode_long", "prefill", "chunked_prefill", "mixed"])
+def test_softcap(case, request):
+    """Gemma 2's tanh cap on the scores (here 1.0, which the random scores often pass), with its
+    sliding window on too."""
+    check_attention(*CASES[case], *HEADS[1], 64, 16, DTYPES[0], seed_for(request), softcap=1.0)
+    check_attention(*CASES[case], *HEADS[1], 64, 16, DTYPES[0], seed_for(request), softcap=1.0,
+                    sliding_window=WINDOW)
+
+
+def test_softcap_split_kv(request):
+    check_attention([1, 1, 1], [LONG, 17, 1], *HEADS[2], 128, 16, DTYPES[-1], seed_for(request), num_segments=4,
+                    softcap=1.0)
 
 
 def test_split_kv_chosen_for_few_long_decodes(monkeypatch):
@@ -402,7 +423,7 @@ def test_decode_cuda_graph_and_no_sync(request):
 
 
 # --------------------------------------------------------------------------------------------
-# Rotary embedding (and Qwen3's per-head q/k norms), applied by the KV write to the keys and by
+# Rotary embedding (and Qwen3's or Gemma 3's per-head q/k norms), applied by the KV write to the keys and by
 # the attention to the queries as they read them: against reference.rotary_embedding first.
 
 EPS = 1e-6
@@ -413,18 +434,20 @@ def rope_inputs(num_tokens, head_dim, norm, dtype, gen, scaling=None, pos_dtype=
     max_pos = 2 * LONG
     table = RotaryEmbedding(head_dim, max_pos, 1e6 if head_dim == 128 else 1e4, scaling).cos_sin_cache
     positions = torch.randint(0, max_pos, (num_tokens,), generator=gen, dtype=pos_dtype)
-    w_q, w_k = (torch.randn(2, head_dim, generator=gen) * 0.2 + 1.0).to(DEVICE, dtype) if norm else (None, None)
-    return reference.Rope(positions.to(DEVICE), table.to(DEVICE), w_q, w_k, EPS)
+    # (Gemma's weights are offsets from 1: around 0)
+    w_q, w_k = (torch.randn(2, head_dim, generator=gen) * 0.2 + (norm == "qwen3")).to(DEVICE, dtype) if norm \
+        else (None, None)
+    return reference.Rope(positions.to(DEVICE), table.to(DEVICE), w_q, w_k, EPS, norm == "gemma")
 
 
 def rotated(rope, q, k):
     """The torch path: (q, k) rotated (and normed) by the reference, in the inputs' dtype."""
     return reference.rotary_embedding(rope.positions.long(), q.flatten(1), k.flatten(1), rope.cos_sin_cache,
-                                      q.shape[-1], rope.q_norm_weight, rope.k_norm_weight, rope.eps)
+                                      q.shape[-1], rope.q_norm_weight, rope.k_norm_weight, rope.eps, rope.norm_unit_offset)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("norm", [False, True], ids=["rope", "norm+rope"])
+@pytest.mark.parametrize("norm", [None, "qwen3", "gemma"], ids=["rope", "norm+rope", "gemma-norm+rope"])
 @pytest.mark.parametrize("num_kv_heads,head_dim", [(2, 64), (3, 128), (8, 128)])
 def test_write_kv_cache_rotates_keys(num_kv_heads, head_dim, norm, dtype, request):
     gen = seed_for(request)
@@ -449,7 +472,7 @@ def test_write_kv_cache_rotates_keys(num_kv_heads, head_dim, norm, dtype, reques
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("norm", [False, True], ids=["rope", "norm+rope"])
+@pytest.mark.parametrize("norm", [None, "qwen3", "gemma"], ids=["rope", "norm+rope", "gemma-norm+rope"])
 @pytest.mark.parametrize("case", ["decode_long", "prefill", "mixed"])
 def test_paged_attention_rotates_queries(case, norm, dtype, request):
     gen = seed_for(request)

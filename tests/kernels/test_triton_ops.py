@@ -123,6 +123,24 @@ def test_qk_norm_on_qkv_slices(head_dim, tokens, dtype, request):
         check(out3.view(-1, head_dim), ref, dtype)
 
 
+@pytest.mark.parametrize("hidden,tokens,dtype", [(1024, 7, d) for d in DTYPES] + [(576, 1, torch.bfloat16)]
+                         + ([(4096, 300, torch.bfloat16)] if ON_GPU else []), ids=str)
+def test_unit_offset_rms_norm(hidden, tokens, dtype, request):
+    """Gemma's norm (times 1 + w, in float32 before the cast), alone and after the residual add;
+    weights around 0 as Gemma's are, so that the offset matters."""
+    x, residual, weight = _norm_inputs(tokens, hidden, dtype, seed_for(request), strided=tokens == 7)
+    weight = weight - 1.0
+    ref = reference.rms_norm(x, weight, EPS, unit_offset=True)
+    check(ops.rms_norm(x, weight, EPS, out=nan_like(ref), unit_offset=True), ref, dtype)
+    ref, ref_sum = reference.fused_add_rms_norm(x, residual, weight, EPS, unit_offset=True)
+    out, new_residual = ops.fused_add_rms_norm(x, residual, weight, EPS, unit_offset=True)
+    check(out, ref, dtype)
+    check(new_residual, ref_sum, dtype)
+    if dtype != torch.float32:   # the product rounded once, after the offset: not Llama's norm's order
+        plain = reference.rms_norm(x, weight + 1.0, EPS)
+        assert not torch.equal(reference.rms_norm(x, weight, EPS, unit_offset=True), plain)
+
+
 def test_rms_norm_mixed_dtypes(request):
     # torch's type promotion: an fp32 weight on fp16 activations gives fp32 (as the torch path).
     gen = seed_for(request)
@@ -142,12 +160,13 @@ def test_rms_norm_mixed_dtypes(request):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens,d", [(1, 14336), (7, 3072), (133, 1536), (5, 1000)]
                          + ([(2049, 14336)] if ON_GPU else []))
-def test_silu_and_mul(tokens, d, dtype, request):
+@pytest.mark.parametrize("act", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_silu_and_mul(tokens, d, dtype, act, request):
     gen = seed_for(request)
     x = randn(tokens, 2 * d + 16, gen=gen, dtype=dtype, scale=3.0)[:, 8:8 + 2 * d]   # strided rows
-    ref = reference.silu_and_mul(x)
-    check(ops.silu_and_mul(x, out=nan_like(ref)), ref, dtype)
-    check(ops.silu_and_mul(x), ref, dtype)
+    ref = getattr(reference, act)(x)
+    check(getattr(ops, act)(x, out=nan_like(ref)), ref, dtype)
+    check(getattr(ops, act)(x), ref, dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,7 +274,10 @@ def test_norms_and_silu_write_quantized_rows(tokens, hidden, dtype, quant_dtype,
     w = randn(hidden, gen=gen, dtype=dtype)
     h = randn(tokens, 2 * hidden + 16, gen=gen, dtype=dtype)[:, 8:8 + 2 * hidden]   # (strided rows)
     cases = [(ops.rms_norm(x, w, EPS, quant_dtype=quant_dtype), ops.rms_norm(x, w, EPS)),
-             (ops.silu_and_mul(h, quant_dtype=quant_dtype), ops.silu_and_mul(h))]
+             (ops.rms_norm(x, w, EPS, quant_dtype=quant_dtype, unit_offset=True),
+              ops.rms_norm(x, w, EPS, unit_offset=True)),
+             (ops.silu_and_mul(h, quant_dtype=quant_dtype), ops.silu_and_mul(h)),
+             (ops.gelu_tanh_and_mul(h, quant_dtype=quant_dtype), ops.gelu_tanh_and_mul(h))]
     (got, got_res), (plain, want_res) = (ops.fused_add_rms_norm(x, res, w, EPS, quant_dtype=quant_dtype),
                                          ops.fused_add_rms_norm(x, res, w, EPS))
     assert torch.equal(got_res, want_res)

@@ -4,17 +4,17 @@ The model runner describes the batch once per step in an ``AttentionMetadata`` a
 with ``set_forward_context``; every attention layer then applies the rotary embedding to its
 new q and k, writes the new K/V into its own paged cache at ``slot_mapping`` and attends
 through the block tables. Backends are the one plug-in point: ``forward(q, k, v, kv_cache,
-metadata, scale, rope, k_scale, v_scale, sliding_window) -> out``, plus ``copy_blocks`` for the
-copy-on-write of forked sequences. ``k_scale`` / ``v_scale`` are an FP8 cache's
-(``reference.quantize_kv``); ``sliding_window`` (0: none) the model's window (Mistral-7B-v0.1's:
-each query attends to its last ``sliding_window`` positions; the cache still holds them all).
+metadata, scale, rope, k_scale, v_scale, sliding_window, softcap) -> out``, plus ``copy_blocks`` for
+the copy-on-write of forked sequences. ``k_scale`` / ``v_scale`` are an FP8 cache's
+(``reference.quantize_kv``); ``sliding_window`` (0: none) the layer's window (Mistral-7B-v0.1's:
+each query attends to its last ``sliding_window`` positions; the cache still holds them all);
+``softcap`` (0: none) Gemma 2's cap on the scores (``reference.sdpa``).
 """
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import reference
@@ -41,8 +41,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     max_decode_seq_len: int
-    # Torch backend only: the decode and prefill groups, planned by the first layer for all.
-    decode_groups: list | None = None
+    # Torch backend only: the decode (by sliding window) and prefill groups, planned by the first
+    # layer for all.
+    decode_groups: dict[int, list] | None = None
     decode_order: torch.Tensor | None = None     # the decodes sorted by context length
     prefill_groups: list | None = None
 
@@ -86,11 +87,12 @@ class TorchAttentionBackend:
 
     @staticmethod
     def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float, rope: Rope | None = None,
-                k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int = 0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         n = md.num_actual_tokens
         if rope is not None:
             q, k = reference.rotary_embedding(rope.positions, q, k, rope.cos_sin_cache, q.shape[-1],
-                                              rope.q_norm_weight, rope.k_norm_weight, rope.eps)
+                                              rope.q_norm_weight, rope.k_norm_weight, rope.eps, rope.norm_unit_offset)
         reference.write_kv_cache(k[:n], v[:n], kv_cache, md.slot_mapping[:n], k_scale, v_scale)
         out = torch.empty_like(q)
         nd = md.num_decodes
@@ -103,7 +105,7 @@ class TorchAttentionBackend:
             out_sorted = torch.empty_like(q_sorted)
             for g in groups:
                 out_sorted[g.rows] = TorchAttentionBackend._decode(q_sorted[g.rows], kv_cache, g, scale,
-                                                                   k_scale, v_scale)
+                                                                   k_scale, v_scale, softcap)
             if order is None:
                 out[:nd] = out_sorted
             else:
@@ -111,11 +113,12 @@ class TorchAttentionBackend:
         for g in TorchAttentionBackend._prefill_groups(md):
             out[g.tokens] = reference.paged_attention(q[g.tokens], kv_cache, g.block_tables, g.seq_lens,
                                                       g.query_start_loc, scale, g.max_seq_len, g.max_query_len,
-                                                      k_scale, v_scale, sliding_window)
+                                                      k_scale, v_scale, sliding_window, softcap)
         return out
 
     @staticmethod
-    def _decode(q, kv_cache, group: DecodeGroup, scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
+    def _decode(q, kv_cache, group: DecodeGroup, scale: float, k_scale: float, v_scale: float,
+                softcap: float) -> torch.Tensor:
         """``reference.paged_attention`` for one query token per request. With one query, the
         query heads that share a KV head are that head's query rows (GQA without expanding K/V)
         and every row has the same mask."""
@@ -123,17 +126,18 @@ class TorchAttentionBackend:
         k, v = reference.gather_blocks(kv_cache, group.block_ids, b, group.max_len)
         k, v = reference.dequantize_kv(k, k_scale, q.dtype), reference.dequantize_kv(v, v_scale, q.dtype)
         num_kv_heads = k.shape[2]
-        out = F.scaled_dot_product_attention(
-            q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k.transpose(1, 2),
-            v.transpose(1, 2), attn_mask=group.mask, scale=scale)
+        out = reference.sdpa(q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim), k.transpose(1, 2),
+                             v.transpose(1, 2), group.mask, scale, softcap)
         return out.reshape(b, num_heads, head_dim)   # (SDPA on CUDA may return it strided)
 
     @staticmethod
     def _decode_groups(md: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype,
                        sliding_window: int) -> list[DecodeGroup]:
-        """The decodes sorted by context length and cut into groups; planned once per step (the
-        tensors live on the CPU: no syncs), so every layer has the same window (a model's one)."""
+        """The decodes sorted by context length and cut into groups; planned once per step and
+        sliding window (the tensors live on the CPU: no syncs)."""
         if md.decode_groups is None:
+            md.decode_groups = {}
+        if sliding_window not in md.decode_groups:
             nd = md.num_decodes
             token_bytes = kv_cache[:, 0, 0].numel() * kv_cache.element_size()     # K and V of a token
             num_groups = min(nd, max(1, -(-nd * md.max_decode_seq_len * token_bytes
@@ -143,10 +147,10 @@ class TorchAttentionBackend:
                 md.decode_order = torch.argsort(seq_lens)
                 seq_lens, tables = seq_lens[md.decode_order], tables[md.decode_order]
             bounds = [i * nd // num_groups for i in range(num_groups + 1)] if nd else []
-            md.decode_groups = [TorchAttentionBackend._plan(slice(lo, hi), seq_lens[lo:hi], tables[lo:hi], kv_cache,
-                                                            dtype, sliding_window)
-                                for lo, hi in zip(bounds, bounds[1:])]
-        return md.decode_groups
+            md.decode_groups[sliding_window] = [
+                TorchAttentionBackend._plan(slice(lo, hi), seq_lens[lo:hi], tables[lo:hi], kv_cache, dtype,
+                                            sliding_window) for lo, hi in zip(bounds, bounds[1:])]
+        return md.decode_groups[sliding_window]
 
     @staticmethod
     def _plan(rows: slice, seq_lens, block_tables, kv_cache: torch.Tensor, dtype: torch.dtype,
@@ -190,12 +194,14 @@ class TritonAttentionBackend:
 
     @staticmethod
     def forward(q, k, v, kv_cache, md: AttentionMetadata, scale: float, rope: Rope | None = None,
-                k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int = 0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         from pagoda.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton
         n, nd = md.num_actual_tokens, md.num_decodes
         write_kv_cache_triton(k, v, kv_cache, md.slot_mapping, rope, k_scale, v_scale)
         attend = functools.partial(paged_attention_triton, kv_cache=kv_cache, scale=scale, rope=rope,
-                                   k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window)
+                                   k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+                                   softcap=softcap)
         out = torch.empty_like(q)
         if nd is None:   # a mixed-step graph: the decodes (wherever they are), then the rest
             attend(q[:n], block_tables=md.block_tables, seq_lens=md.seq_lens, query_start_loc=md.query_start_loc,
@@ -245,11 +251,13 @@ def set_forward_context(attn_metadata: AttentionMetadata | None, backend=TorchAt
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, sliding_window: int = 0):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, sliding_window: int = 0,
+                 softcap: float = 0.0):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window     # (0: the whole context)
+        self.softcap = softcap                   # (0: none)
         self.kv_cache = torch.tensor([])   # bound by the model runner
         # An FP8 cache's scales (vLLM's k_scale / v_scale): the checkpoint's, if it has them
         # (loader.load_weights), else 1.0; other caches ignore them. With calculate_kv_scales the
@@ -271,7 +279,7 @@ class Attention(nn.Module):
             n = ctx.attn_metadata.num_actual_tokens
             self._calibrate(q[:n], k[:n], v[:n], rope and rope._replace(positions=rope.positions[:n]))
         out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale, rope,
-                                  self.k_scale, self.v_scale, self.sliding_window)
+                                  self.k_scale, self.v_scale, self.sliding_window, self.softcap)
         return out.view(-1, self.num_heads * self.head_dim)
 
     def _calibrate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None) -> None:
@@ -279,7 +287,8 @@ class Attention(nn.Module):
         and values, as vLLM computes them: the largest magnitude over K_SCALE_RANGE (V_...)."""
         if rope is not None:
             _, k = reference.rotary_embedding(rope.positions, q.flatten(1), k.flatten(1), rope.cos_sin_cache,
-                                              self.head_dim, rope.q_norm_weight, rope.k_norm_weight, rope.eps)
+                                              self.head_dim, rope.q_norm_weight, rope.k_norm_weight, rope.eps,
+                                              rope.norm_unit_offset)
         self.k_scale = max(k.abs().max().item() / K_SCALE_RANGE, MIN_KV_SCALE)
         self.v_scale = max(v.abs().max().item() / V_SCALE_RANGE, MIN_KV_SCALE)
         self.calibrate_next = False

@@ -40,15 +40,19 @@ class QuantizesForNext:
 
 
 class RMSNorm(QuantizesForNext, nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, unit_offset: bool = False):
+        """``unit_offset``: Gemma's norm, the weight an offset from 1 (``reference.rms_norm``)."""
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size),
+                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With ``residual``: add it first (the fused residual-add + norm of every decoder layer)
         and return the sum as the next residual. Inputs are left unchanged."""
         quant_dtype = self.quant_dtype(x)
         if residual is None:
-            return kernels_for(x).rms_norm(x, self.weight, self.eps, quant_dtype=quant_dtype)
-        return kernels_for(x).fused_add_rms_norm(x, residual, self.weight, self.eps, quant_dtype=quant_dtype)
+            return kernels_for(x).rms_norm(x, self.weight, self.eps, quant_dtype=quant_dtype,
+                                           unit_offset=self.unit_offset)
+        return kernels_for(x).fused_add_rms_norm(x, residual, self.weight, self.eps, quant_dtype=quant_dtype,
+                                                 unit_offset=self.unit_offset)
