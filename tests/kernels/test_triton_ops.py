@@ -282,7 +282,7 @@ def test_norms_and_silu_write_quantized_rows(tokens, hidden, dtype, quant_dtype,
                                          ops.fused_add_rms_norm(x, res, w, EPS))
     assert torch.equal(got_res, want_res)
     cases.append((got, plain))
-    for got, plain in cases:
+    for i, (got, plain) in enumerate(cases):
         want_q, want_scale = reference.per_token_quant(plain, quant_dtype)
         assert isinstance(got, reference.QuantizedInput) and got.dtype == dtype
         assert got.q.shape == plain.shape and got.scale.shape == (tokens, 1) and got.scale.dtype == torch.float32
@@ -296,7 +296,13 @@ def test_norms_and_silu_write_quantized_rows(tokens, hidden, dtype, quant_dtype,
         err = (got.q.float() * got.scale - plain.float()).abs()
         bound = (0.5 * got.scale if quant_dtype == torch.int8
                  else plain.float().abs() / 16 + got.scale * 2 ** -9) * (1 + 2 * QUANT_SCALE_RTOL[dtype])
-        assert (err <= bound + 1e-6 * plain.float().abs()).all()
+        # (+ float32's rounding of q * scale - plain, which at a half step can pass 0.5 * scale;
+        # compiled, the other order of a row's sum can also move an output by its last bit)
+        last_bit = torch.finfo(dtype).eps if ON_GPU else 1e-6
+        excess = err - bound - last_bit * plain.float().abs() - 1e-6 * got.scale
+        assert (excess <= 0).all(), f"case {i}: {(excess > 0).sum().item()} values over, by up to " \
+            f"{(excess / got.scale).max().item():.3g} of a step; |q - want_q| up to " \
+            f"{(got.q.float() - want_q.float()).abs().max().item()}"
     # the torch versions (the CPU path) take it too
     want = reference.fused_add_rms_norm(x, res, w, EPS, quant_dtype)[0]
     assert torch.equal(want.scale, reference.per_token_quant(reference.rms_norm(x + res, w, EPS), quant_dtype)[1])
