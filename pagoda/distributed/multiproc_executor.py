@@ -7,8 +7,8 @@ from pagoda.config import EngineConfig
 from pagoda.core.sched_output import SchedulerOutput
 from pagoda.distributed.child_procs import SPAWN_HINT, ChildProcs
 from pagoda.distributed.executor import ParallelExecutor, split_masks
-from pagoda.distributed.parallel_state import check_no_process_group, free_port
-from pagoda.distributed.worker import Worker, worker_main
+from pagoda.distributed.parallel_state import check_no_process_group, rendezvous_store
+from pagoda.distributed.worker import COLLECTIVE_TIMEOUT_S, Worker, worker_main
 
 
 class MultiprocExecutor(ChildProcs, ParallelExecutor):
@@ -18,12 +18,12 @@ class MultiprocExecutor(ChildProcs, ParallelExecutor):
     def __init__(self, config: EngineConfig):
         check_no_process_group()          # (one torch.distributed group per process)
         self.world_size, self.tp_size = config.parallel.world_size, config.parallel.tensor_parallel_size
-        port = free_port()
+        store = rendezvous_store(self.world_size, COLLECTIVE_TIMEOUT_S)
         try:
-            self._start_children(worker_main, lambda rank: (config, rank, port), config.parallel.world_size - 1)
+            self._start_children(worker_main, lambda rank: (config, rank, store.port), self.world_size - 1)
             # Every worker alive past its imports before rank 0 blocks in the rendezvous.
             self._replies(SPAWN_HINT)
-            self.worker = Worker(config, 0, port)
+            self.worker = Worker(config, 0, store.port, store=store)
         except BaseException:
             self.shutdown()
             raise

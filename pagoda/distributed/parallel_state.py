@@ -8,7 +8,6 @@ parallel one in the same process stays unsplit, and pays nothing.
 Ranks are laid out as in vLLM: global rank = pp_rank * tp_size + tp_rank, so each pipeline stage
 is a tensor-parallel group of consecutive ranks, and a rank's peer in the next stage is
 rank + tp_size."""
-import socket
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -114,26 +113,30 @@ def check_no_process_group() -> None:
                            "(del llm) before starting another.")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port no one listens on at ``host`` now: where rank 0 will meet the others."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def rendezvous_store(world_size: int, timeout_s: float, host: str = "127.0.0.1") -> dist.TCPStore:
+    """Rank 0's side of the group's rendezvous at ``host``, listening at a port the system picks
+    before the other ranks start: its ``port`` is theirs to meet at. (A port found free and bound
+    only when rank 0 joins could be taken in between, e.g. by another group's connections: a
+    data-parallel replica's. It was, once, in a CI run.)"""
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 def init_distributed(world_size: int, rank: int, port: int, device: str, timeout_s: float,
-                     tp_size: int | None = None, host: str = "127.0.0.1") -> None:
+                     tp_size: int | None = None, host: str = "127.0.0.1",
+                     store: dist.TCPStore | None = None) -> None:
     """Join the process group that rank 0 holds at ``host:port`` (localhost for processes of one
-    node, rank 0's node's address over Ray): gloo on CPU, NCCL on CUDA. ``timeout_s`` bounds every
-    collective, so a rank left waiting on a peer that hangs fails instead of waiting forever.
-    With several pipeline stages of several ranks, each stage's tensor-parallel group is made
-    here, once (every rank must create every group, in the same order), and with several stages
-    the output group (``broadcast_output``)."""
+    node, rank 0's node's address over Ray; rank 0 passes its ``rendezvous_store``): gloo on CPU,
+    NCCL on CUDA. ``timeout_s`` bounds every collective, so a rank left waiting on a peer that
+    hangs fails instead of waiting forever. With several pipeline stages of several ranks, each
+    stage's tensor-parallel group is made here, once (every rank must create every group, in the
+    same order), and with several stages the output group (``broadcast_output``)."""
     global _TP_GROUP, _OUTPUT_GROUP
     check_no_process_group()
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                            init_method=f"tcp://{host}:{port}", world_size=world_size, rank=rank,
-                            timeout=timedelta(seconds=timeout_s))
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=store, world_size=world_size,
+                            rank=rank, timeout=timedelta(seconds=timeout_s))
     tp_size = tp_size or world_size
     if 1 < tp_size < world_size:
         for start in range(0, world_size, tp_size):

@@ -22,8 +22,8 @@ from pagoda.config import EngineConfig
 from pagoda.core.sched_output import SchedulerOutput
 from pagoda.distributed.child_procs import ERROR_GRACE_S, StopsOnFailure, WorkerFailed
 from pagoda.distributed.executor import ParallelExecutor, split_masks
-from pagoda.distributed.parallel_state import check_no_process_group, destroy_distributed, free_port
-from pagoda.distributed.worker import Worker
+from pagoda.distributed.parallel_state import check_no_process_group, destroy_distributed, rendezvous_store
+from pagoda.distributed.worker import COLLECTIVE_TIMEOUT_S, Worker
 
 # How long the cluster has to find the ranks' GPUs (or CPUs) and start their actors.
 START_TIMEOUT_S = 300
@@ -168,9 +168,9 @@ class RayExecutor(StopsOnFailure, ParallelExecutor):
             # Consecutive ranks (a tensor-parallel group) on one node: this node's first.
             order = sorted(range(len(ranked)), key=lambda i: (nodes[i][0] != host, nodes[i][0]))
             self.actors += [ranked[i] for i in order]
-            port = free_port(host)
-            self._pending += [(r, a.start.remote(config, r, host, port)) for r, a in enumerate(self.actors, 1)]
-            self.worker = Worker(config, 0, port, host, gpu)
+            store = rendezvous_store(world, COLLECTIVE_TIMEOUT_S, host)
+            self._pending += [(r, a.start.remote(config, r, host, store.port)) for r, a in enumerate(self.actors, 1)]
+            self.worker = Worker(config, 0, store.port, host, gpu, store)
             self._reap()
         except ValueError:
             self.shutdown()     # (a layout or checkpoint the model refuses: rank 0's own words)

@@ -21,10 +21,11 @@ COLLECTIVE_TIMEOUT_S = 600
 
 class Worker(RankWorker):
     def __init__(self, config: EngineConfig, rank: int, port: int, host: str = "127.0.0.1",
-                 local_rank: int | None = None):
-        """Join the group at ``host:port`` (rank 0's node) as ``rank``. On CUDA the rank's GPU
-        is ``cuda:{local_rank}`` of this process: its rank on one node of spawned processes, 0
-        (or what Ray gave it) in a Ray actor, which sees its own GPU alone."""
+                 local_rank: int | None = None, store=None):
+        """Join the group at ``host:port`` (rank 0's node) as ``rank`` (rank 0: hold it, at its
+        ``store``, ``parallel_state.rendezvous_store``). On CUDA the rank's GPU is
+        ``cuda:{local_rank}`` of this process: its rank on one node of spawned processes, 0 (or
+        what Ray gave it) in a Ray actor, which sees its own GPU alone."""
         self.rank = rank
         self.last = None       # the step before, whose outputs this rank reads one step late
         self.in_flight: deque = deque()     # (pipeline parallelism) the steps whose outputs it has not read
@@ -37,7 +38,7 @@ class Worker(RankWorker):
             # share): with a thread per core each, their spinning OpenMP threads would take
             # turns on every core and each collective would wait for them.
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
-        init_distributed(world, rank, port, config.device, COLLECTIVE_TIMEOUT_S, tp, host)
+        init_distributed(world, rank, port, config.device, COLLECTIVE_TIMEOUT_S, tp, host, store)
         try:
             with building_parallel_model(tp, rank % tp, pc.pipeline_parallel_size, rank // tp,
                                          pc.enable_expert_parallel):

@@ -145,8 +145,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, 
     """``F.scaled_dot_product_attention`` of ``(..., heads, queries, head_dim)`` against fewer
     KV heads (GQA), with a boolean or additive ``mask``; ``softcap`` (Gemma 2's, 0: none): each
     score ``softcap * tanh(score / softcap)`` before the mask, computed in float32 by hand."""
-    if not softcap:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    if not softcap:   # (enable_gqa where the heads differ; the torch backend's decodes fold GQA into q's rows)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[-3] != k.shape[-3])
     group = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(group, -3).float(), v.repeat_interleave(group, -3).float()
     s = softcap * torch.tanh(q.float() @ k.transpose(-1, -2) * (scale / softcap))
