@@ -201,10 +201,15 @@ _HF_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "
                "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
 
+_GEMMA_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm"}
+
+
 def _hf_gguf(folder, path, arch):
     """A tiny HF model as llama.cpp's converter writes it: a mixture's experts stacked (E, out,
     in) per projection, llama's q/k rows permuted, the shared expert's gate a vector, Phi-3's
-    fused projections kept fused; F32."""
+    fused projections kept fused, Gemma's norm weights plus 1 (and Gemma 2/3's norms of each
+    sublayer's output, their caps, a linear rope scaling); F32."""
     import glob
     import json
     import re
@@ -216,10 +221,21 @@ def _hf_gguf(folder, path, arch):
         sd.update(load_file(f))
     w = gguf.GGUFWriter(str(path), arch)
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)     # (Gemma 3's: the full layers')
+    gemma = arch.startswith("gemma")
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(cap):
+            getattr(w, f"add_{cap}")(cfg[cap])
+    if arch == "gemma3":   # (a window a layer, as newer converters write it; llama.cpp's default: 5 of 6)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     for key, value in [("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
                        ("embedding_length", cfg["hidden_size"]), ("feed_forward_length", cfg["intermediate_size"]),
                        ("head_count", heads), ("head_count_kv", kv), ("layer_norm_rms_eps", cfg["rms_norm_eps"]),
-                       ("rope_freq_base", cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]),
+                       ("rope_freq_base", cfg.get("rope_theta") or rope["rope_theta"]),
                        ("vocab_size", cfg["vocab_size"]),
                        ("expert_count", cfg.get("num_experts") or cfg.get("num_local_experts")),
                        ("expert_used_count", cfg.get("num_experts_per_tok")),
@@ -237,6 +253,8 @@ def _hf_gguf(folder, path, arch):
     experts = {}
     for name, t in sd.items():
         t = t.float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            t = t + 1
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             w.add_tensor({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                           "lm_head.weight": "output.weight"}[name], t)
@@ -249,7 +267,8 @@ def _hf_gguf(folder, path, arch):
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             t = _llama_cpp_permute(t, heads if module == "self_attn.q_proj" else kv)
         gate_vector = "shared_expert_gate" in module
-        w.add_tensor(f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}", t.reshape(-1) if gate_vector else t)
+        names = {**_HF_TO_GGUF, **(_GEMMA_TO_GGUF if arch in ("gemma2", "gemma3") else {})}
+        w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", t.reshape(-1) if gate_vector else t)
     for name, by_expert in experts.items():
         w.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
     w.write_header_to_file()
@@ -264,13 +283,18 @@ def test_mixture_of_experts_gguf_equals_its_safetensors(tmp_path, case, arch):
     """Mixtral (whose files say "llama" with an expert count), Qwen3-MoE (a dense layer: no router
     in it) and Qwen2-MoE (a shared expert): the same greedy tokens and prompt logprobs as the HF
     folder the file was converted from."""
-    from pagoda import LLM, SamplingParams
     from tests.test_architectures import save_tiny
     folder, _ = save_tiny(tmp_path, case)
     path = _hf_gguf(folder, tmp_path / f"{case}.gguf", arch)
     cfg = GGUFModel(path).hf_config
     assert cfg["model_type"] == {"llama": "mixtral"}.get(arch, case)
     assert cfg["mlp_only_layers"] == ([1] if case == "qwen3_moe" else [])
+    assert_same_as_folder(path, folder)
+
+
+def assert_same_as_folder(path, folder):
+    """The GGUF file's greedy tokens and prompt logprobs are the HF folder's it was converted from."""
+    from pagoda import LLM, SamplingParams
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
     prompts = [{"prompt_token_ids": p} for p in ([5, 9, 14, 3, 77], list(range(20, 60)))]
     outs = []
@@ -288,23 +312,47 @@ def test_phi3_gguf_equals_its_safetensors(tmp_path):
     """Phi-3 as llama.cpp writes it (arch "phi3": attn_qkv fused, ffn_up holding gate and up, no
     q/k permutation, its sliding window): the HF folder's greedy tokens, past the window; a
     LongRoPE file refused by name."""
-    from pagoda import LLM, SamplingParams
     from tests.test_architectures import save_tiny
     folder, _ = save_tiny(tmp_path, "phi3")
     path = _hf_gguf(folder, tmp_path / "phi3.gguf", "phi3")
     assert GGUFModel(path).hf_config["sliding_window"] == 24
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 14, 3, 77], list(range(20, 60)))]
-    outs = []
-    for model in (folder, path):
-        llm = LLM(model, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128)
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        del llm
-    assert outs[0] == outs[1]
+    assert_same_as_folder(path, folder)
     factors = np.ones(8, np.float32)
     with pytest.raises(ValueError, match="LongRoPE"):
         _ = GGUFModel(_write(tmp_path / "long.gguf", "phi3", {"rope_factors_long.weight": factors,
                                                              "rope_factors_short.weight": factors})).hf_config
+
+
+@pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3"])
+def test_gemma_gguf_equals_its_safetensors(tmp_path, case):
+    """Gemma as llama.cpp writes it (norm weights stored plus 1; Gemma 2/3's output norms named
+    post_attention_norm / post_ffw_norm and their MLP's input norm ffn_norm; Gemma 2's caps, Gemma
+    3's linear rope scaling; the sliding window on some layers as llama.cpp places it): the HF
+    folder's greedy tokens and prompt logprobs. (Scores over head_dim's root: only the 27B
+    models' are not, which the files do not say and the layer count tells.)"""
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, case, **({} if case == "gemma" else dict(query_pre_attn_scalar=32)))
+    path = _hf_gguf(folder, tmp_path / f"{case}.gguf", case)
+    assert GGUFModel(path).hf_config["model_type"] == {"gemma3": "gemma3_text"}.get(case, case)
+    assert_same_as_folder(path, folder)
+
+
+def test_gemma_27b_scale_from_the_layer_count(tmp_path):
+    """Gemma 2 / 3 27B: the scores over the root of hidden / heads (their query_pre_attn_scalar),
+    as llama.cpp reads such files; other sizes over head_dim's."""
+    for arch, layers, want in [("gemma3", 62, 64 // 4), ("gemma3", 26, 32), ("gemma2", 46, 64 // 4)]:
+        path = tmp_path / f"{arch}-{layers}.gguf"
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_block_count(layers)
+        w.add_embedding_length(64)
+        w.add_head_count(4)
+        w.add_key_length(32)
+        w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        assert GGUFModel(path).hf_config["query_pre_attn_scalar"] == want
 
 
 def test_unsupported_type_names_tensor(tmp_path):

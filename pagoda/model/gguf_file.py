@@ -38,6 +38,9 @@ _ARCHITECTURES = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma": ("gemma", "GemmaForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")
 
@@ -58,9 +61,20 @@ _LAYER_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     # Phi-3's q/k/v stored fused (and its gate/up: ffn_up, below)
     "attn_qkv": "self_attn.qkv_proj",
+    # Gemma 2/3's norms of each sublayer's output (and their MLP's input norm: ffn_norm, below)
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Names that mean another module in one architecture's files: Phi-3's ffn_up holds gate and up
-_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Names that mean another module in one architecture's files: Phi-3's ffn_up holds gate and up;
+# Gemma 2/3's ffn_norm is the norm before the MLP, which HF names so
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"},
+                     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+                     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"}}
+# Gemma's norm weights are offsets from 1 (HF's x * (1 + w)): llama.cpp's converter stores 1 + w.
+_NORMS_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
+# Gemma 2 / 3 27B scale their scores by (hidden / heads) ** -0.5, the others by head_dim's (HF's
+# query_pre_attn_scalar): the files do not say it, llama.cpp knows the 27B models by their layer
+# count, and so does this.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # The experts' projections, stacked in one tensor (experts first): each expert's, one by one
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -193,9 +207,9 @@ class GGUFModel:
             "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
             "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
             "torch_dtype": self._torch_dtype(),
-            "hidden_act": "silu",
+            "hidden_act": "gelu_pytorch_tanh" if arch in _NORMS_PLUS_ONE else "silu",
             "sliding_window": get("attention.sliding_window"),
-        } | self._moe_config(get)
+        } | self._moe_config(get) | self._gemma_config(get)
 
     def _moe_config(self, get) -> dict:
         """A mixture of experts' fields (none for a dense model). Layers without a router are
@@ -209,6 +223,21 @@ class GGUFModel:
                 "shared_expert_intermediate_size": get("expert_shared_feed_forward_length", 0),
                 "norm_topk_prob": get("expert_weights_norm", self.architecture != "qwen2moe"),
                 "decoder_sparse_step": 1, "mlp_only_layers": dense}
+
+    def _gemma_config(self, get) -> dict:
+        """Gemma 2/3's entries that HF's config has and the file gives otherwise, or not at all."""
+        arch = self.architecture
+        if arch not in _GEMMA_27B_LAYERS:
+            return {}
+        hidden, heads, layers = get("embedding_length"), get("attention.head_count"), get("block_count")
+        pattern = get("attention.sliding_window_pattern")   # (newer files: a bool a layer)
+        return {"query_pre_attn_scalar": hidden // heads if layers == _GEMMA_27B_LAYERS[arch]
+                else get("attention.key_length") or hidden // heads,
+                "attn_logit_softcapping": get("attn_logit_softcapping"),
+                "final_logit_softcapping": get("final_logit_softcapping"),
+                "rope_local_base_freq": get("rope.freq_base_swa"),
+                **({"layer_types": ["sliding_attention" if b else "full_attention" for b in pattern]}
+                   if isinstance(pattern, list) else {"sliding_window_pattern": pattern} if pattern else {})}
 
     def _rope_scaling(self) -> dict | None:
         prefix = f"{self.architecture}.rope.scaling."
@@ -256,6 +285,8 @@ class GGUFModel:
         w = dequantize(raw.reshape(rows, -1), qtype).reshape(shape)
         # F32 comes back as a view of the read-only map: copy it (and only it) so torch may own it.
         w = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        if self.architecture in _NORMS_PLUS_ONE and gguf_name.endswith("norm.weight"):
+            w = w - 1.0
         return self._unpermute(gguf_name, w)
 
     def _unpermute(self, gguf_name: str, w: torch.Tensor) -> torch.Tensor:
