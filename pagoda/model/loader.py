@@ -194,7 +194,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     prefixes = getattr(model, "checkpoint_prefixes", None)
     loaded: set[str] = set()
     for name, tensor in weights:
-        name = renamed(name, prefixes)
+        name = renamed(name, prefixes)   # (a weight update's come by the checkpoint's names; the model's pass)
         if name is None:
             continue
         # (compressed-tensors' packed weights carry their unpacked shape, which the config gives)
