@@ -86,7 +86,7 @@ class ArchConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ArchConfig":
-        d = _text_model_config(d)
+        d = _as_transformers_reads(d)
         archs = d.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot tell which model this is.")
@@ -100,8 +100,7 @@ class ArchConfig:
         local_rope = rope_params.get("sliding_attention") or {}
         rope_params = rope_params.get("full_attention", rope_params)
         rope_scaling = d.get("rope_scaling") or (rope_params if "rope_type" in rope_params else None)
-        rope_theta = d.get("rope_theta") or rope_params.get(
-            "rope_theta", 1000000.0 if model_type.startswith("gemma3") else 10000.0)
+        rope_theta = rope_params.get("rope_theta") or d.get("rope_theta") or 10000.0
         if rope_scaling is not None:    # (older configs name the kind "type": one name from here on)
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
             rope_scaling = None if kind == "default" else dict(rope_scaling, rope_type=kind)
@@ -141,8 +140,7 @@ class ArchConfig:
             hf_config=d,
             sliding_window=window,
             layer_types=layer_types,
-            local_rope_theta=float(d.get("rope_local_base_freq") or local_rope.get("rope_theta")
-                                   or (10000.0 if model_type.startswith("gemma3") else 0.0)),
+            local_rope_theta=float(local_rope.get("rope_theta") or d.get("rope_local_base_freq") or 0.0),
             # (Gemma scales its embeddings by the root of the hidden size)
             embedding_multiplier=d["hidden_size"] ** 0.5 if gemma else d.get("embedding_multiplier", 1.0),
             residual_multiplier=d.get("residual_multiplier", 1.0),
@@ -157,28 +155,31 @@ class ArchConfig:
         )
 
 
-# Multimodal checkpoints whose text model runs alone (text prompts only: images are not
-# supported), by architecture: the defaults of their text_config, whose entries their config.json
-# files give only where they differ (transformers' Gemma3TextConfig's).
-_TEXT_CONFIG_DEFAULTS = {
-    "Gemma3ForConditionalGeneration": dict(
-        model_type="gemma3_text", vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
-        max_position_embeddings=131072, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True,
-        rope_theta=1000000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=4096,
-        sliding_window_pattern=6),
+# transformers' defaults of the entries a config.json may leave out (or null), by model_type:
+# Gemma 3's text model (its multimodal checkpoints give their text_config only where it differs)
+_CONFIG_DEFAULTS = {
+    "gemma3_text": dict(
+        vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+        rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6),
 }
+# Multimodal checkpoints whose text model runs alone (text prompts only: images are not
+# supported), by architecture: that model's type
+_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "gemma3_text"}
 # (what the top level of such a config.json says for the whole model)
 _TOP_LEVEL_KEYS = ("architectures", "quantization_config", "torch_dtype", "dtype", "bos_token_id", "eos_token_id",
                    "tie_word_embeddings")
 
 
-def _text_model_config(d: dict) -> dict:
-    """A multimodal config.json (``_TEXT_CONFIG_DEFAULTS``) as its text model's; others as they are."""
-    defaults = _TEXT_CONFIG_DEFAULTS.get((d.get("architectures") or [None])[0])
-    if defaults is None or not isinstance(d.get("text_config"), dict):
-        return d
-    return {**defaults, **d["text_config"], **{k: d[k] for k in _TOP_LEVEL_KEYS if d.get(k) is not None}}
+def _as_transformers_reads(d: dict) -> dict:
+    """config.json as transformers' config class reads it: a multimodal one (``_TEXT_MODELS``) as
+    its text model's, and the defaults (``_CONFIG_DEFAULTS``) of the entries it leaves out."""
+    text_type = _TEXT_MODELS.get((d.get("architectures") or [None])[0])
+    if text_type and isinstance(d.get("text_config"), dict):
+        d = {"model_type": text_type, **d["text_config"], **{k: d[k] for k in _TOP_LEVEL_KEYS if d.get(k) is not None}}
+    defaults = _CONFIG_DEFAULTS.get(d.get("model_type"), {})
+    return {**defaults, **{k: v for k, v in d.items() if v is not None or k not in defaults}}
 
 
 def _sliding_windows(d: dict, model_type: str) -> tuple[int, tuple[str, ...]]:
@@ -197,7 +198,7 @@ def _sliding_windows(d: dict, model_type: str) -> tuple[int, tuple[str, ...]]:
     elif model_type.startswith("gemma2"):
         types = types or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     elif model_type.startswith("gemma3"):
-        pattern = d.get("sliding_window_pattern") or 6
+        pattern = d["sliding_window_pattern"]
         types = types or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     types = tuple(types or ())
     if not window or (types and "sliding_attention" not in types):

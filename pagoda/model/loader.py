@@ -115,9 +115,11 @@ def stored_unquantized(folder: str, prefixes: dict | None = None) -> set[str]:
     for file in safetensors_files(folder):
         try:
             with safe_open(file, framework="pt") as f:
-                found.update(renamed(name, prefixes).removesuffix(".weight") for name in f.keys()
-                             if name.endswith(".weight") and renamed(name, prefixes) is not None
-                             and f.get_slice(name).get_dtype() in ("BF16", "F16", "F32"))
+                for stored in f.keys():
+                    name = renamed(stored, prefixes)
+                    if name is not None and name.endswith(".weight") and \
+                            f.get_slice(stored).get_dtype() in ("BF16", "F16", "F32"):
+                        found.add(name.removesuffix(".weight"))
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ValueError(f"Cannot read weights file {file} (truncated or corrupt?): {e}") from None
     return found
