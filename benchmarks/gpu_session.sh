@@ -57,6 +57,8 @@
 #   bash benchmarks/gpu_session.sh serve16   # W3: the OpenAI server under Poisson arrivals, both models
 #   bash benchmarks/gpu_session.sh serve17   # W3 with the asyncio client, both models; the server stack over a stand-in engine
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
+#   bash benchmarks/gpu_session.sh s38a      # balanced decode: its tests compiled, the kernel against split-KV
+#   bash benchmarks/gpu_session.sh s38b      # W1 with balanced decode off / on, both models
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh s26a      # (then spec25e, warm) W1 both models; the GPU tests
 #   bash benchmarks/gpu_session.sh s26c      # (then s26d, warm) W1 / W2 with LoRA adapters; the GPU tests
@@ -1230,6 +1232,25 @@ case "${1:-}" in
             | grep -E "^pagoda |Error" | sed "s|^|W1 $m $q $(basename $tree): |")
         done
       done
+    done
+    ;;
+  s38a)
+    # Balanced decode (equal shares of the batch's K/V tiles, pairs cut between programs merged):
+    # its tests compiled, then the kernel against the split-KV launch on W1's ragged batches
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      -k "balanced or cuda_graph or split or decode" 2>&1 | tail -2
+    timeout 300 python3 benchmarks/attention_kernels.py --balanced 2>&1 | tail -14
+    ;;
+  s38b)
+    # W1 with balanced decode off (the default) / on, interleaved after a warm-up; Llama-3-8B once each
+    warm_w1 .
+    for knob in 0 4 0 4; do
+      timeout 100 python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/w1" \
+        --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 qwen3 balanced=$knob: /"
+    done
+    for knob in 0 4; do
+      timeout 150 python3 benchmarks/throughput.py --model-config $MA/llama3-8b.json --no-tqdm --out "$OUT/w1" \
+        --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 llama balanced=$knob: /"
     done
     ;;
   s37a)
