@@ -434,7 +434,7 @@ def tune_balanced(dtype, gen, log):
         for model, batch, lo, hi in BALANCED_CASES:
             case, _ = ragged_case(model, batch, lo, hi, dtype, gen, rng)
             ref = case.reference(fp32=True)
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            sms = ta.num_sms(case.query.device)
             runs = [("unbalanced", dict(balanced_programs=0))]
             runs += [(str(v), dict(balanced_programs=v[0] * sms, tiles=v[1:])) for v in BALANCED_CANDIDATES]
             line = f"  {model:10s} b={batch:<3d} ctx {lo:4d}-{hi:4d}:"

@@ -758,7 +758,6 @@ def _pick_num_segments(num_programs: int, max_query_len: int, max_seq_len: int,
     return max(1, min(want, SPLIT_MAX_SEGMENTS, 1 << (fit.bit_length() - 1)))
 
 
-
 def _pick_balanced_programs(decode: bool, num_segments: int, sliding_window: int, device: torch.device) -> int:
     """Programs of a balanced decode launch, 0 for none: decode launches that fill the chip
     without a split (below that, flash-decoding's segments), without a window."""
@@ -817,7 +816,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         return out
 
     block_m, tiles = _pick_tiles(max_query_len, group, query.dtype, query.device, num_seqs * num_kv_heads)
-    tiles["TILE_N"] = min(tiles["TILE_N"], max(16, MAX_TILE_ELEMENTS // triton.next_power_of_2(head_dim)))
+    head_dim_p = triton.next_power_of_2(head_dim)
+    tiles["TILE_N"] = _cap_tile_n(tiles["TILE_N"], head_dim_p)
     block_q = block_m // group
     decode = max_query_len == 1
     if num_segments is None:
@@ -825,7 +825,6 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         num_segments = _pick_num_segments(num_seqs * num_kv_heads, max_query_len,
                                           min(max_seq_len, sliding_window or max_seq_len), query.device)
     assert num_segments >= 1 and num_segments & (num_segments - 1) == 0
-    head_dim_p = triton.next_power_of_2(head_dim)
     if balanced_programs is None:
         balanced_programs = _pick_balanced_programs(decode, num_segments, sliding_window, query.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -835,7 +834,8 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     if balanced_programs:
         assert decode and not sliding_window, "balanced programs attend decode launches without a window"
         _balanced_decode(query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-                         scale * k_scale * math.log2(math.e), v_scale, rope, softcap, dots_f16, balanced_programs)
+                         scale * k_scale * math.log2(math.e), v_scale, rope, softcap, dots_f16, balanced_programs,
+                         block_m)
         return out
     if num_segments > 1:
         part_m = torch.empty(num_tokens, num_heads, num_segments, device=query.device,
@@ -872,18 +872,23 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     return out
 
 
+def _cap_tile_n(tile_n: int, head_dim_p: int) -> int:
+    """TILE_N at most MAX_TILE_ELEMENTS // head_dim_p tokens (head dims over 128), at least 16."""
+    return min(tile_n, max(16, MAX_TILE_ELEMENTS // head_dim_p))
+
+
 def _balanced_decode(query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, qk_scale, v_scale,
-                     rope, softcap, dots_f16, num_programs):
+                     rope, softcap, dots_f16, num_programs, block_m):
     """A decode launch as ``num_programs`` programs of equal shares of its K/V tiles
-    (``_balanced_decode_kernel``), then the merge of the pairs cut between them."""
-    num_tokens, num_heads, head_dim = query.shape
+    (``_balanced_decode_kernel``), then the merge of the pairs cut between them. ``block_m``:
+    the decode tile's rows (``_pick_tiles``)."""
+    _, num_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
     head_dim_p = triton.next_power_of_2(head_dim)
-    block_m = max(min(TILES), triton.next_power_of_2(group))
     tiles = dict(BALANCED_TILES)
-    tiles["TILE_N"] = min(tiles["TILE_N"], max(16, MAX_TILE_ELEMENTS // head_dim_p))
+    tiles["TILE_N"] = _cap_tile_n(tiles["TILE_N"], head_dim_p)
     dev = query.device
     part_m = torch.empty(num_programs * 2 * group, device=dev, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
