@@ -59,6 +59,7 @@
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh s38a      # balanced decode: its tests compiled, the kernel against split-KV
 #   bash benchmarks/gpu_session.sh s38b      # W1 with balanced decode off / on, both models
+#   bash benchmarks/gpu_session.sh s39a      # s38a and the partial rotary embedding's kernel tests
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh s26a      # (then spec25e, warm) W1 both models; the GPU tests
 #   bash benchmarks/gpu_session.sh s26c      # (then s26d, warm) W1 / W2 with LoRA adapters; the GPU tests
@@ -1240,6 +1241,12 @@ case "${1:-}" in
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
       -k "balanced or cuda_graph or split or decode" 2>&1 | tail -2
     timeout 300 python3 benchmarks/attention_kernels.py --balanced 2>&1 | tail -14
+    ;;
+  s39a)
+    # s38a with the partial rotary embedding's tests (KV write, mixed / split / balanced launches)
+    timeout 270 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      -k "balanced or cuda_graph or split or decode or partial or rotates" 2>&1 | tail -3
+    timeout 280 python3 benchmarks/attention_kernels.py --balanced 2>&1 | tail -14
     ;;
   s38b)
     # W1 with balanced decode off (the default) / on, interleaved after a warm-up; Llama-3-8B once each

@@ -41,6 +41,9 @@ class ArchConfig:
     layer_types: tuple[str, ...] = ()
     # Gemma 3's sliding layers' own rope base (no scaling); 0: every layer has the model's rope
     local_rope_theta: float = 0.0
+    # The rotary embedding turns each head's first rotary_dim dimensions only (HF's
+    # partial_rotary_factor times head_dim: Phi-4-mini's three quarters); 0: all of them
+    rotary_dim: int = 0
     # Gemma's: every RMSNorm's weight an offset from 1, applied in float32 before rounding (HF's
     # x * (1 + w)); the MLP's activation; (Gemma 2/3) each sublayer's output normed before it
     # joins the residual; tanh caps on the attention scores and on the logits (0: none)
@@ -101,15 +104,16 @@ class ArchConfig:
         rope_params = rope_params.get("full_attention", rope_params)
         rope_scaling = d.get("rope_scaling") or (rope_params if "rope_type" in rope_params else None)
         rope_theta = rope_params.get("rope_theta") or d.get("rope_theta") or 10000.0
-        if rope_scaling is not None:    # (older configs name the kind "type": one name from here on)
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            rope_scaling = None if kind == "default" else dict(rope_scaling, rope_type=kind)
+        if rope_scaling is not None:
+            rope_scaling = _rope_scaling(d, rope_scaling, model_type)
         if local_rope.get("rope_type", "default") != "default":
             raise ValueError(f"A rope scaling of the sliding layers ({local_rope['rope_type']!r}) is not supported.")
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
         partial = d.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor", 1.0)
-        if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor={partial} (a rotary embedding over part of each head, "
-                             "Phi-4-mini's) is not supported.")
+        rotary_dim = int(head_dim * partial)
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={partial} turns {rotary_dim} of each head's {head_dim} "
+                             "dimensions: it must be a positive even number, at most head_dim.")
         window, layer_types = _sliding_windows(d, model_type)
         hidden_act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
         if gemma and hidden_act == "gelu":   # (Gemma's first configs: HF and vLLM read it as tanh's)
@@ -124,7 +128,7 @@ class ArchConfig:
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
@@ -141,6 +145,7 @@ class ArchConfig:
             sliding_window=window,
             layer_types=layer_types,
             local_rope_theta=float(local_rope.get("rope_theta") or d.get("rope_local_base_freq") or 0.0),
+            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             # (Gemma scales its embeddings by the root of the hidden size)
             embedding_multiplier=d["hidden_size"] ** 0.5 if gemma else d.get("embedding_multiplier", 1.0),
             residual_multiplier=d.get("residual_multiplier", 1.0),
@@ -153,6 +158,27 @@ class ArchConfig:
             attn_logit_softcapping=d.get("attn_logit_softcapping") or 0.0,
             final_logit_softcapping=d.get("final_logit_softcapping") or 0.0,
         )
+
+
+def _rope_scaling(d: dict, s: dict, model_type: str) -> dict | None:
+    """A config's rope scaling with one name a kind ("rope_type": older configs say "type"; Phi-3's
+    first said "su", or "yarn", for LongRoPE, as transformers reads them), None for the default;
+    LongRoPE's with its original context and factor filled in from the top level, as HF does."""
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "default":
+        return None
+    if kind == "su" or (kind == "yarn" and model_type == "phi3"):
+        kind = "longrope"
+    s = dict(s, rope_type=kind)
+    if kind == "longrope":
+        old_len = s.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+        if not old_len or "short_factor" not in s or "long_factor" not in s:
+            raise ValueError("rope_scaling of type 'longrope' needs 'short_factor', 'long_factor' and "
+                             "'original_max_position_embeddings' (in it or beside it in config.json).")
+        s["original_max_position_embeddings"] = old_len
+        # (Phi-3's give no factor: it is the context's growth, which sets the attention factor)
+        s.setdefault("factor", d.get("max_position_embeddings", old_len) / old_len)
+    return s
 
 
 # transformers' defaults of the entries a config.json may leave out (or null), by model_type:

@@ -1,6 +1,7 @@
-"""Llama (with Llama-3 rope scaling), Mistral, Phi-3, Granite, SmolLM3, Qwen2, Qwen3 (also with
-YaRN) and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE from HF safetensors folders,
-against HF transformers on tiny random models; and dummy weights from a config alone."""
+"""Llama (with Llama-3 rope scaling), Mistral, Phi-3 (also Phi-4-mini's partial rotary embedding and
+LongRoPE), Granite, SmolLM3, Qwen2, Qwen3 (also with YaRN) and the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE from HF safetensors folders, against HF transformers on tiny random models;
+and dummy weights from a config alone."""
 import json
 
 import pytest
@@ -29,6 +30,9 @@ CASES = {
                                                           logits_scaling=8.0, tie_word_embeddings=True)),
     # (q/k/v and gate/up stored fused; Phi-3-mini-4k's sliding window, here past the prompts' ends)
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(rope_theta=10000.0, sliding_window=24, pad_token_id=0)),
+    # (Phi-4-mini's rotary embedding over three quarters of each head)
+    "phi4_mini": ("Phi3Config", "Phi3ForCausalLM", dict(rope_theta=10000.0, partial_rotary_factor=0.75, pad_token_id=0,
+                                                       tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1000000.0,
                                                       tie_word_embeddings=True)),
     # (YaRN, as Qwen3's card sets it for 4x its context; here 4 x 16 positions, so the prompts run
@@ -85,21 +89,25 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return ref[0, len(prompt):].tolist()
 
 
+@torch.no_grad()
+def assert_matches_hf(llm, hf, prompts: list[list[int]], n: int):
+    """The engine's greedy continuations (``n`` tokens) and prompt logprobs are HF's."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, prompt_logprobs=1),
+                        use_tqdm=False)
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, n)
+        lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
+        for pos in range(1, len(p)):
+            assert abs(out.prompt_logprobs[pos][p[pos]].logprob - lp[pos - 1, p[pos]].item()) < 1e-3
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_tiny_model_matches_hf(tmp_path, case):
     folder, hf = save_tiny(tmp_path, case)
     llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 17, 40)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1),
-                        use_tqdm=False)
-    with torch.no_grad():
-        for p, out in zip(prompts, outs):
-            assert out.outputs[0].token_ids == hf_greedy(hf, p, 12)
-            lp = hf(torch.tensor([p])).logits[0].log_softmax(-1)
-            for pos in range(1, len(p)):
-                assert abs(out.prompt_logprobs[pos][p[pos]].logprob - lp[pos - 1, p[pos]].item()) < 1e-3
+    assert_matches_hf(llm, hf, [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 17, 40)], 12)
 
 
 def test_sliding_window_matches_hf(tmp_path):
@@ -132,12 +140,38 @@ def test_sliding_window_matches_hf(tmp_path):
         assert out.outputs[0].token_ids == hf_greedy(hf, p, 12)
 
 
+LONGROPE = dict(rope_theta=10000.0, partial_rotary_factor=0.75, pad_token_id=0, original_max_position_embeddings=24,
+                rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                              "long_factor": [1.0, 2.0, 4.0, 9.0, 20.0, 40.0]})
+
+
+def test_longrope_matches_hf(tmp_path):
+    """Phi-3.5 / Phi-3-128k / Phi-4-mini's LongRoPE (here with Phi-4-mini's partial rotary
+    embedding, over an original context of 24 positions grown to 256): with max_model_len within
+    the original context the short factors, as HF uses them for such sequences; beyond it the
+    long factors for every sequence (vLLM's rule), as HF uses them for a sequence past the
+    original context from its first forward on. The attention factor (from 256 / 24) scales
+    both."""
+    folder, hf = save_tiny(tmp_path, "phi4_mini", **LONGROPE)
+    g = torch.Generator().manual_seed(3)
+    for max_model_len, lengths in ((24, (5, 16)), (None, (25, 40))):
+        llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24,
+                  max_model_len=max_model_len)
+        rope = llm.llm_engine.executor.runner.model.model.layers[0].self_attn.rotary_emb
+        assert rope.cos_sin_cache.shape[-1] == 12    # (three quarters of 16)
+        assert_matches_hf(llm, hf, [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths], 8)
+        del llm
+
+
 @pytest.mark.parametrize("extra,error", [
-    (dict(partial_rotary_factor=0.75), "partial_rotary_factor=0.75 .* is not supported"),
-    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                        "original_max_position_embeddings": 64}), "Unsupported rope_scaling type 'longrope'")])
-def test_phi3_variants_not_supported_are_refused_by_name(tmp_path, extra, error):
-    """Phi-4-mini's partial rotary embedding and Phi-3.5 / Phi-3-128k's LongRoPE."""
+    (dict(partial_rotary_factor=0.3125), "partial_rotary_factor=0.3125 turns 5 .* positive even number"),
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8}),
+     "'longrope' needs 'short_factor', 'long_factor' and 'original_max_position_embeddings'"),
+    (dict(rope_scaling={"type": "su", "short_factor": [1.0] * 5, "long_factor": [2.0] * 5},
+          original_max_position_embeddings=64), "long_factor has 5 entries; the rotary embedding has 8")])
+def test_phi3_rope_errors_name_the_problem(tmp_path, extra, error):
+    """A rotary dimension that is no even number, LongRoPE without its factors or original
+    context, factors that do not fit the heads (Phi-3's first configs name LongRoPE "su")."""
     cfg = dict(BASE, architectures=["Phi3ForCausalLM"], model_type="phi3", **extra)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=error):

@@ -1,4 +1,5 @@
 """GGUF reading: config from metadata, weights equal to transformers' loading, errors on bad files."""
+import math
 import os
 
 import gguf
@@ -227,6 +228,16 @@ def _hf_gguf(folder, path, arch):
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "longrope":   # (Phi-3's: the factors as tensors, no scaling type)
+        old_len = rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+        grown = cfg["max_position_embeddings"] / old_len
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(grown) / math.log(old_len)))
+        w.add_rope_scaling_orig_ctx_len(old_len)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+                                               or 1.0)))
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(cap):
             getattr(w, f"add_{cap}")(cfg[cap])
@@ -310,17 +321,20 @@ def assert_same_as_folder(path, folder):
 
 def test_phi3_gguf_equals_its_safetensors(tmp_path):
     """Phi-3 as llama.cpp writes it (arch "phi3": attn_qkv fused, ffn_up holding gate and up, no
-    q/k permutation, its sliding window): the HF folder's greedy tokens, past the window; a
-    LongRoPE file refused by name."""
-    from tests.test_architectures import save_tiny
+    q/k permutation, its sliding window): the HF folder's greedy tokens, past the window; and
+    Phi-4-mini's (three quarters of each head rotated: the rope's dimension count) with LongRoPE
+    (its factors two tensors, the attention factor the converter computed, the original context)."""
+    from tests.test_architectures import LONGROPE, save_tiny
     folder, _ = save_tiny(tmp_path, "phi3")
     path = _hf_gguf(folder, tmp_path / "phi3.gguf", "phi3")
     assert GGUFModel(path).hf_config["sliding_window"] == 24
     assert_same_as_folder(path, folder)
-    factors = np.ones(8, np.float32)
-    with pytest.raises(ValueError, match="LongRoPE"):
-        _ = GGUFModel(_write(tmp_path / "long.gguf", "phi3", {"rope_factors_long.weight": factors,
-                                                             "rope_factors_short.weight": factors})).hf_config
+    folder, _ = save_tiny(tmp_path / "long", "phi4_mini", **LONGROPE)
+    path = _hf_gguf(folder, tmp_path / "long.gguf", "phi3")
+    cfg = GGUFModel(path).hf_config
+    assert cfg["partial_rotary_factor"] == 0.75
+    assert cfg["rope_scaling"]["long_factor"] == LONGROPE["rope_scaling"]["long_factor"]
+    assert_same_as_folder(path, folder)
 
 
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3"])

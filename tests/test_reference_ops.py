@@ -29,6 +29,26 @@ def test_rotary_equals_hf_bit_for_bit(tokens, heads, kv_heads, head_dim):
         assert torch.equal(out.view_as(hf), hf)
 
 
+@pytest.mark.parametrize("tokens,head_dim,rotary_dim", [(1, 32, 16), (37, 64, 48), (300, 128, 96)])
+def test_partial_rotary_equals_hf_bit_for_bit(tokens, head_dim, rotary_dim):
+    """Phi-4-mini's partial rotary embedding: the table turns each head's first rotary_dim
+    dimensions, the rest pass as they are, bit for bit as HF's Phi-3 applies it."""
+    modeling_phi3 = pytest.importorskip("transformers.models.phi3.modeling_phi3")
+    gen = torch.Generator().manual_seed(tokens)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, rotary_dim=rotary_dim)
+    assert rope.cos_sin_cache.shape == (4096, rotary_dim)
+    q = torch.randn(tokens, 3 * head_dim, generator=gen)
+    k = torch.randn(tokens, head_dim, generator=gen)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    out_q, out_k = reference.rotary_embedding(positions, q, k, rope.cos_sin_cache, head_dim)
+    cos, sin = rope.cos_sin_cache[positions].chunk(2, dim=-1)
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    hf_q, hf_k = modeling_phi3.apply_rotary_pos_emb(q.view(tokens, 3, head_dim), k.view(tokens, 1, head_dim), cos, sin)
+    assert torch.equal(out_q.view(tokens, 3, head_dim), hf_q)
+    assert torch.equal(out_k.view(tokens, 1, head_dim), hf_k)
+    assert torch.equal(out_q.view(tokens, 3, head_dim)[..., rotary_dim:], q.view(tokens, 3, head_dim)[..., rotary_dim:])
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 64, 65, 300])
 def test_cpu_dense_linear(rows, monkeypatch):
     """The CPU's dense matmul (``quant.base.dense_linear``): F.linear's result in float32 at every

@@ -2,7 +2,7 @@
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -199,6 +199,7 @@ class EngineArgs:
         if max_model_len > arch.max_context:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's maximum "
                              f"context ({arch.max_context} tokens).")
+        arch = _fix_longrope_factors(arch, max_model_len)
         if self.block_size not in (1, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 1, 8, 16, 32, 64, 128, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -282,6 +283,20 @@ def cpu_has_native_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def _fix_longrope_factors(arch: ArchConfig, max_model_len: int) -> ArchConfig:
+    """LongRoPE's factors for the engine's life, as vLLM picks them: the long ones where a
+    sequence may run past the original context (max_model_len beyond it), else the short ones."""
+    s = arch.rope_scaling or {}
+    if s.get("rope_type") != "longrope":
+        return arch
+    long = max_model_len > s["original_max_position_embeddings"]
+    if long:
+        logger.info("LongRoPE: max_model_len %d is past the original context (%d): the long factors for every "
+                    "sequence; set max_model_len=%d for the short ones.", max_model_len,
+                    s["original_max_position_embeddings"], s["original_max_position_embeddings"])
+    return replace(arch, rope_scaling=dict(s, use_long_rope=long))
 
 
 def _resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None, device: str):

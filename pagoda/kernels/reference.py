@@ -187,7 +187,7 @@ class Rope(NamedTuple):
     the per-head RMSNorm weights applied to q and k first where the model has them (Qwen3; Gemma 3,
     whose norms are of their own kind: ``rms_norm``'s ``unit_offset``)."""
     positions: torch.Tensor                    # (num_tokens,) integer
-    cos_sin_cache: torch.Tensor                # (max_position, head_dim) float32: cos | sin
+    cos_sin_cache: torch.Tensor                # (max_position, rotary_dim) float32: cos | sin
     q_norm_weight: torch.Tensor | None = None  # (head_dim,)
     k_norm_weight: torch.Tensor | None = None
     eps: float = 1e-6
@@ -200,8 +200,10 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half (NeoX) rotary embedding of ``q (tokens, heads * head_dim)`` and
     ``k (tokens, kv_heads * head_dim)`` at ``positions``; ``cos_sin_cache (max_position,
-    head_dim)`` float32 holds cos in its first half and sin in its second. Math in float32,
-    results in the inputs' dtype, as new tensors (q and k are left unchanged). With
+    rotary_dim)`` float32 holds cos in its first half and sin in its second, and turns each head's
+    first rotary_dim dimensions (all of them but for Phi-4-mini's partial rotary embedding: the rest
+    pass unrotated). Math in float32, results in the inputs' dtype, as new tensors (q and k are
+    left unchanged). With
     ``q_norm_weight`` / ``k_norm_weight`` each head is first RMS-normalised (Qwen3; Gemma 3's
     norm with ``norm_unit_offset``)."""
     if q_norm_weight is not None:
@@ -209,12 +211,14 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         k = rms_norm(k.unflatten(-1, (-1, head_dim)), k_norm_weight, eps, unit_offset=norm_unit_offset).flatten(-2)
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
     cos, sin = cos[:, None], sin[:, None]
+    rotary_dim = cos_sin_cache.shape[-1]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
-        x1, x2 = x.view(shape[0], -1, head_dim).float().chunk(2, dim=-1)
-        out = torch.empty(*x1.shape[:-1], head_dim, device=x.device)
-        o1, o2 = out.chunk(2, dim=-1)
+        heads = x.view(shape[0], -1, head_dim).float()
+        x1, x2 = heads[..., :rotary_dim].chunk(2, dim=-1)
+        out = heads.clone() if rotary_dim < head_dim else torch.empty_like(heads)
+        o1, o2 = out[..., :rotary_dim].chunk(2, dim=-1)
         tmp = torch.empty_like(o1)
         # The same products and sums as x1 * cos - x2 * sin and x2 * cos + x1 * sin (bit for
         # bit), written in place: no temporaries per product and no cat (half the time on CPU).

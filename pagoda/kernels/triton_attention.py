@@ -165,23 +165,27 @@ def _rope_args(rope: Rope | None, of: str, head_dim: int, dummy: torch.Tensor) -
     cos/sin table and that side's norm weight, dummy pointers without ``rope``."""
     if rope is None:
         return dict(cos_sin_ptr=dummy, norm_ptr=dummy, stride_cs=0, eps=0.0, HAS_ROPE=False, HAS_NORM=False,
-                    NORM_UNIT_OFFSET=False)
+                    NORM_UNIT_OFFSET=False, ROTARY_DIM=head_dim)
     norm_weight = rope.q_norm_weight if of == "q" else rope.k_norm_weight
     cache = rope.cos_sin_cache
-    assert cache.shape[-1] == head_dim and cache.stride(-1) == 1 and head_dim % 2 == 0
+    # (the table's width is the rotary embedding's: less than head_dim where it turns part of
+    # each head only, Phi-4-mini's)
+    rotary_dim = cache.shape[-1]
+    assert rotary_dim <= head_dim and cache.stride(-1) == 1 and rotary_dim % 2 == 0
     assert norm_weight is None or (norm_weight.shape == (head_dim,) and norm_weight.is_contiguous())
     return dict(cos_sin_ptr=cache, norm_ptr=dummy if norm_weight is None else norm_weight,
                 stride_cs=cache.stride(0), eps=rope.eps, HAS_ROPE=True, HAS_NORM=norm_weight is not None,
-                NORM_UNIT_OFFSET=rope.norm_unit_offset)
+                NORM_UNIT_OFFSET=rope.norm_unit_offset, ROTARY_DIM=rotary_dim)
 
 
 @triton.jit
 def _load_heads(ptr, row_off, row_valid, pos, cos_sin_ptr, stride_cs, norm_ptr, eps,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, HAS_ROPE: tl.constexpr,
-                HAS_NORM: tl.constexpr, NORM_UNIT_OFFSET: tl.constexpr):
+                HAS_NORM: tl.constexpr, NORM_UNIT_OFFSET: tl.constexpr, ROTARY_DIM: tl.constexpr):
     """Rows of head vectors ``ptr + row_off[r] + d``, with rotary at positions ``pos[r]`` if
     HAS_ROPE (each head RMS-normalised first if HAS_NORM; Gemma's norm if NORM_UNIT_OFFSET). The
-    rotated half is a second, permuted read of the same row (``d -> d +- HEAD_DIM / 2``). The
+    rotated half is a second, permuted read of the same row (``d -> d +- ROTARY_DIM / 2``; the
+    dimensions from ROTARY_DIM on, where it is less than HEAD_DIM, pass unrotated). The
     roundings are those of the torch path: normalised back to the dtype, times the weight back to
     the dtype (Gemma's: times 1 + w in float32, then back), the rotation in float32 rounded once."""
     d = tl.arange(0, HEAD_DIM_P)
@@ -189,13 +193,18 @@ def _load_heads(ptr, row_off, row_valid, pos, cos_sin_ptr, stride_cs, norm_ptr, 
     x = tl.load(ptr + row_off[:, None] + d[None, :], mask=mask, other=0.0)
     if HAS_ROPE:
         # every load first, then the arithmetic: the loads are then in flight together
-        HALF: tl.constexpr = HEAD_DIM // 2
+        HALF: tl.constexpr = ROTARY_DIM // 2
         first = d < HALF
-        partner = tl.where(first, d + HALF, d - HALF)
+        if ROTARY_DIM == HEAD_DIM:
+            partner = tl.where(first, d + HALF, d - HALF)
+            turned = mask
+        else:
+            partner = tl.where(first, d + HALF, tl.where(d < ROTARY_DIM, d - HALF, d))
+            turned = mask & (d < ROTARY_DIM)[None, :]
         xp = tl.load(ptr + row_off[:, None] + partner[None, :], mask=mask, other=0.0)
         cs = cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs + tl.where(first, d, d - HALF)[None, :]
-        cos = tl.load(cs, mask=mask, other=0.0)
-        sin = tl.load(cs + HALF, mask=mask, other=0.0)
+        cos = tl.load(cs, mask=turned, other=0.0)
+        sin = tl.load(cs + HALF, mask=turned, other=0.0)
         xf, xpf = x.to(tl.float32), xp.to(tl.float32)
         if HAS_NORM:
             w = tl.load(norm_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
@@ -208,7 +217,10 @@ def _load_heads(ptr, row_off, row_valid, pos, cos_sin_ptr, stride_cs, norm_ptr, 
                 xf = ((xf * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
                 xpf = ((xpf * rstd).to(x.dtype).to(tl.float32) * wp).to(x.dtype).to(tl.float32)
         # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin
-        x = (xf * cos + xpf * tl.where(first[None, :], -sin, sin)).to(x.dtype)
+        x = xf * cos + xpf * tl.where(first[None, :], -sin, sin)
+        if ROTARY_DIM != HEAD_DIM:
+            x = tl.where((d < ROTARY_DIM)[None, :], x, xf)
+        x = x.to(xp.dtype)
     return x
 
 
@@ -224,7 +236,8 @@ def _write_kv_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ma
                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr,
                            BLOCK_SIZE: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-                           FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr, NORM_UNIT_OFFSET: tl.constexpr = False):
+                           FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr, NORM_UNIT_OFFSET: tl.constexpr,
+                           ROTARY_DIM: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     # (the slot mapping is a step input, written before the previous kernel started)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -239,7 +252,8 @@ def _write_kv_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ma
     if HAS_ROPE:
         pos = tl.load(pos_ptr + token)
     k = _load_heads(key_ptr, token * stride_kt + offs_h * stride_kh, heads, pos + 0 * offs_h, cos_sin_ptr,
-                    stride_cs, norm_ptr, eps, HEAD_DIM, HEAD_DIM_P, HAS_ROPE, HAS_NORM, NORM_UNIT_OFFSET)
+                    stride_cs, norm_ptr, eps, HEAD_DIM, HEAD_DIM_P, HAS_ROPE, HAS_NORM, NORM_UNIT_OFFSET,
+                    ROTARY_DIM)
     v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d, mask=mask)
     if FP8_MAX > 0:  # (reference.quantize_kv)
         k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
@@ -409,8 +423,8 @@ def _paged_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
         NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
         DECODE: tl.constexpr, SKIP_DECODES: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-        FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
-        NORM_UNIT_OFFSET: tl.constexpr = False):
+        FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+        NORM_UNIT_OFFSET: tl.constexpr, ROTARY_DIM: tl.constexpr):
     # (pdl_wait comes after the tiles of the old context: see the K/V loops)
     if DECODE:
         # At most one query token per request: no search (its dependent loads are most of a
@@ -465,7 +479,8 @@ def _paged_attention_kernel(
     # rotary position is q_pos (a request's positions are its context's last ones), not a load
     # of the positions: that would be one more dependent load before the first K/V tile.
     q = _load_heads(q_ptr, token * stride_qt + head * stride_qh, row_valid, q_pos, cos_sin_ptr,
-                    stride_cs, norm_ptr, eps, HEAD_DIM, HEAD_DIM_P, HAS_ROPE, HAS_NORM, NORM_UNIT_OFFSET)
+                    stride_cs, norm_ptr, eps, HEAD_DIM, HEAD_DIM_P, HAS_ROPE, HAS_NORM, NORM_UNIT_OFFSET,
+                    ROTARY_DIM)
     if FP8_DOTS_F16:  # the dots in fp16, q / 256 so that it cannot overflow (qk_scale * 256)
         q = (q.to(tl.float32) * (1.0 / FP8_Q_DIVISOR)).to(tl.float16)
 
@@ -570,7 +585,7 @@ def _attend_pair(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_
                  HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr, HAS_ROPE: tl.constexpr,
                  HAS_NORM: tl.constexpr, FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr, SOFTCAP: tl.constexpr,
-                 NORM_UNIT_OFFSET: tl.constexpr):
+                 NORM_UNIT_OFFSET: tl.constexpr, ROTARY_DIM: tl.constexpr):
     """Tiles [t_lo, t_hi) of one decode's (request seq, KV head) pair of n tiles: to out if that
     is the whole pair, else a partial softmax state at rows ``part`` of the scratch."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -580,7 +595,7 @@ def _attend_pair(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_
     EDGES: tl.constexpr = HEAD_DIM != HEAD_DIM_P
     q = _load_heads(q_ptr, q_start.to(tl.int64) * stride_qt + (kv_head * GROUP + offs_m % GROUP) * stride_qh,
                     row_valid, seq_len - 1 + 0 * offs_m, cos_sin_ptr, stride_cs, norm_ptr, eps, HEAD_DIM,
-                    HEAD_DIM_P, HAS_ROPE, HAS_NORM, NORM_UNIT_OFFSET)
+                    HEAD_DIM_P, HAS_ROPE, HAS_NORM, NORM_UNIT_OFFSET, ROTARY_DIM)
     if FP8_DOTS_F16:
         q = (q.to(tl.float32) * (1.0 / FP8_Q_DIVISOR)).to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -626,7 +641,8 @@ def _balanced_decode_kernel(
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BATCH_P: tl.constexpr,
         DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-        FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr, SOFTCAP: tl.constexpr, NORM_UNIT_OFFSET: tl.constexpr):
+        FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr, SOFTCAP: tl.constexpr, NORM_UNIT_OFFSET: tl.constexpr,
+        ROTARY_DIM: tl.constexpr):
     # The batch's work is its (request, KV head) pairs' tiles in batch order, numbered g = 0..T-1;
     # program p attends the p-th of P shares as equal as whole tiles allow: T // P tiles, one
     # more for the first T % P programs. A pair whole in one program is written to out; a pair
@@ -684,7 +700,7 @@ def _balanced_decode_kernel(
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
                          cos_sin_ptr, norm_ptr, stride_cs, eps, GROUP, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_M,
                          TILE_N, DOT_PRECISION, LOOP_STAGES, HAS_ROPE, HAS_NORM, FP8_DOTS_F16, USE_PDL, SOFTCAP,
-                         NORM_UNIT_OFFSET)
+                         NORM_UNIT_OFFSET, ROTARY_DIM)
             g += t_hi - t_lo
             if (t_hi == n) & (kv_head == NUM_KV_HEADS - 1):
                 seq += 1

@@ -78,8 +78,9 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # The experts' projections, stacked in one tensor (experts first): each expert's, one by one
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Tensors llama.cpp adds that HF recomputes from the config (llama3 rope factors).
-_SKIPPED = {"rope_freqs.weight"}
+# Tensors llama.cpp adds that are no parameters: rope frequency factors (Llama-3's, which the
+# metadata gives again; LongRoPE's, read into the config)
+_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 class _Header:
@@ -180,10 +181,8 @@ class GGUFModel:
                              f"(supported: {sorted(_ARCHITECTURES)})")
         get = lambda key, default=None: md.get(f"{arch}.{key}", default)  # noqa: E731
         model_type, cls = _MIXTRAL if arch == "llama" and get("expert_count") else _ARCHITECTURES[arch]
-        if "rope_factors_long.weight" in self.tensor_infos:
-            raise ValueError(f"{self.path}: LongRoPE (rope_factors_long / rope_factors_short: Phi-3-128k, Phi-3.5) "
-                             "is not supported.")
         hidden, heads = get("embedding_length"), get("attention.head_count")
+        head_dim = get("attention.key_length") or hidden // heads
         kv_heads = get("attention.head_count_kv", heads)
         embed = self.tensor_infos.get("token_embd.weight")
         vocab = get("vocab_size") or len(md.get("tokenizer.ggml.tokens", ())) or (embed[0][0] if embed else None)
@@ -196,7 +195,9 @@ class GGUFModel:
             "num_hidden_layers": get("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
-            "head_dim": get("attention.key_length") or hidden // heads,
+            "head_dim": head_dim,
+            # (Phi-4-mini's rotary embedding turns three quarters of each head)
+            "partial_rotary_factor": get("rope.dimension_count", head_dim) / head_dim,
             "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
             "rope_theta": get("rope.freq_base", 10000.0),
             "rope_scaling": self._rope_scaling(),
@@ -241,6 +242,13 @@ class GGUFModel:
 
     def _rope_scaling(self) -> dict | None:
         prefix = f"{self.architecture}.rope.scaling."
+        if "rope_factors_long.weight" in self.tensor_infos:
+            # LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini): llama.cpp's converter writes the factors
+            # as two tensors and the attention factor it computed, but no scaling type
+            return {"rope_type": "longrope", "long_factor": self.tensor("rope_factors_long.weight").tolist(),
+                    "short_factor": self.tensor("rope_factors_short.weight").tolist(),
+                    "original_max_position_embeddings": self.metadata[prefix + "original_context_length"],
+                    "attention_factor": self.metadata.get(prefix + "attn_factor")}
         kind = self.metadata.get(prefix + "type")
         if kind in (None, "none"):
             return None

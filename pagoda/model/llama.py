@@ -144,8 +144,8 @@ class LlamaModel(nn.Module):
             else PPMissingLayer()
         # One cos/sin table for all layers (Gemma 3: another for its sliding layers), owned by
         # the model: freed with it.
-        rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling)
-        local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.local_rope_theta) \
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
+        local_rope = RotaryEmbedding(cfg.head_dim, cfg.max_context, cfg.local_rope_theta, rotary_dim=cfg.rotary_dim) \
             if cfg.local_rope_theta else rope
 
         def layer(i):

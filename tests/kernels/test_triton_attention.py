@@ -503,10 +503,10 @@ def test_decode_cuda_graph_and_no_sync(balanced, request):
 EPS = 1e-6
 
 
-def rope_inputs(num_tokens, head_dim, norm, dtype, gen, scaling=None, pos_dtype=torch.int64):
+def rope_inputs(num_tokens, head_dim, norm, dtype, gen, scaling=None, pos_dtype=torch.int64, rotary_dim=None):
     from pagoda.model.layers.rotary import RotaryEmbedding
     max_pos = 2 * LONG
-    table = RotaryEmbedding(head_dim, max_pos, 1e6 if head_dim == 128 else 1e4, scaling).cos_sin_cache
+    table = RotaryEmbedding(head_dim, max_pos, 1e6 if head_dim == 128 else 1e4, scaling, rotary_dim).cos_sin_cache
     positions = torch.randint(0, max_pos, (num_tokens,), generator=gen, dtype=pos_dtype)
     # (Gemma's weights are offsets from 1: around 0)
     w_q, w_k = (torch.randn(2, head_dim, generator=gen) * 0.2 + (norm == "qwen3")).to(DEVICE, dtype) if norm \
@@ -574,3 +574,49 @@ def test_paged_attention_rotates_queries(case, norm, dtype, request):
     # and not merely close to attention without rotary
     assert rel_err(out, reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl,
                                                   scale)) > 10 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("norm", [None, "qwen3"], ids=["rope", "norm+rope"])
+def test_partial_rotary(norm, request):
+    """Phi-4-mini's partial rotary embedding (its LongRoPE table turning 96 of each head's 128
+    dimensions, the rest passing unrotated), in the KV write and in every launch that rotates
+    queries: a mixed step (prefill tiles and the decodes' launch), split-KV and balanced decodes."""
+    gen = seed_for(request)
+    num_heads, num_kv_heads = HEADS[1]
+    head_dim, rotary_dim, dtype = 128, 96, DTYPES[0]
+    scaling = {"rope_type": "longrope", "short_factor": [1.0 + i / 48 for i in range(48)],
+               "long_factor": [1.0 + i for i in range(48)], "factor": 32.0, "original_max_position_embeddings": 64}
+    # the KV write
+    num_tokens, num_blocks = 37, 9
+    kv_cache = torch.randn(2, num_blocks, 16, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    key, value = (torch.randn(2, num_tokens, num_kv_heads, head_dim, generator=gen) + 0.3).to(DEVICE, dtype)
+    slots = torch.randperm(num_blocks * 16, generator=gen)[:num_tokens].to(DEVICE)
+    rope = rope_inputs(num_tokens, head_dim, norm, dtype, gen, scaling, rotary_dim=rotary_dim)
+    assert rope.cos_sin_cache.shape[-1] == rotary_dim
+    expected = kv_cache.clone()
+    rot_k = rotated(rope, key, key)[1].view_as(key)
+    reference.write_kv_cache(rot_k, value, expected, slots)
+    ta.write_kv_cache_triton(key, value, kv_cache, slots, rope)
+    assert rel_err(kv_cache[0], expected[0]) < TOLERANCE[dtype]
+    if norm is None:   # (the dimensions past the rotary ones exactly as given)
+        written = kv_cache[0].flatten(0, 1)[slots.long()]
+        assert torch.equal(written[..., rotary_dim:], key[..., rotary_dim:])
+    # the queries, in each launch
+    for (q_lens, seq_lens), kw in [(CASES["mixed"], {}), (CASES["decode_long"], dict(num_segments=4)),
+                                   (CASES["decode_long"], dict(balanced_programs=5))]:
+        query, kv_cache, tables, seq_lens_t, qsl = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim,
+                                                              16, dtype, gen)
+        rope = rope_inputs(sum(q_lens), head_dim, norm, dtype, gen, scaling, rotary_dim=rotary_dim)
+        places = torch.cat([torch.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]).to(DEVICE)
+        q_rot = rotated(rope._replace(positions=places), query, query[:, :1])[0].view_as(query)
+        scale = head_dim ** -0.5
+        ref = reference.paged_attention(q_rot.float(), kv_cache.float(), tables, seq_lens_t, qsl, scale)
+        out = ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale, max(seq_lens), max(q_lens),
+                                        rope=rope._replace(positions=places * 0 - 10**6), **kw)
+        assert rel_err(out, ref) < TOLERANCE[dtype], kw
+        # (and not the whole head rotated: the table's frequencies over 128 dimensions)
+        whole = rope_inputs(sum(q_lens), head_dim, norm, dtype, gen, None)._replace(positions=places)
+        wrong = rotated(whole._replace(q_norm_weight=rope.q_norm_weight, k_norm_weight=rope.k_norm_weight),
+                        query, query[:, :1])[0].view_as(query)
+        assert rel_err(out, reference.paged_attention(wrong.float(), kv_cache.float(), tables, seq_lens_t, qsl,
+                                                      scale)) > 10 * TOLERANCE[dtype]

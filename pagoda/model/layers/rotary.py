@@ -1,6 +1,8 @@
 """Rotary position embedding (rotate-half / NeoX layout, as HF checkpoints use), with the
-Llama-3, linear and YaRN scalings of the frequencies: the cos/sin table. The attention backends
-apply it (``reference.Rope``), on the GPU inside the KV-write and attention kernels."""
+Llama-3, linear, YaRN and LongRoPE scalings of the frequencies: the cos/sin table, over each head's
+first ``rotary_dim`` dimensions (all of them but for a partial rotary embedding, Phi-4-mini's). The
+attention backends apply it (``reference.Rope``), on the GPU inside the KV-write and attention
+kernels."""
 import math
 
 import torch
@@ -46,11 +48,35 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, base: float, s: dict) 
     return inv_freq, attention
 
 
+def _longrope_inv_freq(inv_freq: torch.Tensor, max_position: int, s: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini): each frequency over its own factor, the long
+    ones or the short ones, and the attention factor (the root of 1 + ln(factor) / ln(original
+    context) unless the config gives it) by which cos and sin are scaled. Which factors is fixed
+    for the engine's life, as vLLM fixes it: the long ones if a sequence may run past the
+    original context (``use_long_rope``, from max_model_len; the table's length where not set).
+    HF picks them at each forward by the longest sequence in it, so where max_model_len is the
+    longer a prompt within the original context gets other frequencies here than in HF, as in
+    vLLM, and the KV cache never holds keys of both kinds."""
+    old_len = s["original_max_position_embeddings"]
+    long = s.get("use_long_rope", max_position > old_len)
+    factors = s["long_factor" if long else "short_factor"]
+    if len(factors) != len(inv_freq):
+        raise ValueError(f"rope_scaling's {'long' if long else 'short'}_factor has {len(factors)} entries; "
+                         f"the rotary embedding has {len(inv_freq)} frequencies (half its dimensions).")
+    factor = s["factor"]
+    attention = s.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    return inv_freq / torch.tensor(factors, dtype=inv_freq.dtype), attention
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        rotary_dim = rotary_dim or head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
         kind = (rope_scaling or {}).get("rope_type")   # (ArchConfig names every kind so)
         attention = 1.0
         if kind == "llama3":
@@ -58,12 +84,14 @@ class RotaryEmbedding(nn.Module):
         elif kind == "linear":
             inv_freq = inv_freq / rope_scaling["factor"]
         elif kind == "yarn":
-            inv_freq, attention = _yarn_inv_freq(inv_freq, head_dim, base, rope_scaling)
+            inv_freq, attention = _yarn_inv_freq(inv_freq, rotary_dim, base, rope_scaling)
+        elif kind == "longrope":
+            inv_freq, attention = _longrope_inv_freq(inv_freq, max_position, rope_scaling)
         elif kind not in (None, "default"):
-            raise ValueError(f"Unsupported rope_scaling type {kind!r} (supported: llama3, linear, yarn).")
+            raise ValueError(f"Unsupported rope_scaling type {kind!r} (supported: llama3, linear, yarn, longrope).")
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
-        # (max_position, head_dim): cos for the first half, sin for the second.
+        # (max_position, rotary_dim): cos for the first half, sin for the second.
         self.register_buffer("cos_sin_cache", (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention).float(),
                              persistent=False)
 
