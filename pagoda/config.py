@@ -74,6 +74,13 @@ class ArchConfig:
         return self.sliding_window
 
     @property
+    def uniform_window(self) -> int:
+        """The sliding window every layer has (Mistral-7B-v0.1's, Phi-3-mini-4k's), so that KV
+        before it is never read again; 0 where some layer attends to its whole context."""
+        windows = {self.window(i) for i in range(self.num_hidden_layers)}
+        return windows.pop() if len(windows) == 1 else 0
+
+    @property
     def max_context(self) -> int:
         """The longest context the model takes, as vLLM derives it: max_position_embeddings, or
         with a linear or YaRN rope scaling that times its factor (YaRN's: original_max_position_

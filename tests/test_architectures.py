@@ -163,6 +163,31 @@ def test_longrope_matches_hf(tmp_path):
         del llm
 
 
+def test_sliding_window_gives_back_blocks(tmp_path):
+    """With the same window on every layer (Mistral-7B-v0.1's, here 8 positions), a request gives
+    its blocks before the window back as it grows: four requests of 70 tokens (9 blocks of 8
+    each, 36 in all) run side by side in 15 blocks without a preemption, and generate HF's
+    tokens; every block is free again at the end. Windows on some layers only (Gemma 2's) keep
+    every block."""
+    folder, hf = save_tiny(tmp_path, "mistral", sliding_window=8)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, block_size=8, num_gpu_blocks_override=16,
+              max_model_len=80)
+    kv = llm.llm_engine.kv_cache_manager
+    assert kv.sliding_window == 8
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 512, (20,), generator=g).tolist() for _ in range(4)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
+    assert llm.get_stats().num_preemptions == 0
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, 50)
+    assert kv.num_free_blocks == 15 and not kv.req_to_blocks
+    del llm
+    folder, _ = save_tiny(tmp_path / "g", "gemma2")
+    llm = LLM(folder, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22)
+    assert llm.llm_engine.kv_cache_manager.sliding_window == 0
+
+
 @pytest.mark.parametrize("extra,error", [
     (dict(partial_rotary_factor=0.3125), "partial_rotary_factor=0.3125 turns 5 .* positive even number"),
     (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8}),

@@ -18,7 +18,8 @@ def check_invariants(kv: KVCacheManager) -> None:
     held: dict[int, int] = {}
     for blocks in kv.req_to_blocks.values():
         for b in blocks:
-            held[b.block_id] = held.get(b.block_id, 0) + 1
+            if b is not pool.null_block:   # (in place of a block given back: a sliding window)
+                held[b.block_id] = held.get(b.block_id, 0) + 1
     for b in pool.blocks[1:]:
         assert b.ref_cnt >= 0
         assert b.ref_cnt == held.get(b.block_id, 0), f"ref count of {b} != holders"
@@ -51,9 +52,9 @@ class Simulation:
     to check that a cache hit or a fork only ever yields the request's own tokens, and that no
     one writes into a block someone else holds."""
 
-    def __init__(self, num_blocks: int, block_size: int, caching: bool):
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-        self.bs = block_size
+    def __init__(self, num_blocks: int, block_size: int, caching: bool, window: int = 0):
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, sliding_window=window)
+        self.bs, self.window = block_size, window
         self.content: dict[int, dict[int, int]] = {}      # block id -> {offset: token}
         self.live: dict[int, Request] = {}
 
@@ -81,16 +82,25 @@ class Simulation:
         req.num_computed_tokens += n
 
     def check_contents(self, req: Request) -> None:
+        """Every position the request's next query attends to (its window's, with one) holds the
+        request's own token; a block it gave back is the null block in its table."""
         blocks = self.kv.req_to_blocks[req.request_id]
-        for pos in range(req.num_computed_tokens):
+        start = max(0, req.num_computed_tokens - self.window + 1) if self.window else 0
+        for pos in range(start, req.num_computed_tokens):
             got = self.content.get(blocks[pos // self.bs].block_id, {}).get(pos % self.bs)
             assert got == req.all_token_ids[pos], f"request {req.request_id} reads a wrong token at {pos}"
+        if self.window:
+            # (given back at its last allocation: at most the blocks of one window and a step behind)
+            assert all(b is self.kv.pool.null_block for b in blocks[:max(0, start - 70) // self.bs])
 
 
 @settings(max_examples=300, deadline=None)
-@given(num_blocks=st.integers(2, 24), block_size=st.sampled_from([1, 4, 16]), caching=st.booleans(), ops=ops)
-def test_random_allocation_sequences_keep_invariants(num_blocks, block_size, caching, ops):
-    sim = Simulation(num_blocks, block_size, caching)
+@given(num_blocks=st.integers(2, 24), block_size=st.sampled_from([1, 4, 16]), caching=st.booleans(), ops=ops,
+       window=st.sampled_from([0, 0, 1, 5, 16, 40]))
+def test_random_allocation_sequences_keep_invariants(num_blocks, block_size, caching, ops, window):
+    """(With a sliding window every layer has, blocks before a request's window are given back
+    as it grows: forks and prefix hits still read only the request's own tokens.)"""
+    sim = Simulation(num_blocks, block_size, caching, window)
     kv, live = sim.kv, sim.live
     for op, i, n, base, cut in ops:
         req = live.get(i)
@@ -103,7 +113,8 @@ def test_random_allocation_sequences_keep_invariants(num_blocks, block_size, cac
             parent = live[min(live)]
             child = Request(str(i), parent.all_token_ids, SamplingParams(), None, 1000)
             at = min(cut, parent.num_computed_tokens - 1)
-            if at > 0 and sim.admit(child, kv.fork_blocks(parent, at)):
+            hit = kv.fork_blocks(parent, at) if at > 0 else None
+            if hit is not None and sim.admit(child, hit):
                 live[i] = child
         elif op == "grow" and req is not None:
             req.all_token_ids += [200 + k % 5 for k in range(n)]

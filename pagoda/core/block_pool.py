@@ -65,6 +65,8 @@ class BlockPool:
         """Take one more reference on each block: sharing a live block, or reviving a cached
         one from the free queue."""
         for b in blocks:
+            if b is self.null_block:      # (in a table in place of a block given back: a sliding window)
+                continue
             if b.ref_cnt == 0:
                 del self.free_queue[b.block_id]
             b.ref_cnt += 1
@@ -74,6 +76,8 @@ class BlockPool:
         free queue. Callers pass a request's blocks tail first: a prefix's tail is the part
         least likely to be shared, so it is evicted first."""
         for b in blocks:
+            if b is self.null_block:
+                continue
             assert b.ref_cnt > 0, f"double free of {b}"
             b.ref_cnt -= 1
             if b.ref_cnt == 0:

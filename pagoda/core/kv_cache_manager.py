@@ -38,9 +38,12 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, sliding_window: int = 0):
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # Every layer's window (Mistral-7B-v0.1's, Phi-3-mini-4k's; 0: none, or not every layer
+        # has it): a request's blocks wholly before its next query's window are given back.
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already in the prefix-cache index.
@@ -74,10 +77,15 @@ class KVCacheManager:
             hit.append(block)
         return PrefixHit(hit, len(hit) * self.block_size)
 
-    def fork_blocks(self, parent: Request, num_tokens: int) -> PrefixHit:
+    def fork_blocks(self, parent: Request, num_tokens: int) -> PrefixHit | None:
         """Start from the first ``num_tokens`` of a running request's KV: share its blocks
-        that lie wholly inside, copy the one that does not (the child writes into it)."""
+        that lie wholly inside, copy the one that does not (the child writes into it). None if
+        the parent has given back blocks the child's window needs (a sliding window)."""
         blocks, bs = self.req_to_blocks[parent.request_id], self.block_size
+        if self.sliding_window:
+            needed = blocks[max(0, num_tokens - self.sliding_window + 1) // bs:cdiv(num_tokens, bs)]
+            if any(b is self.pool.null_block for b in needed):
+                return None
         copy_src = blocks[num_tokens // bs] if num_tokens % bs else None
         return PrefixHit(blocks[:num_tokens // bs], num_tokens, copy_src, forked=True)
 
@@ -95,7 +103,8 @@ class KVCacheManager:
         # device: no hash for it yet, so it is indexed on a later call.
         end = min(end, len(self.block_hashes(request)))
         for i in range(start, end):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+            if blocks[i] is not self.pool.null_block:    # (not given back before its hash was known)
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = end
 
     # ------------------------------------------------------------------ block tables
@@ -108,6 +117,8 @@ class KVCacheManager:
         if blocks is None:
             blocks = self.req_to_blocks[request.request_id] = []
         elif hit is None:
+            if self.sliding_window:
+                self._free_outside_window(blocks, request.num_computed_tokens)
             end = request.num_computed_tokens + num_new_tokens
             if end <= len(blocks) * self.block_size and (
                     not self.enable_caching or end // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)):
@@ -127,7 +138,23 @@ class KVCacheManager:
         blocks += shared + new_blocks
         if self.enable_caching and not request.skip_prefix_cache:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
-        return [b.block_id for b in shared + new_blocks]
+        if self.sliding_window and shared:     # (a long prefix taken over: its front is not needed)
+            self._free_outside_window(blocks, num_computed)
+        return [b.block_id for b in blocks[len(blocks) - len(shared) - len(new_blocks):]]
+
+    def _free_outside_window(self, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Give back the blocks no query from position ``num_computed`` on can see (its window
+        starts at num_computed - window + 1), the null block taking their places in the table:
+        the attention never reads a block before a query's window (the Triton kernels skip its
+        tiles, the torch path masks what it gathers). A full block keeps its hash, so a later
+        request with the same prefix may still find it until it is evicted."""
+        end = max(0, num_computed - self.sliding_window + 1) // self.block_size
+        null = self.pool.null_block
+        if end == 0 or blocks[end - 1] is null:     # (given back from the front: nothing new)
+            return
+        gone = [b for b in blocks[:end] if b is not null]
+        blocks[:end] = [null] * end
+        self.pool.free_blocks(reversed(gone))
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])

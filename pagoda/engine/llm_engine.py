@@ -49,7 +49,7 @@ class LLMEngine:
         self.executor.initialize_kv_cache(num_blocks)
         config.cache.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching)
+                                               config.cache.enable_prefix_caching, config.model.arch.uniform_window)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.speculative, config.lora)
         self.output_processor = OutputProcessor(tokenizer)
         self.num_steps = self.num_prompt_tokens = 0

@@ -7,7 +7,8 @@ through the block tables. Backends are the one plug-in point: ``forward(q, k, v,
 metadata, scale, rope, k_scale, v_scale, sliding_window, softcap) -> out``, plus ``copy_blocks`` for
 the copy-on-write of forked sequences. ``k_scale`` / ``v_scale`` are an FP8 cache's
 (``reference.quantize_kv``); ``sliding_window`` (0: none) the layer's window (Mistral-7B-v0.1's:
-each query attends to its last ``sliding_window`` positions; the cache still holds them all);
+each query attends to its last ``sliding_window`` positions; blocks before a query's window may
+have been given back to the pool, see ``KVCacheManager``: never read unmasked);
 ``softcap`` (0: none) Gemma 2's cap on the scores (``reference.sdpa``).
 """
 import functools
