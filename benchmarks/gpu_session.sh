@@ -60,6 +60,7 @@
 #   bash benchmarks/gpu_session.sh s38a      # balanced decode: its tests compiled, the kernel against split-KV
 #   bash benchmarks/gpu_session.sh s38b      # W1 with balanced decode off / on, both models
 #   bash benchmarks/gpu_session.sh s39a      # s38a and the partial rotary embedding's kernel tests
+#   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh s26a      # (then spec25e, warm) W1 both models; the GPU tests
 #   bash benchmarks/gpu_session.sh s26c      # (then s26d, warm) W1 / W2 with LoRA adapters; the GPU tests
@@ -1248,16 +1249,25 @@ case "${1:-}" in
       -k "balanced or cuda_graph or split or decode or partial or rotates" 2>&1 | tail -3
     timeout 280 python3 benchmarks/attention_kernels.py --balanced 2>&1 | tail -14
     ;;
+  s39b)
+    # The thirty-ninth session's features on the GPU: LongRoPE / partial rotary and windows that
+    # give blocks back, GPU path against the CPU path; the kernel and backend tests of both
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding_windows" 2>&1 | tail -3
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_backend.py 2>&1 | tail -2
+    ;;
   s38b)
     # W1 with balanced decode off (the default) / on, interleaved after a warm-up; Llama-3-8B once each
+    # (BAL_P programs an SM, 4 unless set; BAL_TILES a dict literal over BALANCED_TILES, e.g.
+    # BAL_TILES='{"TILE_N": 32, "num_warps": 2}')
     warm_w1 .
-    for knob in 0 4 0 4; do
+    tiles=(); [ -n "$BAL_TILES" ] && tiles=(--knob "triton_attention.BALANCED_TILES=$BAL_TILES")
+    for knob in 0 ${BAL_P:-4} 0 ${BAL_P:-4}; do
       timeout 100 python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/w1" \
-        --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 qwen3 balanced=$knob: /"
+        --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob "${tiles[@]}" 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 qwen3 balanced=$knob: /"
     done
-    for knob in 0 4; do
+    for knob in 0 ${BAL_P:-4}; do
       timeout 150 python3 benchmarks/throughput.py --model-config $MA/llama3-8b.json --no-tqdm --out "$OUT/w1" \
-        --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 llama balanced=$knob: /"
+        --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob "${tiles[@]}" 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 llama balanced=$knob: /"
     done
     ;;
   s37a)
