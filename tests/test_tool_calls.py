@@ -11,9 +11,9 @@ from fastapi.testclient import TestClient
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.api_server import build_app
-from pagoda.entrypoints.openai.tool_parsers import (ForcedCallStream, HermesToolParser, Llama3JsonToolParser,
-                                                     MistralToolParser, PythonicToolParser, StreamingToolCalls,
-                                                     get_tool_parser)
+from pagoda.entrypoints.openai.tool_parsers import (ForcedCallStream, GraniteToolParser, HermesToolParser,
+                                                    Llama3JsonToolParser, MistralToolParser, Phi4MiniJsonToolParser,
+                                                    PythonicToolParser, StreamingToolCalls, get_tool_parser)
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import RequestOutputKind
 from tests.stub_engine import StubEngine
@@ -98,6 +98,27 @@ def test_llama3_json_extract():
         assert p.extract(text) == (text, [])                        # not (only) calls: the text stays
 
 
+def test_granite_and_phi4_mini_json_extract():
+    """Granite 3's list of calls (after <|tool_call|>, <tool_call> or none) and Phi-4-mini's
+    (after functools, which it needs); anything else stays text."""
+    listed = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, ' \
+             '{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "24h"}}]'
+    for parser, tags in ((GraniteToolParser(), ("<|tool_call|>", "<tool_call>", "")), (Phi4MiniJsonToolParser(),
+                                                                                      ("functools",))):
+        for tag in tags:
+            content, calls = parser.extract(f" {tag}{listed}\n")
+            assert content is None and _names_args(calls) == WEATHER_AND_TIME
+        for text in ("No tools needed.", listed + " and then text", '[{"city": "Paris"}]', "[]", "functools",
+                     '{"name": "f", "arguments": {}}', "<tool_call>[{"):
+            assert parser.extract(text) == (text, [])
+    assert Phi4MiniJsonToolParser().extract(listed) == (listed, [])        # (its tag is not optional)
+    stream = Phi4MiniJsonToolParser().stream()
+    assert stream.feed("func") == ("", []) and stream.feed("tools[") == ("", [])     # held: it may be calls
+    assert _names_args(stream.feed(listed[1:], final=True)[1]) == WEATHER_AND_TIME
+    stream = GraniteToolParser().stream()
+    assert stream.feed("The answer") == ("The answer", [])
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_llama3_json_streamed_in_pieces(seed):
     """Held while it may be calls, then parsed whole; a plain answer passes as it comes."""
@@ -124,6 +145,9 @@ MISTRAL_CALLS = ('Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"c
                  '{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "24h"}}]')
 MISTRAL_V11_CALLS = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "Europe/Paris", "fmt": "24h"}'
 PYTHONIC_CALLS = '[get_weather(city="Paris"), get_time(tz="Europe/Paris", fmt="24h")]'
+GRANITE_CALLS = ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                 '{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "24h"}}]')
+PHI4_MINI_CALLS = GRANITE_CALLS.replace("<tool_call>", "functools")
 QWEN3_CODER_CALLS = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
                      "</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=tz>\nEurope/Paris\n</parameter>\n"
                      "<parameter=fmt>\n24h\n</parameter>\n</function>\n</tool_call>")
@@ -287,10 +311,11 @@ def test_streamed_chat_returns_tool_call_deltas(tokenizer):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("parser, answer", [("llama3_json", LLAMA3_CALLS), ("pythonic", PYTHONIC_CALLS),
-                                            ("mistral", MISTRAL_V11_CALLS), ("qwen3_coder", QWEN3_CODER_CALLS)])
+                                            ("mistral", MISTRAL_V11_CALLS), ("qwen3_coder", QWEN3_CODER_CALLS),
+                                            ("granite", GRANITE_CALLS), ("phi4_mini_json", PHI4_MINI_CALLS)])
 def test_chat_whole_answer_tool_calls(tokenizer, stream, parser, answer):
-    """--tool-call-parser llama3_json / pythonic / mistral / qwen3_coder: an answer that is all
-    calls gives tool_calls, no content."""
+    """--tool-call-parser llama3_json / pythonic / mistral / qwen3_coder / granite /
+    phi4_mini_json: an answer that is all calls gives tool_calls, no content."""
     _, client = _client(tokenizer, answer, enable_auto_tool_choice=True, tool_call_parser=parser)
     with client:
         r = client.post("/v1/chat/completions", json=_chat(stream=stream))

@@ -4,8 +4,9 @@
   python -m pagoda.entrypoints.openai.api_server --model MODEL
 
 Endpoints: /v1/completions, /v1/chat/completions (tool calls with --enable-auto-tool-choice
---tool-call-parser hermes, llama3_json, mistral, pythonic or qwen3_coder; the thinking apart with
---reasoning-parser qwen3 or deepseek_r1), /v1/embeddings, /classify,
+--tool-call-parser hermes, llama3_json, mistral, pythonic, qwen3_coder, granite or
+phi4_mini_json; the thinking apart with --reasoning-parser qwen3 or deepseek_r1), /v1/embeddings,
+/classify,
 /v1/score, /rerank and /pooling (with --runner pooling), /tokenize, /detokenize, /v1/models, /health,
 /version, /metrics, /start_profile and /stop_profile; with VLLM_SERVER_DEV_MODE=1 (as vLLM) also
 /sleep, /wake_up, /is_sleeping and /reset_prefix_cache; with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1

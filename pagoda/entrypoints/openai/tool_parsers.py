@@ -34,6 +34,13 @@ objects and arrays; strings and parameters the schema does not know stay text):
     </function>
     </tool_call>
 
+``granite``: IBM Granite 3's, the whole answer a JSON list of calls, after ``<|tool_call|>`` (3.0)
+or ``<tool_call>`` (3.1 and later) or alone; ``phi4_mini_json``: Phi-4-mini's, the list after
+``functools``:
+
+    <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
 Calls become OpenAI's ``tool_calls`` (``arguments`` a JSON string); text that is not calls in
 the parser's format stays as it was, content."""
 import ast
@@ -41,7 +48,7 @@ import json
 import re
 import uuid
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "granite", "phi4_mini_json")
 
 
 def check_tool_call_parser(name: str | None) -> None:
@@ -142,33 +149,48 @@ class StreamingToolCalls:
 
 
 class Llama3JsonToolParser:
-    tag = "<|python_tag|>"
+    """A message that is all calls in JSON, after one of ``tags`` (or, where ``openers`` allow,
+    none): call objects separated by ";" or blanks, or JSON lists of them."""
+    tags: tuple[str, ...] = ("<|python_tag|>",)
+    openers: tuple[str, ...] = ("{",)     # what an untagged message of calls begins with
 
     def extract(self, text: str, tools: list[dict] | None = None) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of a whole message: calls only if all of it is calls."""
         body = text.strip()
-        if body.startswith(self.tag):
-            body = body[len(self.tag):].lstrip()
+        tag = next((t for t in self.tags if body.startswith(t)), None)
+        if tag is None and not body.startswith(self.openers):
+            return text, []
+        body = body.removeprefix(tag or "").lstrip()
         calls, decoder, i = [], json.JSONDecoder(), 0
         while i < len(body):
             try:
                 obj, i = decoder.raw_decode(body, i)
             except json.JSONDecodeError:
                 return text, []
-            call = _call_of(obj)
-            if call is None:
+            found = [_call_of(o) for o in obj] if isinstance(obj, list) else [_call_of(obj)]
+            if not found or None in found:
                 return text, []
-            calls.append(call)
+            calls += found
             while i < len(body) and body[i] in " \t\n;":
                 i += 1
         return (None, calls) if calls else (text, [])
 
     def may_be_calls(self, head: str) -> bool:
         """Whether a message that begins with ``head`` (stripped) may still be tool calls."""
-        return head.startswith(("{", self.tag)) or self.tag.startswith(head)
+        return head.startswith(self.openers + self.tags) or any(t.startswith(head) for t in self.tags)
 
     def stream(self, tools: list[dict] | None = None) -> "HeldToolCalls":
         return HeldToolCalls(self)
+
+
+class GraniteToolParser(Llama3JsonToolParser):
+    tags = ("<|tool_call|>", "<tool_call>")     # (Granite 3.0's; 3.1's and later)
+    openers = ("[",)
+
+
+class Phi4MiniJsonToolParser(Llama3JsonToolParser):
+    tags = ("functools",)
+    openers = ()
 
 
 class MistralToolParser:
@@ -240,7 +262,8 @@ class PythonicToolParser:
 
 
 class HeldToolCalls:
-    """A streamed message whose calls are the whole of it (llama3_json, pythonic), as (content
+    """A streamed message whose calls are the whole of it (llama3_json, granite, phi4_mini_json,
+    pythonic), as (content
     delta, tool calls): held while it may be calls, parsed when it ends; once it cannot be, sent
     as it comes."""
 
@@ -401,4 +424,5 @@ def make_tool_call(name: str, arguments: str) -> dict:
 def get_tool_parser(name: str):
     check_tool_call_parser(name)
     return {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
-            "pythonic": PythonicToolParser, "qwen3_coder": Qwen3CoderToolParser}[name]()
+            "pythonic": PythonicToolParser, "qwen3_coder": Qwen3CoderToolParser, "granite": GraniteToolParser,
+            "phi4_mini_json": Phi4MiniJsonToolParser}[name]()
