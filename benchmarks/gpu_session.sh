@@ -61,6 +61,7 @@
 #   bash benchmarks/gpu_session.sh s38b      # W1 with balanced decode off / on, both models
 #   bash benchmarks/gpu_session.sh s39a      # s38a and the partial rotary embedding's kernel tests
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
+#   bash benchmarks/gpu_session.sh s39c      # the above in one call: tests, W1 A/B, s39b, the variants' table
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh s26a      # (then spec25e, warm) W1 both models; the GPU tests
 #   bash benchmarks/gpu_session.sh s26c      # (then s26d, warm) W1 / W2 with LoRA adapters; the GPU tests
@@ -1254,6 +1255,16 @@ case "${1:-}" in
     # give blocks back, GPU path against the CPU path; the kernel and backend tests of both
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding_windows" 2>&1 | tail -3
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_backend.py 2>&1 | tail -2
+    ;;
+  s39c)
+    # One call for the session when machines are scarce: the balanced launch's and the partial
+    # rotary's kernel tests compiled, W1 with balanced decode off / on (s38b), the new features
+    # against the CPU path (s39b), then the balanced variants' table for what time is left
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      -k "balanced or partial or cuda_graph" 2>&1 | tail -2
+    bash benchmarks/gpu_session.sh s38b
+    bash benchmarks/gpu_session.sh s39b
+    timeout 120 python3 benchmarks/attention_kernels.py --balanced 2>&1 | tail -14
     ;;
   s38b)
     # W1 with balanced decode off (the default) / on, interleaved after a warm-up; Llama-3-8B once each
