@@ -50,6 +50,10 @@ class ArchConfig:
     rms_norm_unit_offset: bool = False
     hidden_act: str = "silu"
     sandwich_norms: bool = False
+    # OLMo 2/3's: no norm of a sublayer's input, only of its output (before it joins the
+    # residual); q and k each normed over the whole projection, all heads at once
+    post_norms_only: bool = False
+    qk_norm_whole: bool = False
     attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
     # Granite's scalings: the embeddings times, each sublayer's output times (before it joins the
@@ -162,6 +166,8 @@ class ArchConfig:
             rms_norm_unit_offset=gemma,
             hidden_act=hidden_act,
             sandwich_norms=model_type.startswith(("gemma2", "gemma3")),
+            post_norms_only=model_type in ("olmo2", "olmo3"),
+            qk_norm_whole=model_type in ("olmo2", "olmo3"),
             attn_logit_softcapping=d.get("attn_logit_softcapping") or 0.0,
             final_logit_softcapping=d.get("final_logit_softcapping") or 0.0,
         )

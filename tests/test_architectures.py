@@ -53,6 +53,11 @@ CASES = {
         head_dim=32, query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})),
+    # OLMo 2: only the sublayers' outputs normed, q and k normed over the whole projection
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0, pad_token_id=0)),
+    # OLMo 3: and a sliding window (8 positions, past which the prompts run) on its first layer
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(rope_theta=500000.0, pad_token_id=0, sliding_window=8,
+                                                      layer_types=["sliding_attention", "full_attention"])),
     # Mixtures of experts: every MLP one (weights renormalised), or all but mlp_only_layers (not)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
                                                             rope_theta=1000000.0)),
@@ -70,7 +75,7 @@ CASES = {
 def save_tiny(tmp_path, case, seed=0, max_shard_size="5GB", **config) -> tuple[str, torch.nn.Module]:
     """A tiny random HF model of ``CASES[case]`` (``config``: fields over its own) saved as safetensors."""
     cfg_cls, model_cls, extra = CASES[case]
-    cfg = getattr(transformers, cfg_cls)(**BASE, **{**extra, **config})
+    cfg = getattr(transformers, cfg_cls)(**{**BASE, **extra, **config})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():   # larger weights than the init gives, so the logits are not flat

@@ -316,13 +316,14 @@ def test_mixture_of_experts_on_the_gpu_matches_cpu(tmp_path, monkeypatch, quant)
 
 @pytest.mark.parametrize("case,config", [("mistral", dict(sliding_window=16)), ("phi3", dict(sliding_window=24)),
                                          ("qwen3_yarn", {}), ("granite", {}), ("smollm3", {}), ("gemma", {}),
-                                         ("gemma3", {}), ("phi4_mini", None)])
+                                         ("gemma3", {}), ("phi4_mini", None), ("olmo3", {})])
 def test_sliding_windows_and_yarn_on_the_gpu_match_cpu(tmp_path, monkeypatch, case, config):
     """Mistral's and Phi-3's sliding windows (the prompts and answers run past them: blocks given
     back) in the Triton attention and its CUDA graphs, YaRN's scaled cos / sin in its kernels,
     Granite's scalings, SmolLM3's layers without a rotary embedding, Gemma's norms and GELU,
-    Gemma 3's window on some layers and Phi-4-mini's partial rotary embedding with LongRoPE give
-    the CPU path's greedy tokens in float32."""
+    Gemma 3's window on some layers, Phi-4-mini's partial rotary embedding with LongRoPE and OLMo
+    3's whole q/k norms (the Triton norm on the projection's strided rows) give the CPU path's
+    greedy tokens in float32."""
     from tests.test_architectures import LONGROPE, save_tiny
     folder, _ = save_tiny(tmp_path, case, **(LONGROPE if config is None else config))
     assert_gpu_greedy_is_cpu_greedy(folder, monkeypatch, max_model_len=64 if case == "qwen3_yarn" else 256)

@@ -176,6 +176,16 @@ def test_gemma3_split(tmp_path, own_engine):
     assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_olmo2_split(tmp_path, own_engine, kv_heads):
+    """OLMo 2's q and k norms over the whole projection, each rank holding its heads' slice of
+    the weights and the sums of squares all-reduced (one KV head: both ranks hold it, counted
+    once), at tp=2 equal tp=1."""
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, "olmo2", num_key_value_heads=kv_heads)
+    assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
+
+
 def test_fused_checkpoint_projections_split(tiny, tmp_path, own_engine):
     """Phi-3's checkpoints store q/k/v and gate/up fused: the same weights saved so, each rank
     cuts its heads and columns out of the fused tensors, and tp=2 gives the unfused model's tp=1."""

@@ -1,7 +1,8 @@
 """Llama-family decoder: Llama 2/3 (and Mistral, Phi-3, Granite's scalings, SmolLM3's NoPE
 layers), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm), their mixtures of experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE: the config's experts replace the MLP), and Gemma 1-3 (norms of
-their own, GELU, each sublayer's output normed too, sliding windows on some layers). One definition
+(Mixtral, Qwen2-MoE, Qwen3-MoE: the config's experts replace the MLP), Gemma 1-3 (norms of
+their own, GELU, each sublayer's output normed too, sliding windows on some layers) and OLMo 2/3
+(only the sublayers' outputs normed, q/k norms over the whole projections). One definition
 with a few switches (``ArchConfig``'s), since they differ in nothing else; with an LM head
 (generation) or a classification head (sequence classification, cross-encoders)."""
 import torch
@@ -14,7 +15,7 @@ from pagoda.kernels.reference import Rope
 from pagoda.model.layers.activation import act_and_mul
 from pagoda.model.layers.attention import Attention
 from pagoda.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagoda.model.layers.layernorm import RMSNorm
+from pagoda.model.layers.layernorm import HeadShardedRMSNorm, RMSNorm
 from pagoda.model.layers.fused_moe import FusedMoE
 from pagoda.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
                                         RowParallelLinear)
@@ -45,9 +46,15 @@ class LlamaAttention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
+        self.qk_norm_whole = cfg.qk_norm_whole
+        if cfg.qk_norm_whole:
+            self.q_norm = HeadShardedRMSNorm(self.q_size, cfg.rms_norm_eps)
+            self.k_norm = HeadShardedRMSNorm(self.kv_size, cfg.rms_norm_eps, self.qkv_proj.kv_replicas)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole:   # (OLMo's: before the rotary embedding, over all heads: a kernel each)
+            q, k = self.q_norm(q), self.k_norm(k)
         # The rotary embedding and the per-head norms are applied by the attention backend (on
         # the GPU inside its KV-write and attention kernels: no kernels of their own).
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset) \
@@ -100,11 +107,16 @@ class LlamaDecoderLayer(nn.Module):
 
         def norm():
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.rms_norm_unit_offset)
-        self.input_layernorm = norm()
         # Gemma 2/3 norm each sublayer's output as well: its post_attention_layernorm is that
         # of the attention's, and pre_feedforward_layernorm the MLP's input norm, which Llama's
-        # post_attention_layernorm is.
+        # post_attention_layernorm is. OLMo 2/3 norm only the outputs: post_attention_layernorm
+        # and post_feedforward_layernorm.
+        self.post_norms_only = cfg.post_norms_only
         self.post_attention_layernorm = norm()
+        if self.post_norms_only:
+            self.post_feedforward_layernorm = norm()
+            return
+        self.input_layernorm = norm()
         mlp_norm = self.post_attention_layernorm
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
@@ -117,6 +129,10 @@ class LlamaDecoderLayer(nn.Module):
             mlp_norm.feeds(self.mlp.gate_up_proj)
 
     def forward(self, positions, hidden, residual):
+        if self.post_norms_only:   # (the stream is hidden + residual, as the next layer's fused add takes it)
+            x = hidden if residual is None else hidden + residual
+            x = x + self.post_attention_layernorm(self.self_attn(positions, x))
+            return self.post_feedforward_layernorm(self.mlp(x)), x
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:

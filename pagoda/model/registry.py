@@ -17,6 +17,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": LlamaForCausalLM,    # (and its sublayers' output norms, windows, tanh caps)
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,   # (its text model, text prompts)
+    "Olmo2ForCausalLM": LlamaForCausalLM,     # (its output-only norms, whole q/k norms: ArchConfig)
+    "Olmo3ForCausalLM": LlamaForCausalLM,     # (and OLMo 2's, sliding windows on three layers of four)
     # mixtures of experts
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,

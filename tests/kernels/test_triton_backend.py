@@ -12,11 +12,13 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.mark.parametrize("kv_cache_dtype,case,window", [("auto", "qwen3", None), ("fp8", "qwen3", None),
                                                         ("auto", "mistral", 8), ("auto", "gemma2", 8),
-                                                        ("auto", "gemma3", 8), ("auto", "phi4_mini", None)])
+                                                        ("auto", "gemma3", 8), ("auto", "phi4_mini", None),
+                                                        ("auto", "olmo3", 8)])
 def test_triton_backend_matches_torch_backend(tmp_path, kv_cache_dtype, case, window):
     """(Mistral with a sliding window of 8 positions: both backends' windowed attention; Gemma 2
     with it on one layer of two, and its cap on the scores; Gemma 3's q/k norms in the kernels;
-    Phi-4-mini's rotary embedding over three quarters of each head.)"""
+    Phi-4-mini's rotary embedding over three quarters of each head; OLMo 3's whole q/k norms and
+    its window on one layer of two.)"""
     from tests.test_architectures import save_tiny
     folder, _ = save_tiny(tmp_path, case, sliding_window=window)
     # Small budget: prompts are chunked, so prefills run against a cached prefix too.

@@ -56,3 +56,30 @@ class RMSNorm(QuantizesForNext, nn.Module):
                                            unit_offset=self.unit_offset)
         return kernels_for(x).fused_add_rms_norm(x, residual, self.weight, self.eps, quant_dtype=quant_dtype,
                                                  unit_offset=self.unit_offset)
+
+
+class HeadShardedRMSNorm(nn.Module):
+    """RMSNorm over a whole projection whose heads are split over the tensor-parallel ranks (OLMo
+    2/3's q and k norms): this rank's slice of the weight, and the root mean square taken over
+    every rank's part (one all-reduce of the sums of squares; a head held by ``replicas`` ranks,
+    as KV heads are when there are more ranks than them, counted once)."""
+
+    def __init__(self, local_size: int, eps: float, replicas: int = 1):
+        super().__init__()
+        from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size
+        self.eps, self.replicas, self.tp_size = eps, replicas, get_tp_size()
+        self.rank = get_tp_rank() // replicas       # (which slice of the weight this rank holds)
+        self.weight = nn.Parameter(torch.ones(local_size), requires_grad=False)
+
+    def weight_loader(self, param, loaded):
+        size = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return kernels_for(x).rms_norm(x, self.weight, self.eps)
+        from pagoda.distributed.parallel_state import tp_all_reduce
+        xf = x.float()
+        squares = tp_all_reduce(xf.square().sum(-1, keepdim=True)) / self.replicas
+        mean = squares / (x.shape[-1] * self.tp_size // self.replicas)
+        return (xf * torch.rsqrt(mean + self.eps)).to(x.dtype) * self.weight
