@@ -224,9 +224,9 @@ def _as_transformers_reads(d: dict) -> dict:
 def _sliding_windows(d: dict, model_type: str) -> tuple[int, tuple[str, ...]]:
     """The window HF's attention applies and the layers it applies to (none named: all): Mistral's,
     Mixtral's and Phi-3's on every layer; Gemma 2's on every other layer, Gemma 3's on five of six
-    (``layer_types``, or the ``sliding_window_pattern`` older configs give). Configs with a
-    ``use_sliding_window`` switch (Qwen2/3, SmolLM3) name a window they do not use while it is off;
-    on, HF applies it from layer ``max_window_layers`` on."""
+    (``layer_types``, or the ``sliding_window_pattern`` older configs give), OLMo 3's on three of
+    four. Configs with a ``use_sliding_window`` switch (Qwen2/3, SmolLM3) name a window they do not
+    use while it is off; on, HF applies it from layer ``max_window_layers`` on."""
     window, n = d.get("sliding_window") or 0, d["num_hidden_layers"]
     types = d.get("layer_types")
     if model_type.startswith(("qwen2", "qwen3")) or "use_sliding_window" in d:
@@ -236,6 +236,8 @@ def _sliding_windows(d: dict, model_type: str) -> tuple[int, tuple[str, ...]]:
                           for i in range(n)]
     elif model_type.startswith("gemma2"):
         types = types or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    elif model_type == "olmo3":    # (three layers of four, as transformers' config fills it in)
+        types = types or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
     elif model_type.startswith("gemma3"):
         pattern = d["sliding_window_pattern"]
         types = types or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]

@@ -168,6 +168,16 @@ def test_longrope_matches_hf(tmp_path):
         del llm
 
 
+def test_olmo3_windows_without_layer_types():
+    """An OLMo 3 config.json that leaves layer_types out: the window on three layers of four, as
+    transformers fills them in."""
+    from pagoda.config import ArchConfig
+    cfg = ArchConfig.from_hf_dict(dict(BASE, num_hidden_layers=8, architectures=["Olmo3ForCausalLM"],
+                                       model_type="olmo3", sliding_window=16))
+    assert [cfg.window(i) for i in range(8)] == [16, 16, 16, 0] * 2
+    assert cfg.post_norms_only and cfg.qk_norm_whole and cfg.uniform_window == 0
+
+
 def test_sliding_window_gives_back_blocks(tmp_path):
     """With the same window on every layer (Mistral-7B-v0.1's, here 8 positions), a request gives
     its blocks before the window back as it grows: four requests of 70 tokens (9 blocks of 8
