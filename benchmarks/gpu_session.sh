@@ -62,6 +62,7 @@
 #   bash benchmarks/gpu_session.sh s39a      # s38a and the partial rotary embedding's kernel tests
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s39c      # the above in one call: tests, W1 A/B, s39b, the variants' table
+#   bash benchmarks/gpu_session.sh s39d      # s39c cut to about seven minutes
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh s26a      # (then spec25e, warm) W1 both models; the GPU tests
 #   bash benchmarks/gpu_session.sh s26c      # (then s26d, warm) W1 / W2 with LoRA adapters; the GPU tests
@@ -1265,6 +1266,14 @@ case "${1:-}" in
     bash benchmarks/gpu_session.sh s38b
     bash benchmarks/gpu_session.sh s39b
     timeout 120 python3 benchmarks/attention_kernels.py --balanced 2>&1 | tail -14
+    ;;
+  s39d)
+    # s39c cut to about seven minutes (the device budget nearly spent): the balanced launch's
+    # tests compiled, W1 Qwen3-0.6B off / on / off / on and Llama-3-8B off / on, then s39b
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      -k "balanced or partial" 2>&1 | tail -2
+    bash benchmarks/gpu_session.sh s38b
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding_windows" 2>&1 | tail -3
     ;;
   s38b)
     # W1 with balanced decode off (the default) / on, interleaved after a warm-up; Llama-3-8B once each
