@@ -69,13 +69,28 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_prefix_cache:
             return PrefixHit([], 0)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        cached = [self.pool.get_cached_block(h) for h in self.block_hashes(request)[:max_blocks]]
+        if self.sliding_window:
+            return self._window_hit(cached)
         hit = []
-        for h in self.block_hashes(request)[:max_blocks]:
-            block = self.pool.get_cached_block(h)
+        for block in cached:
             if block is None:
                 break
             hit.append(block)
         return PrefixHit(hit, len(hit) * self.block_size)
+
+    def _window_hit(self, cached: list[KVCacheBlock | None]) -> PrefixHit:
+        """With a sliding window a prefix of k blocks needs only the blocks the next query's window
+        reaches: the longest k whose window blocks are all cached wins, the blocks before them
+        (evicted or not) the null block. (A block's hash names its whole prefix, so a cached block
+        past an evicted one is still this request's.)"""
+        bs, best, run = self.block_size, 0, 0
+        for i, block in enumerate(cached):
+            run = run + 1 if block is not None else 0
+            if run and i + 1 - run <= max(0, (i + 1) * bs - self.sliding_window + 1) // bs:
+                best = i + 1
+        first = max(0, best * bs - self.sliding_window + 1) // bs
+        return PrefixHit([self.pool.null_block] * first + cached[first:best], best * bs)
 
     def fork_blocks(self, parent: Request, num_tokens: int) -> PrefixHit | None:
         """Start from the first ``num_tokens`` of a running request's KV: share its blocks
