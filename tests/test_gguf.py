@@ -335,6 +335,10 @@ def test_phi3_gguf_equals_its_safetensors(tmp_path):
     assert cfg["partial_rotary_factor"] == 0.75
     assert cfg["rope_scaling"]["long_factor"] == LONGROPE["rope_scaling"]["long_factor"]
     assert_same_as_folder(path, folder)
+    factors = np.ones(6, np.float32)     # (no original context in the metadata: refused by name)
+    with pytest.raises(ValueError, match="LongRoPE factors without .*original_context_length"):
+        _ = GGUFModel(_write(tmp_path / "bad.gguf", "phi3", {"rope_factors_long.weight": factors,
+                                                            "rope_factors_short.weight": factors})).hf_config
 
 
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3"])

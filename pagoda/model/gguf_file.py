@@ -245,9 +245,13 @@ class GGUFModel:
         if "rope_factors_long.weight" in self.tensor_infos:
             # LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini): llama.cpp's converter writes the factors
             # as two tensors and the attention factor it computed, but no scaling type
+            old_len = self.metadata.get(prefix + "original_context_length")
+            if old_len is None or "rope_factors_short.weight" not in self.tensor_infos:
+                raise ValueError(f"{self.path}: LongRoPE factors without rope_factors_short or "
+                                 f"{prefix}original_context_length: the file is incomplete.")
             return {"rope_type": "longrope", "long_factor": self.tensor("rope_factors_long.weight").tolist(),
                     "short_factor": self.tensor("rope_factors_short.weight").tolist(),
-                    "original_max_position_embeddings": self.metadata[prefix + "original_context_length"],
+                    "original_max_position_embeddings": old_len,
                     "attention_factor": self.metadata.get(prefix + "attn_factor")}
         kind = self.metadata.get(prefix + "type")
         if kind in (None, "none"):
