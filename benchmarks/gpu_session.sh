@@ -63,6 +63,7 @@
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s39c      # the above in one call: tests, W1 A/B, s39b, the variants' table
 #   bash benchmarks/gpu_session.sh s39d      # s39c cut to about seven minutes
+#   bash benchmarks/gpu_session.sh s39e      # the least that decides the balanced launch: tests, W1 Qwen3 A/B
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh s26a      # (then spec25e, warm) W1 both models; the GPU tests
 #   bash benchmarks/gpu_session.sh s26c      # (then s26d, warm) W1 / W2 with LoRA adapters; the GPU tests
@@ -1274,6 +1275,16 @@ case "${1:-}" in
       -k "balanced or partial" 2>&1 | tail -2
     bash benchmarks/gpu_session.sh s38b
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding_windows" 2>&1 | tail -3
+    ;;
+  s39e)
+    # The least that decides the balanced launch (about four minutes): its tests compiled, W1
+    # Qwen3-0.6B off / on / off / on after a warm-up
+    timeout 70 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py -k "balanced" 2>&1 | tail -2
+    warm_w1 .
+    for knob in 0 ${BAL_P:-4} 0 ${BAL_P:-4}; do
+      timeout 60 python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/w1" \
+        --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 qwen3 balanced=$knob: /"
+    done
     ;;
   s38b)
     # W1 with balanced decode off (the default) / on, interleaved after a warm-up; Llama-3-8B once each
