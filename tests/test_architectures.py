@@ -61,6 +61,11 @@ CASES = {
     # Mixtures of experts: every MLP one (weights renormalised), or all but mlp_only_layers (not)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
                                                             rope_theta=1000000.0)),
+    # (Granite's scalings; the experts stored stacked, the router's own name)
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                                    embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                                    attention_multiplier=0.0078125, logits_scaling=8.0,
+                                                                    tie_word_embeddings=True)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, num_experts=8, num_experts_per_tok=3,
                                                                moe_intermediate_size=32, norm_topk_prob=False,
                                                                mlp_only_layers=[1])),

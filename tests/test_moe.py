@@ -38,6 +38,13 @@ def test_shared_expert_tp2_equals_tp1(tmp_path):
     assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
 
 
+def test_granite_moe_stacked_experts_tp2_equals_tp1(tmp_path):
+    """Granite 3's MoE: the stacked experts' tensors cut into each expert's gate, up and down,
+    each rank then taking its half of every expert's intermediate size."""
+    folder, _ = save_tiny(tmp_path, "granitemoe")
+    assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
+
+
 def experts_held(worker):
     """(first expert, experts, intermediate size) of the rank's first MoE layer, and the ids of its
     experts that its map sends tokens to."""

@@ -168,11 +168,13 @@ def test_kv_heads_replicated(tmp_path, own_engine):
     assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
 
 
-def test_gemma3_split(tmp_path, own_engine):
+@pytest.mark.parametrize("case", ["gemma3", "gemma2", "granite"])
+def test_gemma_and_granite_split(tmp_path, own_engine, case):
     """Gemma 3 (its per-head q/k norms on each rank's heads, windows on some layers, a scaled
-    embedding) at tp=2 equals tp=1."""
+    embedding), Gemma 2 (the cap on its logits) and Granite (the logits' scaling: applied on the
+    rank that gathers them, the others holding none) at tp=2 equal tp=1."""
     from tests.test_architectures import save_tiny
-    folder, _ = save_tiny(tmp_path, "gemma3")
+    folder, _ = save_tiny(tmp_path, case)
     assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
 
 

@@ -228,8 +228,12 @@ class LlamaForCausalLM(_LlamaDecoder):
         if cfg.tie_word_embeddings and pp.world_size == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits on the tensor-parallel driver (None on the other ranks: they are gathered
+        there), Granite's scaling and Gemma 2's cap applied."""
         logits = self.lm_head.compute_logits(hidden)
+        if logits is None:
+            return None
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
         if cap := self.config.final_logit_softcapping:    # (Gemma 2's)
@@ -260,6 +264,32 @@ class MixtralForCausalLM(LlamaForCausalLM):
     experts name their projections w1 (gate), w3 (up) and w2 (down))."""
     packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping, "block_sparse_moe": ("mlp", None),
                               "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None)}
+
+
+class GraniteMoeForCausalLM(LlamaForCausalLM):
+    """IBM Granite 3's mixtures of experts (granite-3.x-1b-a400m, 3b-a800m): Granite's scalings,
+    every MLP a mixture whose checkpoint stacks the experts (``input_linear`` (E, 2I, H): gate
+    then up; ``output_linear`` (E, H, I)) and names the router ``router.layer``; the top k
+    logits' softmax weighs the experts, as Mixtral's renormalised weights do."""
+    packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping, "block_sparse_moe": ("mlp", None)}
+
+    @staticmethod
+    def unstack_weights(weights):
+        """The stacked experts as an expert's gate, up and down at a time; the router as ``gate``."""
+        for name, tensor in weights:
+            layer, _, rest = name.partition(".block_sparse_moe.")
+            if rest == "router.layer.weight":
+                yield f"{layer}.block_sparse_moe.gate.weight", tensor
+            elif rest == "input_linear.weight":
+                for e, w in enumerate(tensor):
+                    gate, up = w.chunk(2)
+                    yield f"{layer}.block_sparse_moe.experts.{e}.gate_proj.weight", gate
+                    yield f"{layer}.block_sparse_moe.experts.{e}.up_proj.weight", up
+            elif rest == "output_linear.weight":
+                for e, w in enumerate(tensor):
+                    yield f"{layer}.block_sparse_moe.experts.{e}.down_proj.weight", w
+            else:
+                yield name, tensor
 
 
 class LlamaForSequenceClassification(_LlamaDecoder):

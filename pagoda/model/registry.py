@@ -1,9 +1,9 @@
 """Architecture name (config.json's ``architectures[0]``) -> model class."""
 from torch import nn
 
-from pagoda.model.llama import (Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM,
-                                LlamaForSequenceClassification, MixtralForCausalLM, Qwen3ForCausalLM,
-                                Qwen3ForSequenceClassification)
+from pagoda.model.llama import (Gemma3ForCausalLM, Gemma3ForConditionalGeneration, GraniteMoeForCausalLM,
+                                LlamaForCausalLM, LlamaForSequenceClassification, MixtralForCausalLM,
+                                Qwen3ForCausalLM, Qwen3ForSequenceClassification)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -23,6 +23,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3ForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     # (the pooling runner's: LLM.classify / LLM.score)
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "MistralForSequenceClassification": LlamaForSequenceClassification,
