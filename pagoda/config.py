@@ -211,12 +211,25 @@ _TOP_LEVEL_KEYS = ("architectures", "quantization_config", "torch_dtype", "dtype
                    "tie_word_embeddings")
 
 
+# Entries some configs name otherwise (transformers' attribute_map), by model_type; and the
+# architecture a model_type is, whatever class name transformers saved it under
+_ATTRIBUTE_MAPS = {"exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
+                              "activation_function": "hidden_act"}}
+_ARCHITECTURES = {"exaone": "ExaoneForCausalLM"}
+
+
 def _as_transformers_reads(d: dict) -> dict:
     """config.json as transformers' config class reads it: a multimodal one (``_TEXT_MODELS``) as
-    its text model's, and the defaults (``_CONFIG_DEFAULTS``) of the entries it leaves out."""
+    its text model's, entries under their usual names (``_ATTRIBUTE_MAPS``), and the defaults
+    (``_CONFIG_DEFAULTS``) of the entries it leaves out."""
     text_type = _TEXT_MODELS.get((d.get("architectures") or [None])[0])
     if text_type and isinstance(d.get("text_config"), dict):
         d = {"model_type": text_type, **d["text_config"], **{k: d[k] for k in _TOP_LEVEL_KEYS if d.get(k) is not None}}
+    model_type = d.get("model_type")
+    if model_type in _ATTRIBUTE_MAPS:
+        d = {_ATTRIBUTE_MAPS[model_type].get(k, k): v for k, v in d.items()}
+    if model_type in _ARCHITECTURES and d.get("architectures"):
+        d = dict(d, architectures=[_ARCHITECTURES[model_type]])
     defaults = _CONFIG_DEFAULTS.get(d.get("model_type"), {})
     return {**defaults, **{k: v for k, v in d.items() if v is not None or k not in defaults}}
 

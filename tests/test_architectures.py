@@ -53,6 +53,9 @@ CASES = {
         head_dim=32, query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})),
+    # EXAONE 3.5: Llama under GPT-2's tensor names (transformers saves it so; its config as the hub's below)
+    "exaone": ("ExaoneConfig", "AutoModelForCausalLM", dict(rope_theta=500000.0, pad_token_id=0, eos_token_id=2,
+                                                           tie_word_embeddings=True)),
     # OLMo 2: only the sublayers' outputs normed, q and k normed over the whole projection
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0, pad_token_id=0)),
     # OLMo 3: and a sliding window (8 positions, past which the prompts run) on its first layer
@@ -82,7 +85,8 @@ def save_tiny(tmp_path, case, seed=0, max_shard_size="5GB", **config) -> tuple[s
     cfg_cls, model_cls, extra = CASES[case]
     cfg = getattr(transformers, cfg_cls)(**{**BASE, **extra, **config})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(cfg).eval()
+    cls = getattr(transformers, model_cls)
+    model = (cls.from_config(cfg) if model_cls.startswith("Auto") else cls(cfg)).eval()
     with torch.no_grad():   # larger weights than the init gives, so the logits are not flat
         for p in model.parameters():
             p.mul_(8.0) if p.dim() > 1 else p.normal_(1.0, 0.1)
@@ -171,6 +175,20 @@ def test_longrope_matches_hf(tmp_path):
         assert rope.cos_sin_cache.shape[-1] == 12    # (three quarters of 16)
         assert_matches_hf(llm, hf, [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths], 8)
         del llm
+
+
+def test_exaone_as_the_hub_writes_its_config(tmp_path):
+    """EXAONE 3.5's config.json as published (``num_layers``, ``layer_norm_epsilon``,
+    ``activation_function``, ``ExaoneForCausalLM``) and its GPT-2 tensor names: HF's tokens."""
+    folder, hf = save_tiny(tmp_path, "exaone")
+    path = f"{folder}/config.json"
+    cfg = json.load(open(path))
+    cfg.update(architectures=["ExaoneForCausalLM"], num_layers=cfg.pop("num_hidden_layers"),
+               layer_norm_epsilon=cfg.pop("rms_norm_eps"), activation_function=cfg.pop("hidden_act"))
+    json.dump(cfg, open(path, "w"))
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    assert type(llm.llm_engine.executor.runner.model).__name__ == "ExaoneForCausalLM"
+    assert_matches_hf(llm, hf, [[5, 9, 14, 3, 77], list(range(20, 50))], 8)
 
 
 def test_olmo3_windows_without_layer_types():

@@ -5,6 +5,8 @@ their own, GELU, each sublayer's output normed too, sliding windows on some laye
 (only the sublayers' outputs normed, q/k norms over the whole projections). One definition
 with a few switches (``ArchConfig``'s), since they differ in nothing else; with an LM head
 (generation) or a classification head (sequence classification, cross-encoders)."""
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -274,7 +276,7 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
     packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping, "block_sparse_moe": ("mlp", None)}
 
     @staticmethod
-    def unstack_weights(weights):
+    def checkpoint_weights(weights):
         """The stacked experts as an expert's gate, up and down at a time; the router as ``gate``."""
         for name, tensor in weights:
             layer, _, rest = name.partition(".block_sparse_moe.")
@@ -290,6 +292,24 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
                     yield f"{layer}.block_sparse_moe.experts.{e}.down_proj.weight", w
             else:
                 yield name, tensor
+
+
+class ExaoneForCausalLM(LlamaForCausalLM):
+    """LG's EXAONE 3.0 / 3.5: Llama's model under GPT-2's names (``transformer.h.N.attn.attention``,
+    ``ln_1``, ``mlp.c_fc_0``, ...), renamed as they are read."""
+    RENAMES = [(re.compile(a), b) for a, b in [
+        (r"^transformer\.wte\.", "model.embed_tokens."), (r"^transformer\.h\.", "model.layers."),
+        (r"^transformer\.ln_f\.", "model.norm."), (r"\.attn\.attention\.", ".self_attn."),
+        (r"\.self_attn\.out_proj\.", ".self_attn.o_proj."), (r"\.ln_1\.", ".input_layernorm."),
+        (r"\.ln_2\.", ".post_attention_layernorm."), (r"\.mlp\.c_fc_0\.", ".mlp.gate_proj."),
+        (r"\.mlp\.c_fc_1\.", ".mlp.up_proj."), (r"\.mlp\.c_proj\.", ".mlp.down_proj.")]]
+
+    @classmethod
+    def checkpoint_weights(cls, weights):
+        for name, tensor in weights:
+            for pattern, repl in cls.RENAMES:
+                name = pattern.sub(repl, name)
+            yield name, tensor
 
 
 class LlamaForSequenceClassification(_LlamaDecoder):

@@ -195,8 +195,8 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     tied = ties_lm_head(model)
     prefixes = getattr(model, "checkpoint_prefixes", None)
     loaded: set[str] = set()
-    if hasattr(model, "unstack_weights"):    # (experts stored stacked: one tensor a projection)
-        weights = model.unstack_weights(weights)
+    if hasattr(model, "checkpoint_weights"):    # (its own names or layout: EXAONE's, Granite MoE's stacked experts)
+        weights = model.checkpoint_weights(weights)
     for name, tensor in weights:
         name = renamed(name, prefixes)   # (a weight update's come by the checkpoint's names; the model's pass)
         if name is None:

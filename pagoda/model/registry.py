@@ -1,9 +1,9 @@
 """Architecture name (config.json's ``architectures[0]``) -> model class."""
 from torch import nn
 
-from pagoda.model.llama import (Gemma3ForCausalLM, Gemma3ForConditionalGeneration, GraniteMoeForCausalLM,
-                                LlamaForCausalLM, LlamaForSequenceClassification, MixtralForCausalLM,
-                                Qwen3ForCausalLM, Qwen3ForSequenceClassification)
+from pagoda.model.llama import (ExaoneForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration,
+                                GraniteMoeForCausalLM, LlamaForCausalLM, LlamaForSequenceClassification,
+                                MixtralForCausalLM, Qwen3ForCausalLM, Qwen3ForSequenceClassification)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,6 +17,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": LlamaForCausalLM,    # (and its sublayers' output norms, windows, tanh caps)
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,   # (its text model, text prompts)
+    "ExaoneForCausalLM": ExaoneForCausalLM,   # (Llama under GPT-2's tensor names)
     "Olmo2ForCausalLM": LlamaForCausalLM,     # (its output-only norms, whole q/k norms: ArchConfig)
     "Olmo3ForCausalLM": LlamaForCausalLM,     # (and OLMo 2's, sliding windows on three layers of four)
     # mixtures of experts
