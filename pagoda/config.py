@@ -214,8 +214,9 @@ _TOP_LEVEL_KEYS = ("architectures", "quantization_config", "torch_dtype", "dtype
 # Entries some configs name otherwise (transformers' attribute_map), by model_type; and the
 # architecture a model_type is, whatever class name transformers saved it under
 _ATTRIBUTE_MAPS = {"exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
-                              "activation_function": "hidden_act"}}
-_ARCHITECTURES = {"exaone": "ExaoneForCausalLM"}
+                              "activation_function": "hidden_act"},
+                   "internlm3": {"qkv_bias": "attention_bias"}}
+_ARCHITECTURES = {"exaone": "ExaoneForCausalLM", "internlm3": "InternLM3ForCausalLM"}
 
 
 def _as_transformers_reads(d: dict) -> dict:

@@ -56,6 +56,9 @@ CASES = {
     # EXAONE 3.5: Llama under GPT-2's tensor names (transformers saves it so; its config as the hub's below)
     "exaone": ("ExaoneConfig", "AutoModelForCausalLM", dict(rope_theta=500000.0, pad_token_id=0, eos_token_id=2,
                                                            tie_word_embeddings=True)),
+    # InternLM3: Llama's model (transformers saves it as LlamaForCausalLM, the hub as InternLM3ForCausalLM)
+    "internlm3": ("InternLM3Config", "AutoModelForCausalLM", dict(rope_theta=50000000.0, pad_token_id=0,
+                                                                 eos_token_id=2)),
     # OLMo 2: only the sublayers' outputs normed, q and k normed over the whole projection
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0, pad_token_id=0)),
     # OLMo 3: and a sliding window (8 positions, past which the prompts run) on its first layer
@@ -177,17 +180,21 @@ def test_longrope_matches_hf(tmp_path):
         del llm
 
 
-def test_exaone_as_the_hub_writes_its_config(tmp_path):
+@pytest.mark.parametrize("case,arch,names", [
+    ("exaone", "ExaoneForCausalLM", dict(num_hidden_layers="num_layers", rms_norm_eps="layer_norm_epsilon",
+                                         hidden_act="activation_function")),
+    ("internlm3", "InternLM3ForCausalLM", dict(attention_bias="qkv_bias"))])
+def test_configs_as_the_hub_writes_them(tmp_path, case, arch, names):
     """EXAONE 3.5's config.json as published (``num_layers``, ``layer_norm_epsilon``,
-    ``activation_function``, ``ExaoneForCausalLM``) and its GPT-2 tensor names: HF's tokens."""
-    folder, hf = save_tiny(tmp_path, "exaone")
+    ``activation_function``, ``ExaoneForCausalLM``; its GPT-2 tensor names) and InternLM3's
+    (``qkv_bias``, ``InternLM3ForCausalLM``): HF's tokens."""
+    folder, hf = save_tiny(tmp_path, case)
     path = f"{folder}/config.json"
     cfg = json.load(open(path))
-    cfg.update(architectures=["ExaoneForCausalLM"], num_layers=cfg.pop("num_hidden_layers"),
-               layer_norm_epsilon=cfg.pop("rms_norm_eps"), activation_function=cfg.pop("hidden_act"))
+    cfg.update(architectures=[arch], **{theirs: cfg.pop(ours) for ours, theirs in names.items()})
     json.dump(cfg, open(path, "w"))
     llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
-    assert type(llm.llm_engine.executor.runner.model).__name__ == "ExaoneForCausalLM"
+    assert llm.llm_engine.config.model.arch.architecture == arch
     assert_matches_hf(llm, hf, [[5, 9, 14, 3, 77], list(range(20, 50))], 8)
 
 

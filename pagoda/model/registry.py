@@ -18,6 +18,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,   # (its text model, text prompts)
     "ExaoneForCausalLM": ExaoneForCausalLM,   # (Llama under GPT-2's tensor names)
+    "InternLM3ForCausalLM": LlamaForCausalLM,  # (Llama's, its qkv_bias: ArchConfig)
     "Olmo2ForCausalLM": LlamaForCausalLM,     # (its output-only norms, whole q/k norms: ArchConfig)
     "Olmo3ForCausalLM": LlamaForCausalLM,     # (and OLMo 2's, sliding windows on three layers of four)
     # mixtures of experts
