@@ -64,6 +64,7 @@
 #   bash benchmarks/gpu_session.sh s39c      # the above in one call: tests, W1 A/B, s39b, the variants' table
 #   bash benchmarks/gpu_session.sh s39d      # s39c cut to about seven minutes
 #   bash benchmarks/gpu_session.sh s39e      # the least that decides the balanced launch: tests, W1 Qwen3 A/B
+#   bash benchmarks/gpu_session.sh s39f      # two minutes: W1 Qwen3-0.6B balanced off, then on
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh s26a      # (then spec25e, warm) W1 both models; the GPU tests
 #   bash benchmarks/gpu_session.sh s26c      # (then s26d, warm) W1 / W2 with LoRA adapters; the GPU tests
@@ -1283,6 +1284,14 @@ case "${1:-}" in
     warm_w1 .
     for knob in 0 ${BAL_P:-4} 0 ${BAL_P:-4}; do
       timeout 60 python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/w1" \
+        --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 qwen3 balanced=$knob: /"
+    done
+    ;;
+  s39f)
+    # Two minutes: W1 Qwen3-0.6B with balanced decode off, then on, after a warm-up
+    warm_w1 .
+    for knob in 0 ${BAL_P:-4}; do
+      timeout 50 python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/w1" \
         --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 qwen3 balanced=$knob: /"
     done
     ;;
