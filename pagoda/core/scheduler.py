@@ -261,7 +261,9 @@ class Scheduler:
         if parent.num_computed_tokens < fork_at:
             return None                  # no cache lookup while waiting: it would be redone
         cached = self.kv.get_computed_blocks(req)
-        return (fork_at > cached.num_tokens and self.kv.fork_blocks(parent, fork_at)) or cached
+        # (no fork where the parent has given back blocks of the child's window: the cache's hit)
+        forked = self.kv.fork_blocks(parent, fork_at) if fork_at > cached.num_tokens else None
+        return forked or cached
 
     def _count_hit(self, req: Request, hit: PrefixHit) -> None:
         if hit.forked:

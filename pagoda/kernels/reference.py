@@ -203,9 +203,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     rotary_dim)`` float32 holds cos in its first half and sin in its second, and turns each head's
     first rotary_dim dimensions (all of them but for Phi-4-mini's partial rotary embedding: the rest
     pass unrotated). Math in float32, results in the inputs' dtype, as new tensors (q and k are
-    left unchanged). With
-    ``q_norm_weight`` / ``k_norm_weight`` each head is first RMS-normalised (Qwen3; Gemma 3's
-    norm with ``norm_unit_offset``)."""
+    left unchanged). With ``q_norm_weight`` / ``k_norm_weight`` each head is first RMS-normalised
+    (Qwen3; Gemma 3's norm with ``norm_unit_offset``)."""
     if q_norm_weight is not None:
         q = rms_norm(q.unflatten(-1, (-1, head_dim)), q_norm_weight, eps, unit_offset=norm_unit_offset).flatten(-2)
         k = rms_norm(k.unflatten(-1, (-1, head_dim)), k_norm_weight, eps, unit_offset=norm_unit_offset).flatten(-2)

@@ -5,8 +5,6 @@ their own, GELU, each sublayer's output normed too, sliding windows on some laye
 (only the sublayers' outputs normed, q/k norms over the whole projections). One definition
 with a few switches (``ArchConfig``'s), since they differ in nothing else; with an LM head
 (generation) or a classification head (sequence classification, cross-encoders)."""
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -273,16 +271,16 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
     every MLP a mixture whose checkpoint stacks the experts (``input_linear`` (E, 2I, H): gate
     then up; ``output_linear`` (E, H, I)) and names the router ``router.layer``; the top k
     logits' softmax weighs the experts, as Mixtral's renormalised weights do."""
-    packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping, "block_sparse_moe": ("mlp", None)}
+    packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping, "block_sparse_moe": ("mlp", None),
+                              "router.layer": ("gate", None)}
 
     @staticmethod
     def checkpoint_weights(weights):
-        """The stacked experts as an expert's gate, up and down at a time; the router as ``gate``."""
+        """The stacked experts as an expert's gate, up and down at a time (a layout, which the
+        names' mapping cannot express)."""
         for name, tensor in weights:
             layer, _, rest = name.partition(".block_sparse_moe.")
-            if rest == "router.layer.weight":
-                yield f"{layer}.block_sparse_moe.gate.weight", tensor
-            elif rest == "input_linear.weight":
+            if rest == "input_linear.weight":
                 for e, w in enumerate(tensor):
                     gate, up = w.chunk(2)
                     yield f"{layer}.block_sparse_moe.experts.{e}.gate_proj.weight", gate
@@ -296,20 +294,15 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
 
 class ExaoneForCausalLM(LlamaForCausalLM):
     """LG's EXAONE 3.0 / 3.5: Llama's model under GPT-2's names (``transformer.h.N.attn.attention``,
-    ``ln_1``, ``mlp.c_fc_0``, ...), renamed as they are read."""
-    RENAMES = [(re.compile(a), b) for a, b in [
-        (r"^transformer\.wte\.", "model.embed_tokens."), (r"^transformer\.h\.", "model.layers."),
-        (r"^transformer\.ln_f\.", "model.norm."), (r"\.attn\.attention\.", ".self_attn."),
-        (r"\.self_attn\.out_proj\.", ".self_attn.o_proj."), (r"\.ln_1\.", ".input_layernorm."),
-        (r"\.ln_2\.", ".post_attention_layernorm."), (r"\.mlp\.c_fc_0\.", ".mlp.gate_proj."),
-        (r"\.mlp\.c_fc_1\.", ".mlp.up_proj."), (r"\.mlp\.c_proj\.", ".mlp.down_proj.")]]
-
-    @classmethod
-    def checkpoint_weights(cls, weights):
-        for name, tensor in weights:
-            for pattern, repl in cls.RENAMES:
-                name = pattern.sub(repl, name)
-            yield name, tensor
+    ``ln_1``, ``mlp.c_fc_0``, ...): the stored prefixes and module names mapped to Llama's, as every
+    model's are (so a pipeline stage's skipped tensors and a quantized checkpoint's unquantized
+    layers are known by them too)."""
+    checkpoint_prefixes = {"transformer.wte.": "model.embed_tokens.", "transformer.h.": "model.layers.",
+                           "transformer.ln_f.": "model.norm."}
+    packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping, "attn.attention": ("self_attn", None),
+                              "out_proj": ("o_proj", None), "ln_1": ("input_layernorm", None),
+                              "ln_2": ("post_attention_layernorm", None), "c_fc_0": ("gate_up_proj", 0),
+                              "c_fc_1": ("gate_up_proj", 1), "c_proj": ("down_proj", None)}
 
 
 class LlamaForSequenceClassification(_LlamaDecoder):

@@ -195,7 +195,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     tied = ties_lm_head(model)
     prefixes = getattr(model, "checkpoint_prefixes", None)
     loaded: set[str] = set()
-    if hasattr(model, "checkpoint_weights"):    # (its own names or layout: EXAONE's, Granite MoE's stacked experts)
+    if hasattr(model, "checkpoint_weights"):    # (a layout of its own: Granite MoE's stacked experts)
         weights = model.checkpoint_weights(weights)
     for name, tensor in weights:
         name = renamed(name, prefixes)   # (a weight update's come by the checkpoint's names; the model's pass)
@@ -270,7 +270,8 @@ def ties_lm_head(model: nn.Module) -> bool:
 def _expected_names(model: nn.Module, mapping: dict) -> set[str]:
     shards: dict[str, list] = {}
     for fused, sid in mapping.values():
-        shards.setdefault(fused, []).append(sid)
+        if sid is not None:      # (an entry that only renames loads its tensor whole)
+            shards.setdefault(fused, []).append(sid)
     names = set()
     for name, p in model.named_parameters():   # tied weights appear once
         if getattr(p, "optional", False):       # (FP8's static input_scale)

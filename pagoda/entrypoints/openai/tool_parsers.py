@@ -263,9 +263,8 @@ class PythonicToolParser:
 
 class HeldToolCalls:
     """A streamed message whose calls are the whole of it (llama3_json, granite, phi4_mini_json,
-    pythonic), as (content
-    delta, tool calls): held while it may be calls, parsed when it ends; once it cannot be, sent
-    as it comes."""
+    pythonic), as (content delta, tool calls): held while it may be calls, parsed when it ends;
+    once it cannot be, sent as it comes."""
 
     def __init__(self, parser: "Llama3JsonToolParser | PythonicToolParser"):
         self.parser = parser

@@ -3,6 +3,7 @@ import functools
 import torch
 from torch import nn
 
+from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 from pagoda.kernels import reference
 
 
@@ -66,7 +67,6 @@ class HeadShardedRMSNorm(nn.Module):
 
     def __init__(self, local_size: int, eps: float, replicas: int = 1):
         super().__init__()
-        from pagoda.distributed.parallel_state import get_tp_rank, get_tp_size
         self.eps, self.replicas, self.tp_size = eps, replicas, get_tp_size()
         self.rank = get_tp_rank() // replicas       # (which slice of the weight this rank holds)
         self.weight = nn.Parameter(torch.ones(local_size), requires_grad=False)
@@ -78,7 +78,6 @@ class HeadShardedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return kernels_for(x).rms_norm(x, self.weight, self.eps)
-        from pagoda.distributed.parallel_state import tp_all_reduce
         xf = x.float()
         squares = tp_all_reduce(xf.square().sum(-1, keepdim=True)) / self.replicas
         mean = squares / (x.shape[-1] * self.tp_size // self.replicas)
