@@ -1275,7 +1275,16 @@ case "${1:-}" in
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
       -k "balanced or partial" 2>&1 | tail -2
     bash benchmarks/gpu_session.sh s38b
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding_windows" 2>&1 | tail -3
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding_windows or draft_model" 2>&1 | tail -3
+    ;;
+  s40b)
+    # A draft model's cost (random weights: every draft rejected, a token a step): W2 Llama-3-8B at
+    # batch 1 with a Llama-3.2-1B-shaped draft, k=4 and k=2, beside the same engine without drafts
+    for spec in none '{"num_speculative_tokens": 4}' '{"num_speculative_tokens": 2}'; do
+      extra=(); [ "$spec" != none ] && extra=(--draft-model-config benchmarks/models/llama3.2-1b.json --speculative-config "$spec")
+      timeout 170 python3 benchmarks/latency.py --model-config $MA/llama3-8b.json --batch 1 --output-len 128 \
+        --async-scheduling off "${extra[@]}" 2>&1 | grep -E "^pagoda |drafts:|Error" | sed "s/^/W2 llama3-8b sync draft=$spec: /"
+    done
     ;;
   s39e)
     # The least that decides the balanced launch (about four minutes): its tests compiled, W1

@@ -75,6 +75,9 @@ def main():
     p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                    help="n-gram drafts, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (ms per step "
                         "is then ms per output token; random weights make the acceptance meaningless, not the cost)")
+    p.add_argument("--draft-model-config", default=None,
+                   help="a draft model of this config (random weights, the target's vocabulary) for the "
+                        "speculative config's drafts, e.g. benchmarks/models/llama3.2-1b.json")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, the host's hot spots at the first batch size (cProfile)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
@@ -89,13 +92,17 @@ def main():
     name += f"-kv{args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
     ceilings = measure_ceilings()
     lora_kwargs, loras = lora_setup(args, cfg)
+    if args.draft_model_config:     # (random weights: its drafts are rejected, each step costs what it costs)
+        args.speculative_config = {"num_speculative_tokens": 4, **(args.speculative_config or {}),
+                                   "model": dummy_model_dir(args.draft_model_config)}
     t0 = time.perf_counter()
     llm = LLM(dummy_model_dir(args.model_config, args.quantization), load_format="dummy", dtype="bfloat16",
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
               async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
               kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config, **lora_kwargs)
     tag = "async" if llm.llm_engine.async_scheduling else "sync"
-    name += "-ngram" if args.speculative_config else ""
+    if args.speculative_config:
+        name += "-draft" if args.draft_model_config else "-ngram"
     name += f"-lora{args.num_loras}r{args.lora_rank}" if args.num_loras else ""
     llm.generate({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=1), use_tqdm=False)
     startup = time.perf_counter() - t0

@@ -93,7 +93,7 @@ def main():
     totals = collections.defaultdict(float)
     engine.scheduler.schedule = timed(totals, "schedule", engine.scheduler.schedule)
     runner.execute_model = timed(totals, "execute", runner.execute_model)
-    runner._prepare_inputs = timed(totals, "prepare_inputs", runner._prepare_inputs)
+    runner.prepare_inputs = timed(totals, "prepare_inputs", runner.prepare_inputs)
     runner._forward = timed(totals, "forward", runner._forward)
     runner._upload = timed(totals, "upload", runner._upload)
     runner.model.compute_logits = timed(totals, "logits", runner.model.compute_logits)

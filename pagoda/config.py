@@ -554,23 +554,42 @@ class ParallelConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """vLLM's speculative_config, n-gram drafts (prompt lookup): each decode step proposes up to
-    ``num_speculative_tokens`` tokens by finding the sequence's last n tokens (n from
-    ``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in its prompt or output and
-    copying what followed them; one forward checks them all. With neither bound given both are
-    5; with one, the other equals it (vLLM's rule). ``disable_by_batch_size``: no drafts while
-    that many requests or more are in the engine (running or waiting), whose batch already keeps
-    the GPU busy."""
-    method: str = "ngram"
+    """vLLM's speculative_config: each decode step checks up to ``num_speculative_tokens``
+    draft tokens after a request's last one, in one forward. The drafts come from
+
+    - ``method="ngram"`` (prompt lookup): the tokens that followed the latest earlier
+      occurrence of the sequence's last n tokens (n from ``prompt_lookup_max`` down to
+      ``prompt_lookup_min``; with neither bound given both are 5, with one the other equals it,
+      vLLM's rule);
+    - ``method="draft_model"`` (the method when ``model`` is given, as in vLLM): a smaller model
+      of the same vocabulary, ``model`` (a local folder or .gguf), run greedily for k tokens
+      after each step. It shares the target's block tables (its own KV in the same blocks),
+      dtype and tensor parallelism; ``quantization`` is its checkpoint's.
+
+    ``disable_by_batch_size``: no drafts while that many requests or more are in the engine
+    (running or waiting), whose batch already keeps the GPU busy."""
+    method: str | None = None
     num_speculative_tokens: int = 0
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None
+    model: str | None = None
+    quantization: str | None = None
+    draft_tensor_parallel_size: int | None = None
+    # The draft model's, filled in by EngineArgs (not a user key)
+    draft_model_config: "ModelConfig | None" = field(default=None, repr=False)
 
     def __post_init__(self):
-        if self.method != "ngram":
+        self.method = self.method or ("draft_model" if self.model else "ngram")
+        if self.method not in ("ngram", "draft_model"):
             raise ValueError(f"Unknown speculative method {self.method!r}: this engine proposes drafts by n-gram "
-                             "lookup only ('ngram'); draft models, EAGLE and Medusa are not supported.")
+                             "lookup ('ngram') or with a draft model ('draft_model', or give 'model'); EAGLE, "
+                             "Medusa and MTP are not supported.")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config with method 'draft_model' needs 'model': the draft model's path.")
+        if self.method == "ngram" and self.model:
+            raise ValueError(f"speculative_config: method 'ngram' takes no model (got {self.model!r}); leave the "
+                             "method out, or set it to 'draft_model', to draft with that model.")
         if self.num_speculative_tokens < 1:
             raise ValueError("speculative_config needs num_speculative_tokens >= 1 (the most draft tokens a step "
                              f"checks), got {self.num_speculative_tokens}.")
@@ -580,11 +599,15 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}.")
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
 
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
     @classmethod
     def from_dict(cls, d: "dict | SpeculativeConfig") -> "SpeculativeConfig":
         if isinstance(d, SpeculativeConfig):
             return d
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"draft_model_config"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"Unknown speculative_config keys {sorted(unknown)}; known: {sorted(known)}.")

@@ -245,31 +245,60 @@ def test_weights_too_large_for_the_gpu_is_a_clear_error(tmp_path):
 
 
 def test_speculative_decoding_keeps_greedy_and_seeded_outputs():
-    """n-gram drafts on the GPU (their verification steps in the mixed-step CUDA graphs): greedy
-    and seeded samples (the one-kernel sampler, Philox keyed by seed and position, with and
-    without top-p) the same tokens as without drafts, float32, on SmolLM2 answers that copy;
-    in a second batch, greedy requests with logprobs (the full sampler) the same logprobs."""
+    """n-gram drafts, and SmolLM2 as its own draft model, on the GPU (their verification steps in
+    the mixed-step CUDA graphs; the draft's steps eager): greedy and seeded samples (the
+    one-kernel sampler, Philox keyed by seed and position, with and without top-p) the same
+    tokens as without drafts, float32, on SmolLM2 answers that copy; in a second batch, greedy
+    requests with logprobs (the full sampler) the same logprobs."""
     from tests.test_spec_decode import CHATS, NGRAM, assert_same_logprobs
     params = [SamplingParams(temperature=0, max_tokens=64), SamplingParams(temperature=0.8, seed=7, max_tokens=64),
               SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=64)]
     with_logprobs = SamplingParams(temperature=0, max_tokens=64, logprobs=2)
-    outputs, logprobs = [], []
-    for spec in (None, NGRAM):
+    outputs, logprobs, kept = [], [], []
+    for spec in (None, NGRAM, {"model": smollm(), "num_speculative_tokens": 4}):
         llm = LLM(smollm(), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3,
                   speculative_config=spec)
         prompts = [llm.get_tokenizer().apply_chat_template(c, add_generation_prompt=True) for c in CHATS]
         outs = llm.generate([p for p in prompts for _ in params], params * len(prompts), use_tqdm=False)
         outputs.append([o.outputs[0].token_ids for o in outs])
         logprobs.append([o.outputs[0] for o in llm.generate(prompts, with_logprobs, use_tqdm=False)])
-        stats = llm.llm_engine.stats
+        kept.append(llm.llm_engine.stats.num_accepted_tokens / max(1, llm.llm_engine.stats.num_draft_tokens))
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    assert outputs[0] == outputs[1]
-    for want, got in zip(*logprobs):
-        assert got.token_ids == want.token_ids
-        assert_same_logprobs(got.logprobs, want.logprobs)
-    assert stats.num_accepted_tokens > 0
+    for i in (1, 2):
+        assert outputs[i] == outputs[0]
+        for want, got in zip(logprobs[0], logprobs[i]):
+            assert got.token_ids == want.token_ids
+            assert_same_logprobs(got.logprobs, want.logprobs)
+    # (the model as its own draft: kept unless the sample differs from its greedy draft)
+    assert kept[1] > 0 and kept[2] > 0.5, kept
+
+
+def test_draft_model_on_the_gpu_matches_cpu(tmp_path, monkeypatch):
+    """A draft model on the GPU (tiny random checkpoints, float32; both models' steps in their CUDA
+    graphs): greedy tokens of the CPU path without drafts, from a random draft (its drafts
+    rejected) and from the target drafting for itself (every draft kept: the draft's KV in the
+    target's blocks is right)."""
+    from tests.test_draft_model import GREEDY, PROMPTS, ids
+    from tests.test_tensor_parallel import write_tiny_llama
+    target = write_tiny_llama(str(tmp_path / "target"), heads=4, kv_heads=2, seed=4)
+    draft = write_tiny_llama(str(tmp_path / "draft"), heads=2, kv_heads=1, hidden=32, layers=1, seed=5)
+    kw = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=128)
+    want = ids(LLM(target, device="cpu", kv_cache_memory_bytes=1 << 24, **kw).generate(PROMPTS, GREEDY, use_tqdm=False))
+    for d in (draft, target):
+        llm = LLM(target, gpu_memory_utilization=0.3, speculative_config={"model": d, "num_speculative_tokens": 3}, **kw)
+        graphs, used = llm.llm_engine.executor.runner.drafter.graphs, []
+        monkeypatch.setattr(graphs, "run", lambda key, *a, run=graphs.run: used.append(key[0]) or run(key, *a))
+        assert ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+        assert {"decode", "spec"} <= set(used), used
+        stats = llm.llm_engine.stats
+        assert stats.num_draft_tokens > 0
+        if d == target:
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def test_lora_on_the_gpu_matches_cpu(tmp_path, monkeypatch):

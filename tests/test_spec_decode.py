@@ -53,7 +53,7 @@ def test_config_checks(smollm_path, tmp_path):
     for bad, match in [({"method": "eagle", "num_speculative_tokens": 2}, "ngram"),
                        ({"method": "ngram"}, "num_speculative_tokens"),
                        ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
-                       ({"num_speculative_tokens": 2, "model": "x"}, "Unknown speculative_config keys")]:
+                       ({"num_speculative_tokens": 2, "draft": "x"}, "Unknown speculative_config keys")]:
         with pytest.raises(ValueError, match=match):
             LLM(smollm_path, speculative_config=bad)
     with pytest.raises(ValueError, match="async_scheduling off"):

@@ -123,11 +123,12 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = end
 
     # ------------------------------------------------------------------ block tables
-    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
+                       num_lookahead: int = 0) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens of KV after the request's computed ones
-        (and after ``hit``, a prefix it takes over at admission). Returns the ids of the blocks
-        added to its table (possibly none), or None when the pool is too short, in which case
-        nothing changed."""
+        (and after ``hit``, a prefix it takes over at admission), and ``num_lookahead`` slots
+        after them (a draft model's). Returns the ids of the blocks added to its table (possibly
+        none), or None when the pool is too short, in which case nothing changed."""
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is None:
             blocks = self.req_to_blocks[request.request_id] = []
@@ -135,12 +136,12 @@ class KVCacheManager:
             if self.sliding_window:
                 self._free_outside_window(blocks, request.num_computed_tokens)
             end = request.num_computed_tokens + num_new_tokens
-            if end <= len(blocks) * self.block_size and (
+            if end + num_lookahead <= len(blocks) * self.block_size and (
                     not self.enable_caching or end // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)):
                 return []          # most decode steps: room in the last block, no block filled
         shared = hit.blocks if hit else []
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
-        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(shared)
+        needed = cdiv(num_computed + num_new_tokens + num_lookahead, self.block_size) - len(blocks) - len(shared)
         revived = sum(b.ref_cnt == 0 for b in shared)      # cached blocks now in the free queue
         if needed + revived > self.pool.num_free_blocks:
             if not blocks:

@@ -53,6 +53,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     # Speculative decoding: req_id -> how many of its drafts were kept (0 when absent).
     num_accepted_drafts: dict[str, int] = field(default_factory=dict)
+    # With a draft model: req_id -> the drafts it proposed after this step's tokens.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> for each token of the step (one, or the drafts kept and one more): (token ids
     # (k+1 each: the sampled token, then the top k), logprobs, rank of the sampled token)
     logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)

@@ -18,10 +18,12 @@ max_tokens / max_model_len. With several steps in flight (pipeline parallelism: 
 such a request waits for its token instead, and each step takes its share of the running
 requests, so that the others fill the next step.
 
-With speculative decoding (n-gram drafts), a decoding request may be scheduled with draft
-tokens after its last one: the step computes them all, and the runner keeps the longest run of
-drafts the model itself would have sampled, plus the token it sampled after them. The drafts it
-rejects are taken back from num_computed_tokens (their KV slots are written again later)."""
+With speculative decoding (n-gram drafts, or a draft model's), a decoding request may be
+scheduled with draft tokens after its last one: the step computes them all, and the runner
+keeps the longest run of drafts the model itself would have sampled, plus the token it sampled
+after them. The drafts it rejects are taken back from num_computed_tokens (their KV slots are
+written again later). A draft model runs k tokens past the step's last one: each request's
+blocks reach that far (vLLM's lookahead slots)."""
 import bisect
 import time
 from collections import deque
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 from pagoda.config import LoRAConfig, SchedulerConfig, SpeculativeConfig
 from pagoda.core.kv_cache_manager import KVCacheManager, PrefixHit
+from pagoda.core.model_drafts import ModelDrafts
 from pagoda.core.ngram_proposer import NgramProposer
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
@@ -53,7 +56,11 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None, lora: LoRAConfig | None = None):
         self.config = config
         self.kv = kv_cache_manager
-        self.proposer = NgramProposer(speculative) if speculative else None
+        self.proposer = None
+        self.num_lookahead = 0
+        if speculative:
+            self.proposer = (ModelDrafts if speculative.uses_draft_model else NgramProposer)(speculative)
+            self.num_lookahead = speculative.num_speculative_tokens if speculative.uses_draft_model else 0
         self.draft_batch_limit = (speculative and speculative.disable_by_batch_size) or float("inf")
         self.max_loras = lora.max_loras if lora else 0
         self.requests: dict[str, Request] = {}
@@ -146,10 +153,10 @@ class Scheduler:
             if self.proposer and n == 1 and len(self.running) + len(self.waiting) < self.draft_batch_limit:
                 req.spec_token_ids = self._drafts(req, budget - 1)
                 n += len(req.spec_token_ids)
-            new_block_ids = self.kv.allocate_slots(req, n)
+            new_block_ids = self.kv.allocate_slots(req, n, None, self._lookahead(req, n))
             if new_block_ids is None and req.spec_token_ids:   # drafts never preempt anyone
                 req.spec_token_ids, n = [], 1
-                new_block_ids = self.kv.allocate_slots(req, n)
+                new_block_ids = self.kv.allocate_slots(req, n, None, self._lookahead(req, n))
             while new_block_ids is None:
                 victim = self._victim()
                 if victim.request_id in num_scheduled:     # (priority: one scheduled already this step)
@@ -161,7 +168,7 @@ class Scheduler:
                 preempted = True
                 if victim is req:
                     break
-                new_block_ids = self.kv.allocate_slots(req, n)
+                new_block_ids = self.kv.allocate_slots(req, n, None, self._lookahead(req, n))
             if new_block_ids is None:     # req itself was preempted: the next one takes its place
                 continue
             cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
@@ -185,7 +192,7 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - hit.num_tokens, budget)
             if ((not self.config.enable_chunked_prefill and n < req.num_tokens - hit.num_tokens)
-                    or self.kv.allocate_slots(req, n, hit) is None):
+                    or self.kv.allocate_slots(req, n, hit, self._lookahead(req, n, hit.num_tokens)) is None):
                 self.waiting.appendleft(req)
                 break
             self._count_hit(req, hit)
@@ -244,6 +251,11 @@ class Scheduler:
                    self.config.max_model_len - req.num_tokens - 1)
         return self.proposer.propose(req.request_id, req.all_token_ids, room)
 
+    def _lookahead(self, req: Request, n: int, start: int | None = None) -> int:
+        """Slots past the step's tokens for the draft model's KV (never past max_model_len)."""
+        end = (req.num_computed_tokens if start is None else start) + n
+        return max(0, min(self.num_lookahead, self.config.max_model_len - end))
+
     def _last_token_in_flight(self, req: Request) -> bool:
         """The token still on the device will end the request by length: schedule nothing more."""
         n = req.num_tokens + req.num_output_placeholders
@@ -296,6 +308,9 @@ class Scheduler:
                     queue.remove(req)
                     self._free(req)
                     break
+            else:
+                if req_id in out.draft_token_ids:
+                    self.proposer.receive(req_id, req.num_tokens, out.draft_token_ids[req_id])
             updated.append(req)
         for req_id in out.pooler_output:        # pooling requests: their one output, then done
             req = self.requests.get(req_id)

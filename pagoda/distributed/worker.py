@@ -72,6 +72,11 @@ class Worker(RankWorker):
                 self.in_flight.popleft().get_output()
             self.in_flight.append(self.runner.execute_model(sched))
             return
+        if self.runner.drafter is not None:
+            # A draft model proposes after each step, with collectives: as rank 0's engine does,
+            # which takes each step in at once (speculative decoding schedules synchronously).
+            self.runner.execute_model(sched).get_output()
+            return
         if self.last is not None and self.last.drafts is not None:
             # Speculative decoding: the drafts kept decide where this step's inputs go.
             self.last.get_output()

@@ -235,7 +235,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization, cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales,
             enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching)
-        speculative = self._speculative(model, parallel)
+        speculative = self._speculative(model, parallel, max_model_len)
         lora = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
         if lora is not None and model.arch.num_experts:
             raise ValueError(f"LoRA adapters on a mixture of experts ({model.arch.architecture}) are not supported yet.")
@@ -251,7 +251,7 @@ class EngineArgs:
                              log_stats=not self.disable_log_stats, enable_sleep_mode=self.enable_sleep_mode,
                              worker_extension_cls=self.worker_extension_cls, speculative=speculative, lora=lora)
 
-    def _speculative(self, model: ModelConfig, parallel: ParallelConfig) -> SpeculativeConfig | None:
+    def _speculative(self, model: ModelConfig, parallel: ParallelConfig, max_model_len: int) -> SpeculativeConfig | None:
         """speculative_config, checked against what it runs with."""
         if not self.speculative_config:
             return None
@@ -264,7 +264,43 @@ class EngineArgs:
         if self.async_scheduling:
             raise ValueError("speculative_config needs async_scheduling off: a step's drafts follow the tokens "
                              "of the step before, which must have reached the host.")
+        if spec.uses_draft_model:
+            spec.draft_model_config = self._draft_model_config(spec, model, parallel, max_model_len)
         return spec
+
+    def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig, parallel: ParallelConfig,
+                            max_model_len: int) -> ModelConfig:
+        """The draft model's config: its own checkpoint (and quantization), the target's dtype, and
+        the target's tensor parallelism (its layers shard as the target's do)."""
+        if spec.draft_tensor_parallel_size not in (None, parallel.tensor_parallel_size):
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size={spec.draft_tensor_parallel_size} "
+                             f"but the draft model shards as the target does, over tensor_parallel_size="
+                             f"{parallel.tensor_parallel_size}: leave it out.")
+        if self.enable_sleep_mode:
+            raise ValueError("Sleep mode does not move a draft model's weights yet: use enable_sleep_mode or a "
+                             "draft model, not both.")
+        check_quantization_name(spec.quantization)
+        args = replace(self, model=spec.model, revision=None, hf_overrides=None)
+        path = args.model_path()
+        arch = args.arch_config(path)
+        if is_classifier(arch.architecture):
+            raise ValueError(f"The draft model {spec.model!r} is a classifier ({arch.architecture}): it must "
+                             "generate.")
+        if arch.vocab_size > target.arch.vocab_size:
+            raise ValueError(f"The draft model {spec.model!r} has {arch.vocab_size} vocabulary entries, the target "
+                             f"{target.arch.vocab_size}: the two must share a tokenizer (the draft's vocabulary "
+                             "no larger than the target's).")
+        if max_model_len > arch.max_context:
+            raise ValueError(f"max_model_len={max_model_len} is longer than the draft model's context "
+                             f"({arch.max_context} tokens): lower max_model_len or pick another draft model.")
+        try:
+            parallel.verify(arch, self.resolved_device())
+        except ValueError as e:
+            raise ValueError(f"The draft model {spec.model!r}: {e}") from None
+        quantization, quant_config = resolve_quantization(spec.quantization, read_quant_config(path, arch), path)
+        return ModelConfig(model=spec.model, path=path, arch=_fix_longrope_factors(arch, max_model_len),
+                           dtype=target.dtype, compute_dtype=target.compute_dtype, seed=target.seed,
+                           load_format=self.load_format, quantization=quantization, quant_config=quant_config)
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, device: str) -> None:

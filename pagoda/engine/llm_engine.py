@@ -49,7 +49,7 @@ class LLMEngine:
         self.executor.initialize_kv_cache(num_blocks)
         config.cache.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching, config.model.arch.uniform_window)
+                                               config.cache.enable_prefix_caching, self._uniform_window())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.speculative, config.lora)
         self.output_processor = OutputProcessor(tokenizer)
         self.num_steps = self.num_prompt_tokens = 0
@@ -87,6 +87,16 @@ class LLMEngine:
             from pagoda.engine.dp_engine import DPEngine
             return DPEngine(args, config, tokenizer)
         return cls(config, tokenizer)
+
+    def _uniform_window(self) -> int:
+        """The window outside which blocks can be freed: the model's, if every layer has it (and
+        every layer of a draft model too, which reads the same blocks)."""
+        window = self.config.model.arch.uniform_window
+        spec = self.config.speculative
+        if spec is not None and spec.draft_model_config is not None \
+                and spec.draft_model_config.arch.uniform_window != window:
+            return 0
+        return window
 
     def _check_kv_cache_fits(self, num_blocks: int) -> None:
         bs, max_len = self.config.cache.block_size, self.config.scheduler.max_model_len

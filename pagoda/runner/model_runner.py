@@ -25,13 +25,14 @@ from pagoda.model.loader import get_model
 from pagoda.model.pipeline import IntermediateTensors, empty_intermediate, hidden_shapes
 from pagoda.pooling_params import PoolingParams
 from pagoda.runner.cuda_graph import CUDAGraphRunner
+from pagoda.runner.draft_model import DraftModel, bind_kv_caches, kv_bytes_per_block
 from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, apply_grammar_bitmasks, logprobs_of, sample
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
 NO_LOGPROBS = -2
-# The flat batch's arrays, as _prepare_inputs builds them and the forward reads them.
+# The flat batch's arrays, as prepare_inputs builds them and the forward reads them.
 INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")
 TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
                 np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
@@ -130,6 +131,8 @@ class AsyncRunnerOutput:
             self.host = [None if t is None else t.cpu() for t in self.host]
             self.runner._record_sampled(self)
             self.host = None
+            if self.runner.drafter is not None:
+                self.out.draft_token_ids = self.runner.drafter.propose(self.runner, self.req_ids, self.states)
         return self.out
 
 
@@ -157,6 +160,8 @@ class ModelRunner:
         self.batches_in_flight = self.pp.world_size
         self.stage_sends: deque[list] = deque()
         self.model = get_model(mc, self.device)
+        spec = config.speculative
+        self.drafter = DraftModel(config, self.device) if spec and spec.uses_draft_model else None
         # LoRA: every adapted layer's slots, before any forward (the profiling run, the graphs)
         self.lora = None
         if config.lora is not None:
@@ -210,11 +215,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block over this rank's layers (its pipeline stage's only)."""
-        layers = self.model.model.local_layers
-        num_kv_heads = layers[0].self_attn.num_kv_heads
-        elem = self.kv_cache_dtype.itemsize
-        return 2 * len(layers) * self.block_size * num_kv_heads * self.arch.head_dim * elem
+        """Bytes of one block over this rank's layers (its pipeline stage's only; a draft
+        model's layers too: they keep their KV in the same blocks)."""
+        return sum(kv_bytes_per_block(m, self.block_size, self.kv_cache_dtype) for m in self._models())
+
+    def _models(self) -> list[nn.Module]:
+        """The target model, and the draft model if there is one."""
+        return [self.model] if self.drafter is None else [self.model, self.drafter.model]
 
     def determine_num_blocks(self) -> int:
         cc = self.config.cache
@@ -245,6 +252,8 @@ class ModelRunner:
         try:
             with set_forward_context(None, self.backend):
                 hidden = self.model(ids, pos, self._stand_in_activations(n))
+                if self.drafter is not None:
+                    self.drafter.model(ids, pos)
             logits = self.model.compute_logits(hidden[:self.max_num_reqs]) if self.pp.is_last_rank else None
             if logits is not None:                       # (the rank that samples)
                 logits.float().log_softmax(-1).sort(-1)  # the sampler's biggest temporaries
@@ -272,21 +281,13 @@ class ModelRunner:
         return budget
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        layers = self.model.model.local_layers
-        attn0 = layers[0].self_attn.attn
-        shape = (2, num_blocks, self.block_size, attn0.num_kv_heads, attn0.head_dim)
-        self.kv_caches = []
         self.block_used = np.zeros(num_blocks, dtype=bool)
         # The torch reference reads a row's table past its blocks (padding): no entry may name a
         # block of an earlier cache (sleep mode), which this one has not zeroed.
         self.block_table.fill(0)
-        for layer in layers:
-            # Uninitialised, so untouched pages of a large CPU cache are never committed; blocks
-            # are zeroed as they are handed out (see _zero_new_blocks).
-            cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
-            cache[:, 0] = 0.0      # the null block, read by padding
-            layer.self_attn.attn.kv_cache = cache
-            self.kv_caches.append(cache)
+        # (blocks are zeroed as they are handed out where the backend needs it: _zero_new_blocks)
+        self.kv_caches = [cache for m in self._models()
+                          for cache in bind_kv_caches(m, num_blocks, self.block_size, self.kv_cache_dtype, self.device)]
         if not self.kv_scales_pending:       # (else once the first step has set the scales)
             self._capture_graphs()
         if self.device.type == "cuda":
@@ -332,17 +333,23 @@ class ModelRunner:
         # sends and receives around them.)
         if self.device.type == "cuda" and not self.config.enforce_eager and self.pp.world_size == 1:
             t0 = time.perf_counter()
-            spec = self.config.speculative
-            self.cuda_graphs = CUDAGraphRunner(self.model, self.backend, self.max_num_reqs,
-                                               self.config.scheduler.max_num_batched_tokens,
-                                               self.block_table.shape[1], self.max_model_len, self.device,
-                                               spec.num_speculative_tokens if spec else 0)
-            self.cuda_graphs.capture()
-            if not self.single_rank:
-                graphs_captured(self.cuda_graphs)
+            self.cuda_graphs = self._graphs_of(self.model)
+            if self.drafter is not None:       # (the draft's own, for its steps and proposals)
+                self.drafter.graphs = self._graphs_of(self.drafter.model)
             g = self.cuda_graphs
             logger.info("Captured CUDA graphs for %d decode batch sizes, %d mixed-step sizes and %d verification "
-                        "sizes in %.1f s.", len(g.sizes), len(g.mixed_sizes), len(g.spec_sizes), time.perf_counter() - t0)
+                        "sizes%s in %.1f s.", len(g.sizes), len(g.mixed_sizes), len(g.spec_sizes),
+                        " (and the draft model's)" if self.drafter else "", time.perf_counter() - t0)
+
+    def _graphs_of(self, model: nn.Module) -> CUDAGraphRunner:
+        spec = self.config.speculative
+        graphs = CUDAGraphRunner(model, self.backend, self.max_num_reqs, self.config.scheduler.max_num_batched_tokens,
+                                 self.block_table.shape[1], self.max_model_len, self.device,
+                                 spec.num_speculative_tokens if spec else 0)
+        graphs.capture()
+        if not self.single_rank:
+            graphs_captured(graphs)
+        return graphs
 
     def _compile_kernels(self) -> None:
         """Compile now, not inside the first requests' steps (a second or more each), what the
@@ -355,19 +362,20 @@ class ModelRunner:
         logits = torch.zeros(1, self.arch.vocab_size, dtype=self.dtype, device=self.device)
         sample_triton(logits, one, one.long())
         sample_triton(logits, one, one.long(), one.long(), one * 0.9, one * 0)     # with filters
-        attn = self.model.model.local_layers[0].self_attn.attn
-        group = attn.num_heads // attn.num_kv_heads
-        for q_len in sorted({max(2, block_m // group) for block_m in triton_attention.TILES}):
-            n = 1 + q_len
-            int32 = dict(dtype=torch.int32, device=self.device)
-            md = AttentionMetadata(
-                n, 1, torch.full((n,), -1, dtype=torch.long, device=self.device),
-                torch.tensor([0, 1, n], **int32), torch.tensor([1, q_len], **int32),
-                torch.zeros(2, cdiv(q_len, self.block_size), **int32), q_len, q_len, 1)
-            positions = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(q_len)]).to(self.device)
-            with set_forward_context(md, self.backend):
-                self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions,
-                           self._stand_in_activations(n))
+        for model in self._models():
+            attn = model.model.local_layers[0].self_attn.attn
+            group = attn.num_heads // attn.num_kv_heads
+            for q_len in sorted({max(2, block_m // group) for block_m in triton_attention.TILES}):
+                n = 1 + q_len
+                int32 = dict(dtype=torch.int32, device=self.device)
+                md = AttentionMetadata(
+                    n, 1, torch.full((n,), -1, dtype=torch.long, device=self.device),
+                    torch.tensor([0, 1, n], **int32), torch.tensor([1, q_len], **int32),
+                    torch.zeros(2, cdiv(q_len, self.block_size), **int32), q_len, q_len, 1)
+                positions = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(q_len)]).to(self.device)
+                with set_forward_context(md, self.backend):
+                    model(torch.zeros(n, dtype=torch.long, device=self.device), positions,
+                          self._stand_in_activations(n) if model is self.model else None)
 
     def _stand_in_activations(self, num_tokens: int) -> IntermediateTensors | None:
         """For a pipeline stage's profiling and warm-up runs: zeros for the previous stage's
@@ -454,7 +462,7 @@ class ModelRunner:
         known = np.array([s.num_tokens for s in states], dtype=np.int64)
         num_drafts = self._write_drafts(sched.spec_token_ids, req_ids, states)
         cu = np.cumsum(q_lens)
-        batch = self._prepare_inputs(rows, q_lens, computed)
+        batch = self.prepare_inputs(rows, q_lens, computed)
         arrays = {k: batch[k] for k in INPUT_NAMES}
         if self.lora is not None:     # each token's adapter slot (-1: none)
             arrays["lora_slots"] = np.repeat(self.lora.slots_for([s.lora_id for s in states]), q_lens)
@@ -487,6 +495,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_token_slots(t["lora_slots"])
         hidden = self._forward(batch, t)
+        if self.drafter is not None:
+            self.drafter.run_step(self, batch, t)
         if calibrating:
             self.kv_scales_pending = False
             self._capture_graphs()
@@ -712,6 +722,10 @@ class ModelRunner:
         return {k: dev[offsets[k]:offsets[k] + a.nbytes].view(TORCH_DTYPES[a.dtype]).view(a.shape)
                 for k, a in arrays.items()}
 
+    def upload_batch(self, b: dict) -> dict[str, torch.Tensor]:
+        """The flat batch's arrays (prepare_inputs) on the device."""
+        return self._upload({k: b[k] for k in INPUT_NAMES})
+
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
         """One array on the device (the rare paths: block copies, penalties, prompt logprobs)."""
         return self._upload({"x": x})["x"]
@@ -732,7 +746,7 @@ class ModelRunner:
                 # (the CPU has no index_fill_ for float8: zero bytes)
                 (cache.view(torch.uint8) if cache.element_size() == 1 else cache).index_fill_(1, t, 0)
 
-    def _prepare_inputs(self, rows, q_lens, computed) -> dict:
+    def prepare_inputs(self, rows, q_lens, computed) -> dict:
         """The flat batch as numpy arrays: O(requests) Python, the rest vectorized."""
         bs = self.block_size
         total = int(q_lens.sum())
@@ -760,22 +774,33 @@ class ModelRunner:
         """The model over the flat batch: ``b`` as prepared on the host, ``t`` its arrays on the
         device. Input ids that only the device knows yet (``pending_dst``) are filled in from
         the last step's sampled tokens."""
-        num_tokens, num_reqs = len(b["input_ids"]), len(b["seq_lens"])
+        num_tokens = len(b["input_ids"])
         pending = None
         if "pending_dst" in t:
             pending = t["pending_dst"], self.last_sampled[t["pending_src"]]
-        key = self.cuda_graphs and self.cuda_graphs.graph_key(num_reqs, num_tokens, b["max_query_len"])
-        if key:
-            return self.cuda_graphs.run(key, t, pending)
+        if self.pp.world_size == 1:
+            return self.run(self.model, self.cuda_graphs, b, t, pending)
         if pending is not None:
             t["input_ids"][pending[0]] = pending[1]
-        md = AttentionMetadata(num_tokens, b["num_decodes"], t["slot_mapping"], t["query_start_loc"],
-                               t["seq_lens"], t["block_tables"], b["max_query_len"], b["max_seq_len"],
-                               b["max_decode_seq_len"])
-        with set_forward_context(md, self.backend):
-            if self.pp.world_size == 1:
-                return self.model(t["input_ids"], t["positions"])
+        with set_forward_context(self._metadata(b, t), self.backend):
             return self._forward_stage(t, num_tokens)
+
+    def run(self, model: nn.Module, graphs: CUDAGraphRunner | None, b: dict, t: dict[str, torch.Tensor],
+            pending: tuple | None = None) -> torch.Tensor:
+        """``model`` (the target, or the draft) over the flat batch: a captured graph of its
+        (``graphs``) where one fits, else eagerly."""
+        key = graphs and graphs.graph_key(len(b["seq_lens"]), len(b["input_ids"]), b["max_query_len"])
+        if key:
+            return graphs.run(key, t, pending)
+        if pending is not None:
+            t["input_ids"][pending[0]] = pending[1]
+        with set_forward_context(self._metadata(b, t), self.backend):
+            return model(t["input_ids"], t["positions"])
+
+    def _metadata(self, b: dict, t: dict[str, torch.Tensor]) -> AttentionMetadata:
+        return AttentionMetadata(len(b["input_ids"]), b["num_decodes"], t["slot_mapping"], t["query_start_loc"],
+                                 t["seq_lens"], t["block_tables"], b["max_query_len"], b["max_seq_len"],
+                                 b["max_decode_seq_len"])
 
     def _forward_stage(self, t: dict[str, torch.Tensor], num_tokens: int) -> torch.Tensor | None:
         """This pipeline stage's layers between the previous stage's activations and the next
