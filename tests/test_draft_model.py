@@ -166,3 +166,25 @@ def test_smollm2_drafting_for_itself(smollm_path, llm):
     finally:
         del engine
         gc.collect()
+
+
+def test_abort_mid_run_frees_the_blocks_and_the_held_drafts(tiny):
+    target, draft, want = tiny
+    engine = LLM(target, speculative_config=spec(draft), **SMALL)
+    core = engine.llm_engine
+    try:
+        keep = core.add_request(None, PROMPTS[0], GREEDY)
+        drop = core.add_request(None, PROMPTS[1], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        for _ in range(3):
+            core.step()
+        assert drop in core.scheduler.proposer.drafts       # drafts waiting for its next step
+        core.abort_request([drop])
+        done = []
+        while core.has_unfinished_requests():
+            done += [o for o in core.step() if o.finished]
+        assert [o.outputs[0].token_ids for o in done if o.request_id == keep] == [want[0]]
+        assert not core.scheduler.proposer.drafts
+        assert_no_leaks(engine)
+    finally:
+        del engine
+        gc.collect()
