@@ -401,6 +401,7 @@ class ModelConfig:
     # The model thinks before it answers (vLLM's reasoning_parser: "qwen3", "deepseek_r1"): a
     # structured output's grammar then holds the answer after its </think>, not the thinking
     reasoning_parser: str | None = None
+    max_logprobs: int = 20        # the most logprobs (sample or prompt) a request may ask for; -1: no limit
 
     @property
     def is_gguf(self) -> bool:

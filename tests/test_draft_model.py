@@ -59,8 +59,6 @@ def test_method_and_checks(smollm_path, tmp_path, tiny):
         LLM(target, speculative_config=spec(str(tmp_path / "nowhere")), **SMALL)
     with pytest.raises(ValueError, match="vocabulary"):      # SmolLM2's 49,152 entries, the tiny target's 509
         LLM(target, speculative_config=spec(smollm_path), **SMALL)
-    with pytest.raises(ValueError, match="Sleep mode"):
-        LLM(target, speculative_config=spec(draft), enable_sleep_mode=True, **SMALL)
     short = write_tiny_llama(str(tmp_path / "short"))
     with open(os.path.join(short, "config.json")) as f:
         cfg = json.load(f)
@@ -184,6 +182,26 @@ def test_abort_mid_run_frees_the_blocks_and_the_held_drafts(tiny):
             done += [o for o in core.step() if o.finished]
         assert [o.outputs[0].token_ids for o in done if o.request_id == keep] == [want[0]]
         assert not core.scheduler.proposer.drafts
+        assert_no_leaks(engine)
+    finally:
+        del engine
+        gc.collect()
+
+
+def test_no_proposals_where_no_drafts_would_go(tiny, monkeypatch):
+    """The draft proposes only for requests the scheduler would give drafts to: none while
+    disable_by_batch_size requests are in the engine, none for a request with penalties."""
+    target, _, want = tiny
+    engine = LLM(target, speculative_config=spec(target, disable_by_batch_size=3), **SMALL)
+    drafter, asked = engine.llm_engine.executor.runner.drafter, []
+    monkeypatch.setattr(drafter, "propose", lambda runner, reqs, f=drafter.propose: asked.append(len(reqs)) or f(runner, reqs))
+    try:
+        assert ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == want    # four equal runs: never under 3
+        assert sum(asked) == 0 and engine.llm_engine.stats.num_draft_tokens == 0
+        engine.generate(PROMPTS[0], SamplingParams(max_tokens=8, repetition_penalty=1.2), use_tqdm=False)
+        assert sum(asked) == 0
+        assert ids(engine.generate(PROMPTS[0], GREEDY, use_tqdm=False)) == want[:1]
+        assert sum(asked) > 0 and engine.llm_engine.stats.num_draft_tokens > 0
         assert_no_leaks(engine)
     finally:
         del engine

@@ -49,6 +49,23 @@ def test_empty_prompts(llm):
     still_works(llm)
 
 
+def test_more_logprobs_than_max_logprobs(llm, tmp_path):
+    """vLLM's max_logprobs (20 by default) caps a request's sample and prompt logprobs."""
+    for kw, what in ((dict(logprobs=21), "sample"), (dict(prompt_logprobs=50), "prompt")):
+        with pytest.raises(ValueError, match=f"Requested {what} logprobs of .*max allowed: 20"):
+            llm.generate("Hello", SamplingParams(max_tokens=2, **kw), use_tqdm=False)
+    still_works(llm)
+    from tests.test_tensor_parallel import write_tiny_llama
+    tiny = write_tiny_llama(str(tmp_path / "m"))
+    small = dict(dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=64)
+    with pytest.raises(ValueError, match="max_logprobs must be"):
+        LLM(tiny, max_logprobs=-2, **small)
+    for cap in (-1, 40):
+        out = LLM(tiny, max_logprobs=cap, **small).generate({"prompt_token_ids": [3, 4]}, SamplingParams(
+            max_tokens=1, logprobs=30), use_tqdm=False)[0].outputs[0]
+        assert len(out.logprobs[0]) >= 30
+
+
 def test_out_of_vocab_token_and_wrong_types(llm):
     with pytest.raises(ValueError, match="token ids must be in"):
         llm.generate({"prompt_token_ids": [1, 10**7]}, OK, use_tqdm=False)

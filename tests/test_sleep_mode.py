@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
 def kv_cache_and_weight_sizes(worker) -> tuple[int, int]:
     runner = worker.runner
-    return len(runner.kv_caches), sum(p.numel() for p in runner.model.parameters())
+    return len(runner.kv_caches), sum(p.numel() for m in runner._models() for p in m.parameters())
 
 
 def reload_weights(worker, folder):
@@ -45,14 +45,18 @@ def greedy(llm) -> list:
 
 
 @pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2, "device": "cpu"},
-                                    {"data_parallel_size": 2, "device": "cpu"}])
+                                    {"data_parallel_size": 2, "device": "cpu"}, {"draft_model": True}])
 def test_sleep_and_wake_up(tmp_path, layout):
+    """(With a draft model, here the model itself, its weights move to the host at either level
+    and come back with the target's: the caller reloads the target's only.)"""
     folder = write_tiny_llama(str(tmp_path / "tiny"))
+    if layout.get("draft_model"):
+        layout = {"speculative_config": {"model": folder, "num_speculative_tokens": 2}}
     llm = LLM(folder, **SMALL, **layout)
     try:
         want = greedy(llm)
         awake = llm.collective_rpc(kv_cache_and_weight_sizes)
-        assert all(n == 2 and size > 0 for n, size in awake)
+        assert all(n == (4 if layout.get("speculative_config") else 2) and size > 0 for n, size in awake)
         llm.sleep(level=1)
         assert llm.is_sleeping() and all(s == (0, 0) for s in llm.collective_rpc(kv_cache_and_weight_sizes))
         with pytest.raises(RuntimeError, match="asleep"):

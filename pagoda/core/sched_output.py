@@ -40,6 +40,9 @@ class SchedulerOutput:
     grammar_bitmasks: dict = field(default_factory=dict)
     # Speculative decoding: req_id -> the draft tokens scheduled after its last token.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # With a draft model: the requests it should propose drafts for after this step (those the
+    # scheduler would give drafts to; none while disable_by_batch_size holds)
+    draft_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

@@ -217,6 +217,8 @@ class Scheduler:
                               self.config.max_num_batched_tokens - budget, self.finished_req_ids,
                               self.kv.take_pending_copies())
         self.finished_req_ids = set()
+        if self.num_lookahead and len(self.running) + len(self.waiting) < self.draft_batch_limit:
+            out.draft_req_ids = {req.request_id for req, _ in scheduled if self._takes_drafts(req)}
         for req, n in scheduled:
             start = req.num_computed_tokens
             if start < req.num_prompt_tokens:
@@ -242,14 +244,18 @@ class Scheduler:
         min-p, seeds; logprobs too, each kept token's from its own position), no per-token extras
         or grammar. Never past max_tokens or max_model_len, nor the step's token budget. (Not
         with async scheduling: the last token must be known.)"""
-        p = req.sampling_params
-        if (req.num_output_placeholders or req.matcher is not None or req.pooling_params is not None
-                or p.needs_penalties or p.logit_bias or p.allowed_token_ids
-                or p.bad_words_token_ids or req.num_output_tokens < p.min_tokens):
+        if req.num_output_placeholders or not self._takes_drafts(req):
             return []
         room = min(budget, req.max_tokens - req.num_output_tokens - 1,
                    self.config.max_model_len - req.num_tokens - 1)
         return self.proposer.propose(req.request_id, req.all_token_ids, room)
+
+    @staticmethod
+    def _takes_drafts(req: Request) -> bool:
+        p = req.sampling_params
+        return not (req.matcher is not None or req.pooling_params is not None or p.needs_penalties
+                    or p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids
+                    or req.num_output_tokens < p.min_tokens)
 
     def _lookahead(self, req: Request, n: int, start: int | None = None) -> int:
         """Slots past the step's tokens for the draft model's KV (never past max_model_len)."""

@@ -66,6 +66,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     tokenizer_mode: str = "auto"
     skip_tokenizer_init: bool = False
+    max_logprobs: int = 20                     # vLLM's: the most logprobs a request may ask for (-1: no limit)
     # "qwen3" / "deepseek_r1": structured outputs hold the answer after the model's </think> (the
     # server's --reasoning-parser also returns the thinking apart)
     reasoning_parser: str | None = None
@@ -208,6 +209,8 @@ class EngineArgs:
         if self.calculate_kv_scales and KV_CACHE_DTYPES[self.kv_cache_dtype] is None:
             raise ValueError("calculate_kv_scales computes an FP8 KV cache's scales: it needs kv_cache_dtype='fp8' "
                              f"(or 'fp8_e4m3', 'fp8_e5m2'), not {self.kv_cache_dtype!r}.")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"Unknown scheduling_policy {self.scheduling_policy!r}; choose 'fcfs' or 'priority'.")
         check_reasoning_parser(self.reasoning_parser)
@@ -226,7 +229,8 @@ class EngineArgs:
             quantization=quantization, quant_config=quant_config, tokenizer=self.tokenizer, revision=self.revision,
             generation_config=read_generation_config(path), runner=self._runner(arch.architecture),
             classifier_token_ids=self._classifier_token_ids(arch, path),
-            sampling_defaults=self._sampling_defaults(path), reasoning_parser=self.reasoning_parser)
+            sampling_defaults=self._sampling_defaults(path), reasoning_parser=self.reasoning_parser,
+            max_logprobs=self.max_logprobs)
         if model.runner == "pooling":
             model.pooler = self._pooler(path)
         cache = CacheConfig(
@@ -276,9 +280,6 @@ class EngineArgs:
             raise ValueError(f"speculative_config: draft_tensor_parallel_size={spec.draft_tensor_parallel_size} "
                              f"but the draft model shards as the target does, over tensor_parallel_size="
                              f"{parallel.tensor_parallel_size}: leave it out.")
-        if self.enable_sleep_mode:
-            raise ValueError("Sleep mode does not move a draft model's weights yet: use enable_sleep_mode or a "
-                             "draft model, not both.")
         check_quantization_name(spec.quantization)
         args = replace(self, model=spec.model, revision=None, hf_overrides=None)
         path = args.model_path()

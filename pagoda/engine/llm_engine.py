@@ -145,6 +145,11 @@ class LLMEngine:
                              f"max {max(token_ids)}.")
         if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
             raise ValueError(f"allowed_token_ids must be in [0, {vocab}); got {max(params.allowed_token_ids)}.")
+        cap = self.config.model.max_logprobs
+        for what, k in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if k is not None and cap != -1 and k > cap:
+                raise ValueError(f"Requested {what} logprobs of {k}, which is greater than max allowed: {cap} "
+                                 "(the engine's max_logprobs).")
         params = self._finalize_params(params)
         grammar = self._grammar(params.structured_outputs) if params.structured_outputs is not None else None
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(token_ids)

@@ -55,6 +55,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="config.json entries to set, as a JSON object, e.g. a causal LM reranker read as a "
                         "classifier: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
                         "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs (sample or prompt) a request may ask for; -1: no limit")
     p.add_argument("--generation-config", default="auto",
                    help="the requests' default sampling fields (the server's fields a request leaves unset): "
                         "auto (the model's generation_config.json), vllm (none), or a folder holding one")
@@ -112,7 +114,8 @@ def engine_args_from(args):
                       override_generation_config=args.override_generation_config,
                       speculative_config=args.speculative_config, enable_sleep_mode=args.enable_sleep_mode,
                       enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                      max_cpu_loras=args.max_cpu_loras, reasoning_parser=args.reasoning_parser)
+                      max_cpu_loras=args.max_cpu_loras, reasoning_parser=args.reasoning_parser,
+                      max_logprobs=args.max_logprobs)
 
 
 def _make_llm(args):

@@ -51,11 +51,12 @@ class DraftModel:
         runner.run(self.model, self.graphs, batch, t)
 
     @torch.inference_mode()
-    def propose(self, runner, req_ids: list[str], states: list) -> dict[str, list[int]]:
-        """Up to k drafts for each request that has just sampled (its row holds its tokens up to
-        the one sampled, ``num_tokens``), fewer where its blocks or max_model_len end first.
-        Runs on every rank (the collectives of a sharded draft); the driver picks the tokens."""
-        live = [(r, s) for r, s in zip(req_ids, states) if runner.requests.get(r) is s]
+    def propose(self, runner, requests: list[tuple[str, object]]) -> dict[str, list[int]]:
+        """Up to k drafts for each request (id, state) that has just sampled (its row holds its
+        tokens up to the one sampled, ``num_tokens``), fewer where its blocks or max_model_len
+        end first. Runs on every rank (the collectives of a sharded draft); the driver picks
+        the tokens."""
+        live = [(r, s) for r, s in requests if runner.requests.get(r) is s]
         if not live:
             return {}
         rows = np.array([s.row for _, s in live], dtype=np.int64)

@@ -108,9 +108,10 @@ class AsyncRunnerOutput:
     def __init__(self, runner: "ModelRunner", out: ModelRunnerOutput, req_ids: list[str] = (),
                  states: list[CachedRequestState] = (), result: SamplerOutput | None = None,
                  step_id: int = -1, rows: np.ndarray | None = None, arrivals: list = (), pooled=None,
-                 drafts: list | None = None):
+                 drafts: list | None = None, draft_req_ids: set[str] = frozenset()):
         self.runner, self.out, self.req_ids, self.states = runner, out, list(req_ids), list(states)
         self.drafts = drafts       # speculative decoding: each sampling request's drafts (or None)
+        self.draft_req_ids = draft_req_ids      # (a draft model proposes for these)
         self.pooled = pooled       # (request ids, params, [vectors], their wait) on their way to rank 0
         self.positions = [s.num_tokens - 1 for s in self.states]     # where each sampled token goes
         self.step_id, self.rows = step_id, rows
@@ -132,7 +133,8 @@ class AsyncRunnerOutput:
             self.runner._record_sampled(self)
             self.host = None
             if self.runner.drafter is not None:
-                self.out.draft_token_ids = self.runner.drafter.propose(self.runner, self.req_ids, self.states)
+                wanted = [(r, s) for r, s in zip(self.req_ids, self.states) if r in self.draft_req_ids]
+                self.out.draft_token_ids = self.runner.drafter.propose(self.runner, wanted)
         return self.out
 
 
@@ -297,15 +299,23 @@ class ModelRunner:
     def sleep(self, level: int) -> None:
         """vLLM's sleep mode (an idle engine): the KV cache and the CUDA graphs freed, the weights
         moved to the host (level 1) or dropped (level 2: the caller loads new ones after waking
-        them), the buffers (the rotary table) moved to the host."""
-        if self.cuda_graphs is not None:
-            self.cuda_graphs.release()
-            self.cuda_graphs = None
-        for layer in self.model.model.local_layers:
-            layer.self_attn.attn.kv_cache = torch.tensor([])
+        them), the buffers (the rotary table) moved to the host. A draft model's weights move to
+        the host at either level: the caller loads the target's only."""
+        for graphs in (self.cuda_graphs, self.drafter and self.drafter.graphs):
+            if graphs is not None:
+                graphs.release()
+        self.cuda_graphs = None
+        if self.drafter is not None:
+            self.drafter.graphs = None
+        for model in self._models():
+            for layer in model.model.local_layers:
+                layer.self_attn.attn.kv_cache = torch.tensor([])
         self.kv_caches = []
-        self.asleep = [(t, t.data.to("cpu") if level == 1 or not isinstance(t, nn.Parameter) else None, t.shape)
-                       for t in [*self.model.parameters(), *self.model.buffers()]]
+        weights = list(self.model.parameters())
+        kept = list(self.model.buffers()) + [t for m in self._models()[1:] for t in (*m.parameters(), *m.buffers())]
+        if level == 1:
+            kept, weights = weights + kept, []
+        self.asleep = [(t, None, t.shape) for t in weights] + [(t, t.data.to("cpu"), t.shape) for t in kept]
         for t, _, _ in self.asleep:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)     # (its memory freed)
         gc.collect()
@@ -522,7 +532,7 @@ class ModelRunner:
         self.last_sampled = result.token_ids
         drafts = [sched.spec_token_ids.get(req_ids[i], ()) for i in sampling] if sched.spec_token_ids else None
         return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result,
-                                 self.num_sampling_steps, s_rows, arrivals, pooled, drafts)
+                                 self.num_sampling_steps, s_rows, arrivals, pooled, drafts, sched.draft_req_ids)
 
     def _write_drafts(self, spec_token_ids: dict[str, list[int]], req_ids: list[str],
                       states: list[CachedRequestState]) -> np.ndarray:
