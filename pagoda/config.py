@@ -33,6 +33,7 @@ class ArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True           # renormalise the chosen experts' weights to sum to 1
     shared_expert_intermediate_size: int = 0   # Qwen2-MoE: a gated MLP every token runs through too
+    shared_expert_gated: bool = True           # (Granite MoE Shared's is added without a gate)
     dense_layers: tuple[int, ...] = ()    # the MoE model's layers with a dense MLP
     # Each query attends to its last this many positions only (Mistral-7B-v0.1 and its
     # fine-tunes); 0: the whole context. With ``layer_types`` (HF's "sliding_attention" /
@@ -265,7 +266,7 @@ def _moe_fields(d: dict) -> dict:
     """The MoE entries of config.json: Mixtral's (num_local_experts, every layer's MLP an MoE of
     intermediate_size, weights renormalised) or Qwen2/3-MoE's (num_experts, moe_intermediate_size,
     norm_topk_prob, an MoE every decoder_sparse_step layers but mlp_only_layers; Qwen2-MoE's
-    shared expert)."""
+    shared expert, and Granite MoE Shared's ungated one)."""
     experts = d.get("num_experts") or d.get("num_local_experts") or 0
     if not experts:
         return {}
@@ -275,7 +276,9 @@ def _moe_fields(d: dict) -> dict:
             "moe_intermediate_size": d.get("moe_intermediate_size") or d["intermediate_size"],
             # (Mixtral always renormalises; transformers' Qwen2/3-MoE configs default to not)
             "norm_topk_prob": d.get("norm_topk_prob", d.get("model_type") not in ("qwen2_moe", "qwen3_moe")),
-            "shared_expert_intermediate_size": d.get("shared_expert_intermediate_size") or 0,
+            "shared_expert_intermediate_size": (d.get("shared_expert_intermediate_size")
+                                                or d.get("shared_intermediate_size") or 0),
+            "shared_expert_gated": "shared_intermediate_size" not in d,     # (Granite MoE Shared's name)
             "dense_layers": tuple(dense)}
 
 

@@ -72,6 +72,10 @@ CASES = {
                                                                     embedding_multiplier=12.0, residual_multiplier=0.22,
                                                                     attention_multiplier=0.0078125, logits_scaling=8.0,
                                                                     tie_word_embeddings=True)),
+    # (and a shared MLP every token runs through, added without a gate)
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, num_experts=8, num_experts_per_tok=3,
                                                                moe_intermediate_size=32, norm_topk_prob=False,
                                                                mlp_only_layers=[1])),

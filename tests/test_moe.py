@@ -38,10 +38,12 @@ def test_shared_expert_tp2_equals_tp1(tmp_path):
     assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
 
 
-def test_granite_moe_stacked_experts_tp2_equals_tp1(tmp_path):
+@pytest.mark.parametrize("arch", ["granitemoe", "granitemoeshared"])
+def test_granite_moe_stacked_experts_tp2_equals_tp1(tmp_path, arch):
     """Granite 3's MoE: the stacked experts' tensors cut into each expert's gate, up and down,
-    each rank then taking its half of every expert's intermediate size."""
-    folder, _ = save_tiny(tmp_path, "granitemoe")
+    each rank then taking its half of every expert's intermediate size (and of the shared MLP's,
+    whose gate and up are stacked too)."""
+    folder, _ = save_tiny(tmp_path, arch)
     assert_same(outputs_at(folder, 1), outputs_at(folder, 2))
 
 

@@ -79,22 +79,25 @@ class LlamaMLP(nn.Module):
 class LlamaMoE(nn.Module):
     """A sparse mixture of experts in the MLP's place (Mixtral, Qwen2/3-MoE): the router (``gate``,
     replicated on every rank) scores the experts for each token. Qwen2-MoE adds a shared expert,
-    an MLP every token runs through, scaled by a sigmoid gate of its own."""
+    an MLP every token runs through, scaled by a sigmoid gate of its own (Granite MoE Shared's
+    is added as it is)."""
 
     def __init__(self, cfg: ArchConfig, quant: QuantMethod | None):
         super().__init__()
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
                                 cfg.moe_intermediate_size, cfg.norm_topk_prob, quant)
-        self.shared_expert = None
+        self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(cfg, quant, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, bias=False)
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x):
         out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            out = out + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
         return out
 
 
@@ -277,7 +280,8 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
     @staticmethod
     def checkpoint_weights(weights):
         """The stacked experts as an expert's gate, up and down at a time (a layout, which the
-        names' mapping cannot express)."""
+        names' mapping cannot express); Granite MoE Shared's ``shared_mlp`` (its gate and up
+        stacked in ``input_linear`` too) as the shared expert's."""
         for name, tensor in weights:
             layer, _, rest = name.partition(".block_sparse_moe.")
             if rest == "input_linear.weight":
@@ -288,8 +292,20 @@ class GraniteMoeForCausalLM(LlamaForCausalLM):
             elif rest == "output_linear.weight":
                 for e, w in enumerate(tensor):
                     yield f"{layer}.block_sparse_moe.experts.{e}.down_proj.weight", w
+            elif name.endswith(".shared_mlp.input_linear.weight"):
+                gate, up = tensor.chunk(2)
+                layer = name.removesuffix(".shared_mlp.input_linear.weight")
+                yield f"{layer}.mlp.shared_expert.gate_proj.weight", gate
+                yield f"{layer}.mlp.shared_expert.up_proj.weight", up
+            elif name.endswith(".shared_mlp.output_linear.weight"):
+                yield name.replace(".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."), tensor
             else:
                 yield name, tensor
+
+
+class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
+    """Granite MoE with a shared expert (``shared_mlp``: an MLP every token runs through, added to
+    the experts' sum without a gate)."""
 
 
 class ExaoneForCausalLM(LlamaForCausalLM):

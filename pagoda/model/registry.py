@@ -2,8 +2,9 @@
 from torch import nn
 
 from pagoda.model.llama import (ExaoneForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration,
-                                GraniteMoeForCausalLM, LlamaForCausalLM, LlamaForSequenceClassification,
-                                MixtralForCausalLM, Qwen3ForCausalLM, Qwen3ForSequenceClassification)
+                                GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM, LlamaForCausalLM,
+                                LlamaForSequenceClassification, MixtralForCausalLM, Qwen3ForCausalLM,
+                                Qwen3ForSequenceClassification)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -26,6 +27,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3ForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     # (the pooling runner's: LLM.classify / LLM.score)
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "MistralForSequenceClassification": LlamaForSequenceClassification,
