@@ -1277,6 +1277,12 @@ case "${1:-}" in
     bash benchmarks/gpu_session.sh s38b
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding_windows or draft_model" 2>&1 | tail -3
     ;;
+  s40a)
+    # About five minutes: the draft model's GPU test (tiny checkpoints: no SmolLM2 needed), then
+    # s39e (the balanced launch's tests compiled, W1 Qwen3-0.6B off / on / off / on)
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "draft_model" 2>&1 | tail -3
+    bash benchmarks/gpu_session.sh s39e
+    ;;
   s40b)
     # A draft model's cost (random weights: every draft rejected, a token a step): W2 Llama-3-8B at
     # batch 1 with a Llama-3.2-1B-shaped draft, k=4 and k=2, beside the same engine without drafts

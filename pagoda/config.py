@@ -584,6 +584,8 @@ class SpeculativeConfig:
     draft_model_config: "ModelConfig | None" = field(default=None, repr=False)
 
     def __post_init__(self):
+        if self.model in ("ngram", "[ngram]"):       # (vLLM's older spelling of the method)
+            self.method, self.model = self.method or "ngram", None
         self.method = self.method or ("draft_model" if self.model else "ngram")
         if self.method not in ("ngram", "draft_model"):
             raise ValueError(f"Unknown speculative method {self.method!r}: this engine proposes drafts by n-gram "

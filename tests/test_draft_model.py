@@ -48,6 +48,7 @@ def test_method_and_checks(smollm_path, tmp_path, tiny):
     target, draft, _ = tiny
     assert SpeculativeConfig(model="m", num_speculative_tokens=2).method == "draft_model"
     assert SpeculativeConfig(num_speculative_tokens=2).method == "ngram"
+    assert SpeculativeConfig(model="[ngram]", num_speculative_tokens=2).method == "ngram"     # vLLM's older name
     for bad, match in [({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
                        ({"method": "ngram", "model": draft, "num_speculative_tokens": 2}, "takes no model"),
                        (spec(draft, 0), "num_speculative_tokens"),
