@@ -1278,10 +1278,10 @@ case "${1:-}" in
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding_windows or draft_model" 2>&1 | tail -3
     ;;
   s40a)
-    # About five minutes: the draft model's GPU test (tiny checkpoints: no SmolLM2 needed), then
-    # s39e (the balanced launch's tests compiled, W1 Qwen3-0.6B off / on / off / on)
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "draft_model" 2>&1 | tail -3
+    # About five minutes: s39e (the balanced launch's tests compiled, W1 Qwen3-0.6B off / on / off /
+    # on), then the draft model's GPU test (tiny checkpoints: no SmolLM2 needed)
     bash benchmarks/gpu_session.sh s39e
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "draft_model" 2>&1 | tail -3
     ;;
   s40b)
     # A draft model's cost (random weights: every draft rejected, a token a step): W2 Llama-3-8B at
