@@ -197,7 +197,9 @@ _HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
                "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
                "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
-               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}     # (Phi-3's fused ones)
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",     # (Phi-3's fused ones)
+               "block_sparse_moe.router.layer": "ffn_gate_inp",                   # (Granite MoE's)
+               "shared_mlp.output_linear": "ffn_down_shexp"}
 _HF_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
                "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
@@ -261,6 +263,13 @@ def _hf_gguf(folder, path, arch):
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if "norm_topk_prob" in cfg:
         w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    if cfg.get("shared_intermediate_size"):     # (Granite MoE Shared's)
+        w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+    if arch.startswith("granite"):
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
     experts = {}
     for name, t in sd.items():
         t = t.float().numpy()
@@ -274,8 +283,22 @@ def _hf_gguf(folder, path, arch):
         if m := re.fullmatch(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", rest):
             experts.setdefault(f"blk.{layer}.{_HF_EXPERTS[m[2]]}.weight", {})[int(m[1])] = t
             continue
+        # (Granite MoE's stacked experts and shared MLP: gate and up stacked in input_linear)
+        if rest == "block_sparse_moe.input_linear.weight":
+            gate, up = np.split(t, 2, axis=1)
+            w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", gate)
+            w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", up)
+            continue
+        if rest == "block_sparse_moe.output_linear.weight":
+            w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", t)
+            continue
+        if rest == "shared_mlp.input_linear.weight":
+            gate, up = np.split(t, 2, axis=0)
+            w.add_tensor(f"blk.{layer}.ffn_gate_shexp.weight", gate)
+            w.add_tensor(f"blk.{layer}.ffn_up_shexp.weight", up)
+            continue
         module, kind = rest.rsplit(".", 1)
-        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+        if arch in ("llama", "granite", "granitemoe") and module in ("self_attn.q_proj", "self_attn.k_proj"):
             t = _llama_cpp_permute(t, heads if module == "self_attn.q_proj" else kv)
         gate_vector = "shared_expert_gate" in module
         names = {**_HF_TO_GGUF, **(_GEMMA_TO_GGUF if arch in ("gemma2", "gemma3") else {})}
@@ -289,11 +312,13 @@ def _hf_gguf(folder, path, arch):
     return str(path)
 
 
-@pytest.mark.parametrize("case,arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe")])
+@pytest.mark.parametrize("case,arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe"),
+                                       ("granitemoe", "granitemoe"), ("granitemoeshared", "granitemoe")])
 def test_mixture_of_experts_gguf_equals_its_safetensors(tmp_path, case, arch):
     """Mixtral (whose files say "llama" with an expert count), Qwen3-MoE (a dense layer: no router
-    in it) and Qwen2-MoE (a shared expert): the same greedy tokens and prompt logprobs as the HF
-    folder the file was converted from."""
+    in it), Qwen2-MoE (a shared expert) and Granite MoE (its scalings; with a shared MLP, Granite
+    MoE Shared, whose files say "granitemoe" too): the same greedy tokens and prompt logprobs as
+    the HF folder the file was converted from."""
     from tests.test_architectures import save_tiny
     folder, _ = save_tiny(tmp_path, case)
     path = _hf_gguf(folder, tmp_path / f"{case}.gguf", arch)
@@ -339,6 +364,16 @@ def test_phi3_gguf_equals_its_safetensors(tmp_path):
     with pytest.raises(ValueError, match="LongRoPE factors without .*original_context_length"):
         _ = GGUFModel(_write(tmp_path / "bad.gguf", "phi3", {"rope_factors_long.weight": factors,
                                                             "rope_factors_short.weight": factors})).hf_config
+
+
+def test_granite_gguf_equals_its_safetensors(tmp_path):
+    """Granite 3 as llama.cpp writes it (arch "granite": llama's permuted q/k rows, its four
+    scalings as metadata): the HF folder's greedy tokens and prompt logprobs."""
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, "granite")
+    path = _hf_gguf(folder, tmp_path / "granite.gguf", "granite")
+    assert GGUFModel(path).hf_config["logits_scaling"] == 8.0
+    assert_same_as_folder(path, folder)
 
 
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3"])

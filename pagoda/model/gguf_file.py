@@ -41,6 +41,8 @@ _ARCHITECTURES = {
     "gemma": ("gemma", "GemmaForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "granite": ("granite", "GraniteForCausalLM"),
+    "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),      # (with a shared MLP: GraniteMoeShared)
 }
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")
 
@@ -75,6 +77,11 @@ _NORMS_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
 # query_pre_attn_scalar): the files do not say it, llama.cpp knows the 27B models by their layer
 # count, and so does this.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses)
+_PERMUTED = {"llama", "granite", "granitemoe"}
+# Granite's scalings: HF config entry <- metadata key
+_GRANITE_SCALES = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
+                   "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
 # The experts' projections, stacked in one tensor (experts first): each expert's, one by one
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -181,6 +188,8 @@ class GGUFModel:
                              f"(supported: {sorted(_ARCHITECTURES)})")
         get = lambda key, default=None: md.get(f"{arch}.{key}", default)  # noqa: E731
         model_type, cls = _MIXTRAL if arch == "llama" and get("expert_count") else _ARCHITECTURES[arch]
+        if arch == "granitemoe" and get("expert_shared_feed_forward_length"):
+            model_type, cls = "granitemoeshared", "GraniteMoeSharedForCausalLM"
         hidden, heads = get("embedding_length"), get("attention.head_count")
         head_dim = get("attention.key_length") or hidden // heads
         kv_heads = get("attention.head_count_kv", heads)
@@ -210,7 +219,8 @@ class GGUFModel:
             "torch_dtype": self._torch_dtype(),
             "hidden_act": "gelu_pytorch_tanh" if arch in _NORMS_PLUS_ONE else "silu",
             "sliding_window": get("attention.sliding_window"),
-        } | self._moe_config(get) | self._gemma_config(get)
+        } | self._moe_config(get) | self._gemma_config(get) | {
+            k: get(key) for k, key in _GRANITE_SCALES.items() if arch.startswith("granite") and get(key) is not None}
 
     def _moe_config(self, get) -> dict:
         """A mixture of experts' fields (none for a dense model). Layers without a router are
@@ -221,7 +231,9 @@ class GGUFModel:
         dense = [i for i in range(get("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensor_infos]
         return {"num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
                 "moe_intermediate_size": get("expert_feed_forward_length", get("feed_forward_length")),
-                "shared_expert_intermediate_size": get("expert_shared_feed_forward_length", 0),
+                # (Granite MoE Shared's names it so, and adds it without a gate)
+                ("shared_intermediate_size" if self.architecture == "granitemoe" else "shared_expert_intermediate_size"):
+                    get("expert_shared_feed_forward_length", 0),
                 "norm_topk_prob": get("expert_weights_norm", self.architecture != "qwen2moe"),
                 "decoder_sparse_step": 1, "mlp_only_layers": dense}
 
@@ -305,10 +317,11 @@ class GGUFModel:
         # llama.cpp's converter interleaves each head's rotary halves in q/k rows for the llama
         # architecture (convert_hf_to_gguf.py LlamaModel.permute: reshape(n_head, 2, dim//2).swapaxes);
         # undo it so the weights use HF's rotate-half layout. qwen2/qwen3 files are not permuted.
-        if self.architecture != "llama" or not (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+        arch = self.architecture
+        if arch not in _PERMUTED or not (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             return w
-        heads = self.metadata["llama.attention.head_count"]
-        n_head = heads if ".attn_q." in gguf_name else self.metadata.get("llama.attention.head_count_kv", heads)
+        heads = self.metadata[f"{arch}.attention.head_count"]
+        n_head = heads if ".attn_q." in gguf_name else self.metadata.get(f"{arch}.attention.head_count_kv", heads)
         return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
     def iter_weights(self, skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
