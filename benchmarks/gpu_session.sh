@@ -1283,6 +1283,12 @@ case "${1:-}" in
     bash benchmarks/gpu_session.sh s39e
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "draft_model" 2>&1 | tail -3
     ;;
+  s40c)
+    # About three minutes: W1 Qwen3-0.6B balanced off / on after a warm-up (s39f), the draft
+    # model's GPU test
+    bash benchmarks/gpu_session.sh s39f
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "draft_model" 2>&1 | tail -3
+    ;;
   s40b)
     # A draft model's cost (random weights: every draft rejected, a token a step): W2 Llama-3-8B at
     # batch 1 with a Llama-3.2-1B-shaped draft, k=4 and k=2, beside the same engine without drafts
