@@ -10,6 +10,8 @@ written over later, as the target's are). Once the step's tokens are on the host
 runs k one-token steps per request: the token sampled after the kept drafts first, then each
 draft it picks (greedily). Those reach k - 1 positions past the next step's first token: the
 scheduler gives each request that many slots more (vLLM's lookahead)."""
+import logging
+
 import numpy as np
 import torch
 
@@ -17,6 +19,7 @@ from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import broadcast
 from pagoda.model.loader import get_model
 
+logger = logging.getLogger(__name__)
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block over the model's layers on this rank (its pipeline stage's only)."""
@@ -42,8 +45,11 @@ def bind_kv_caches(model, num_blocks: int, block_size: int, dtype: torch.dtype, 
 class DraftModel:
     def __init__(self, config: EngineConfig, device: torch.device):
         self.k = config.speculative.num_speculative_tokens
-        self.model = get_model(config.speculative.draft_model_config, device)
+        mc = config.speculative.draft_model_config
+        self.model = get_model(mc, device)
         self.graphs = None     # its CUDA graphs (ModelRunner._capture_graphs)
+        logger.info("Draft model %s (%s, %d layers): up to %d drafts a step.", mc.model, mc.arch.architecture,
+                    mc.arch.num_hidden_layers, self.k)
 
     @torch.inference_mode()
     def run_step(self, runner, batch: dict, t: dict[str, torch.Tensor]) -> None:
