@@ -278,7 +278,7 @@ def _moe_fields(d: dict) -> dict:
             "norm_topk_prob": d.get("norm_topk_prob", d.get("model_type") not in ("qwen2_moe", "qwen3_moe")),
             "shared_expert_intermediate_size": (d.get("shared_expert_intermediate_size")
                                                 or d.get("shared_intermediate_size") or 0),
-            "shared_expert_gated": "shared_intermediate_size" not in d,     # (Granite MoE Shared's name)
+            "shared_expert_gated": d.get("model_type") != "granitemoeshared",
             "dense_layers": tuple(dense)}
 
 

@@ -199,7 +199,7 @@ _HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
                "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",     # (Phi-3's fused ones)
                "block_sparse_moe.router.layer": "ffn_gate_inp",                   # (Granite MoE's)
-               "shared_mlp.output_linear": "ffn_down_shexp"}
+               "block_sparse_moe.output_linear": "ffn_down_exps", "shared_mlp.output_linear": "ffn_down_shexp"}
 _HF_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
                "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
@@ -283,19 +283,11 @@ def _hf_gguf(folder, path, arch):
         if m := re.fullmatch(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", rest):
             experts.setdefault(f"blk.{layer}.{_HF_EXPERTS[m[2]]}.weight", {})[int(m[1])] = t
             continue
-        # (Granite MoE's stacked experts and shared MLP: gate and up stacked in input_linear)
-        if rest == "block_sparse_moe.input_linear.weight":
-            gate, up = np.split(t, 2, axis=1)
-            w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", gate)
-            w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", up)
-            continue
-        if rest == "block_sparse_moe.output_linear.weight":
-            w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", t)
-            continue
-        if rest == "shared_mlp.input_linear.weight":
-            gate, up = np.split(t, 2, axis=0)
-            w.add_tensor(f"blk.{layer}.ffn_gate_shexp.weight", gate)
-            w.add_tensor(f"blk.{layer}.ffn_up_shexp.weight", up)
+        # (Granite MoE's gate and up stacked in one input_linear: its experts' and its shared MLP's)
+        if m := re.fullmatch(r"(block_sparse_moe|shared_mlp)\.input_linear\.weight", rest):
+            kind = "exps" if m[1] == "block_sparse_moe" else "shexp"
+            for half, part in zip(("gate", "up"), np.split(t, 2, axis=t.ndim - 2)):
+                w.add_tensor(f"blk.{layer}.ffn_{half}_{kind}.weight", part)
             continue
         module, kind = rest.rsplit(".", 1)
         if arch in ("llama", "granite", "granitemoe") and module in ("self_attn.q_proj", "self_attn.k_proj"):

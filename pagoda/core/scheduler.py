@@ -56,11 +56,11 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None, lora: LoRAConfig | None = None):
         self.config = config
         self.kv = kv_cache_manager
-        self.proposer = None
-        self.num_lookahead = 0
-        if speculative:
-            self.proposer = (ModelDrafts if speculative.uses_draft_model else NgramProposer)(speculative)
-            self.num_lookahead = speculative.num_speculative_tokens if speculative.uses_draft_model else 0
+        self.proposer, self.num_lookahead = None, 0
+        if speculative and speculative.uses_draft_model:
+            self.proposer, self.num_lookahead = ModelDrafts(speculative), speculative.num_speculative_tokens
+        elif speculative:
+            self.proposer = NgramProposer(speculative)
         self.draft_batch_limit = (speculative and speculative.disable_by_batch_size) or float("inf")
         self.max_loras = lora.max_loras if lora else 0
         self.requests: dict[str, Request] = {}
@@ -150,7 +150,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
-            if self.proposer and n == 1 and len(self.running) + len(self.waiting) < self.draft_batch_limit:
+            if self.proposer and n == 1 and self._drafting():
                 req.spec_token_ids = self._drafts(req, budget - 1)
                 n += len(req.spec_token_ids)
             new_block_ids = self.kv.allocate_slots(req, n, None, self._lookahead(req, n))
@@ -217,7 +217,7 @@ class Scheduler:
                               self.config.max_num_batched_tokens - budget, self.finished_req_ids,
                               self.kv.take_pending_copies())
         self.finished_req_ids = set()
-        if self.num_lookahead and len(self.running) + len(self.waiting) < self.draft_batch_limit:
+        if self.num_lookahead and self._drafting():
             out.draft_req_ids = {req.request_id for req, _ in scheduled if self._takes_drafts(req)}
         for req, n in scheduled:
             start = req.num_computed_tokens
@@ -249,6 +249,10 @@ class Scheduler:
         room = min(budget, req.max_tokens - req.num_output_tokens - 1,
                    self.config.max_model_len - req.num_tokens - 1)
         return self.proposer.propose(req.request_id, req.all_token_ids, room)
+
+    def _drafting(self) -> bool:
+        """Drafts this step: fewer requests in the engine than disable_by_batch_size."""
+        return len(self.running) + len(self.waiting) < self.draft_batch_limit
 
     @staticmethod
     def _takes_drafts(req: Request) -> bool:

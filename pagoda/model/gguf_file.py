@@ -231,9 +231,7 @@ class GGUFModel:
         dense = [i for i in range(get("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensor_infos]
         return {"num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
                 "moe_intermediate_size": get("expert_feed_forward_length", get("feed_forward_length")),
-                # (Granite MoE Shared's names it so, and adds it without a gate)
-                ("shared_intermediate_size" if self.architecture == "granitemoe" else "shared_expert_intermediate_size"):
-                    get("expert_shared_feed_forward_length", 0),
+                "shared_expert_intermediate_size": get("expert_shared_feed_forward_length", 0),
                 "norm_topk_prob": get("expert_weights_norm", self.architecture != "qwen2moe"),
                 "decoder_sparse_step": 1, "mlp_only_layers": dense}
 
