@@ -414,49 +414,6 @@ def tune_split_ragged(dtype, gen, log):
         torch.cuda.empty_cache()
 
 
-# Balanced decode variants: (programs an SM, TILE_N, warps, stages, maxnreg)
-BALANCED_CANDIDATES = [(4, 64, 4, 3, 128), (3, 64, 4, 3, None), (4, 32, 4, 3, 128), (8, 32, 2, 3, 128),
-                       (16, 32, 1, 3, 128)]
-BALANCED_CASES = W1_RAGGED[:6] + [("qwen3-0.6b", 48, 900, 2000), ("qwen3-0.6b", 96, 750, 1700),
-                                  ("qwen3-0.6b", 192, 200, 1500), ("llama3-8b", 256, 100, 1400),
-                                  ("llama3-8b", 64, 900, 1850)]
-
-
-def tune_balanced(dtype, gen, log):
-    """Balanced decode (equal shares of the batch's K/V tiles, ``_balanced_decode_kernel``)
-    against one program a (request, KV head) or the split the engine would pick, on W1-like
-    ragged batches, longest first, in a CUDA graph: us per launch and GB/s of KV read."""
-    log("\nBalanced decode against the split-KV launch (us, GB/s of KV read); variants: "
-        "(programs an SM, TILE_N, warps, stages, maxnreg)")
-    rng = torch.Generator().manual_seed(0)
-    default = dict(ta.BALANCED_TILES)
-    try:
-        for model, batch, lo, hi in BALANCED_CASES:
-            case, _ = ragged_case(model, batch, lo, hi, dtype, gen, rng)
-            ref = case.reference(fp32=True)
-            sms = ta.num_sms(case.query.device)
-            runs = [("unbalanced", dict(balanced_programs=0))]
-            runs += [(str(v), dict(balanced_programs=v[0] * sms, tiles=v[1:])) for v in BALANCED_CANDIDATES]
-            line = f"  {model:10s} b={batch:<3d} ctx {lo:4d}-{hi:4d}:"
-            for label, kw in runs:
-                tiles = kw.pop("tiles", None)
-                if tiles:
-                    n, w, st, r = tiles
-                    ta.BALANCED_TILES = dict(TILE_N=n, num_warps=w, num_stages=st, **({"maxnreg": r} if r else {}))
-                try:
-                    err = rel_err(case.triton(**kw), ref)
-                    assert err < 2e-2, f"relative error {err:.2e}"
-                    ms = graph_ms(lambda: case.triton(**kw), 25, 100)
-                    line += f"  {label}: {ms * 1e3:6.1f} us {case.kv_bytes() / 1e6 / ms:5.0f}"
-                except Exception as e:
-                    line += f"  {label}: {type(e).__name__} {str(e)[:60]}"
-            log(line)
-            del case
-            torch.cuda.empty_cache()
-    finally:
-        ta.BALANCED_TILES = default
-
-
 def tune_layout(dtype, gen, log):
     """Decode attention with the cache's KV heads outside its tokens (each block and head one
     contiguous run: 4 KB at block size 16, head_dim 128) against the engine's layout (a token's
@@ -548,8 +505,6 @@ def main():
                              "ragged batches")
     parser.add_argument("--split-ragged", action="store_true",
                         help="only time flash-decoding splits on W1's ragged medium batches")
-    parser.add_argument("--balanced", action="store_true",
-                        help="only time balanced decode variants against the split-KV launch on W1's ragged batches")
     parser.add_argument("--layout", action="store_true",
                         help="only time decode with the KV heads outside the tokens in each block")
     parser.add_argument("--tiles", default=None, metavar="N,W,S,R;...",
@@ -582,7 +537,7 @@ def main():
     bw = copy_bandwidth()
     only = {"tune_split": tune_split, "ragged": tune_ragged, "layout": tune_layout, "mixed": time_mixed,
             "decode_tiles": lambda d, g, lg: tune_decode_tiles(d, g, lg, candidates),
-            "split_ragged": tune_split_ragged, "balanced": tune_balanced, "prefill": tune_prefill, "spec": time_spec}
+            "split_ragged": tune_split_ragged, "prefill": tune_prefill, "spec": time_spec}
     chosen = [fn for flag, fn in only.items() if getattr(args, flag)]
     if chosen:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")

@@ -57,14 +57,10 @@
 #   bash benchmarks/gpu_session.sh serve16   # W3: the OpenAI server under Poisson arrivals, both models
 #   bash benchmarks/gpu_session.sh serve17   # W3 with the asyncio client, both models; the server stack over a stand-in engine
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
-#   bash benchmarks/gpu_session.sh s38a      # balanced decode: its tests compiled, the kernel against split-KV
-#   bash benchmarks/gpu_session.sh s38b      # W1 with balanced decode off / on, both models
-#   bash benchmarks/gpu_session.sh s39a      # s38a and the partial rotary embedding's kernel tests
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
-#   bash benchmarks/gpu_session.sh s39c      # the above in one call: tests, W1 A/B, s39b, the variants' table
-#   bash benchmarks/gpu_session.sh s39d      # s39c cut to about seven minutes
-#   bash benchmarks/gpu_session.sh s39e      # the least that decides the balanced launch: tests, W1 Qwen3 A/B
-#   bash benchmarks/gpu_session.sh s39f      # two minutes: W1 Qwen3-0.6B balanced off, then on
+#   bash benchmarks/gpu_session.sh s40b      # a draft model's step cost: W2 Llama-3-8B with a Llama-3.2-1B-shaped draft
+#   bash benchmarks/gpu_session.sh s41a      # KV cache groups (Gemma 2/3) on the GPU: their tests
+#   GIBS="1 3" bash benchmarks/gpu_session.sh s41b  # W1 Gemma-3-1B, hybrid KV cache groups on / off (GIBS=0: no cap)
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
 #   bash benchmarks/gpu_session.sh s26a      # (then spec25e, warm) W1 both models; the GPU tests
 #   bash benchmarks/gpu_session.sh s26c      # (then s26d, warm) W1 / W2 with LoRA adapters; the GPU tests
@@ -1240,54 +1236,32 @@ case "${1:-}" in
       done
     done
     ;;
-  s38a)
-    # Balanced decode (equal shares of the batch's K/V tiles, pairs cut between programs merged):
-    # its tests compiled, then the kernel against the split-KV launch on W1's ragged batches
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-      -k "balanced or cuda_graph or split or decode" 2>&1 | tail -2
-    timeout 300 python3 benchmarks/attention_kernels.py --balanced 2>&1 | tail -14
-    ;;
-  s39a)
-    # s38a with the partial rotary embedding's tests (KV write, mixed / split / balanced launches)
-    timeout 270 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-      -k "balanced or cuda_graph or split or decode or partial or rotates" 2>&1 | tail -3
-    timeout 280 python3 benchmarks/attention_kernels.py --balanced 2>&1 | tail -14
-    ;;
   s39b)
     # The thirty-ninth session's features on the GPU: LongRoPE / partial rotary and windows that
     # give blocks back, GPU path against the CPU path; the kernel and backend tests of both
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding_windows" 2>&1 | tail -3
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_backend.py 2>&1 | tail -2
     ;;
-  s39c)
-    # One call for the session when machines are scarce: the balanced launch's and the partial
-    # rotary's kernel tests compiled, W1 with balanced decode off / on (s38b), the new features
-    # against the CPU path (s39b), then the balanced variants' table for what time is left
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-      -k "balanced or partial or cuda_graph" 2>&1 | tail -2
-    bash benchmarks/gpu_session.sh s38b
-    bash benchmarks/gpu_session.sh s39b
-    timeout 120 python3 benchmarks/attention_kernels.py --balanced 2>&1 | tail -14
+  s41a)
+    # KV cache groups on the GPU: the sliding-window models against the CPU path (Gemma 3's window
+    # on one layer of two: two groups), then the 7-layer Gemma 3 of four groups on the default device
+    timeout 250 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding_windows" 2>&1 | tail -3
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_architectures.py \
+      -k "hybrid_kv_cache_groups and not sharded" 2>&1 | tail -15
     ;;
-  s39d)
-    # s39c cut to about seven minutes (the device budget nearly spent): the balanced launch's
-    # tests compiled, W1 Qwen3-0.6B off / on / off / on and Llama-3-8B off / on, then s39b
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-      -k "balanced or partial" 2>&1 | tail -2
-    bash benchmarks/gpu_session.sh s38b
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliding_windows or draft_model" 2>&1 | tail -3
-    ;;
-  s40a)
-    # About five minutes: s39e (the balanced launch's tests compiled, W1 Qwen3-0.6B off / on / off /
-    # on), then the draft model's GPU test (tiny checkpoints: no SmolLM2 needed)
-    bash benchmarks/gpu_session.sh s39e
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "draft_model" 2>&1 | tail -3
-    ;;
-  s40c)
-    # About three minutes: W1 Qwen3-0.6B balanced off / on after a warm-up (s39f), the draft
-    # model's GPU test
-    bash benchmarks/gpu_session.sh s39f
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "draft_model" 2>&1 | tail -3
+  s41b)
+    # Gemma-3-1B (dummy weights) W1 with the KV cache held to 1 GiB, then 3 GiB: its 4 full and 22
+    # sliding layers in KV cache groups (hybrid) against every layer keeping its whole context
+    # (GIBS=0: the memory the GPU gives)
+    for gib in ${GIBS:-1 3}; do
+      for h in on off; do
+        kv=(); [ "$gib" != 0 ] && kv=(--kv-cache-gib $gib)
+        timeout 170 python3 benchmarks/throughput.py --model-config benchmarks/models/gemma3-1b.json --no-tqdm \
+          "${kv[@]}" --hybrid-kv-cache $h --out "$OUT/w1g" 2>&1 \
+          | grep -E "^pagoda |Error|^\{" | sed -E 's/.*"preemptions": ([0-9]+).*"kv_blocks": ([0-9]+).*/preemptions \1, kv blocks \2/' \
+          | sed "s/^/W1 gemma3-1b kv=${gib}GiB hybrid=$h: /"
+      done
+    done
     ;;
   s40b)
     # A draft model's cost (random weights: every draft rejected, a token a step): W2 Llama-3-8B at
@@ -1296,39 +1270,6 @@ case "${1:-}" in
       extra=(); [ "$spec" != none ] && extra=(--draft-model-config benchmarks/models/llama3.2-1b.json --speculative-config "$spec")
       timeout 170 python3 benchmarks/latency.py --model-config $MA/llama3-8b.json --batch 1 --output-len 128 \
         --async-scheduling off "${extra[@]}" 2>&1 | grep -E "^pagoda |drafts:|Error" | sed "s/^/W2 llama3-8b sync draft=$spec: /"
-    done
-    ;;
-  s39e)
-    # The least that decides the balanced launch (about four minutes): its tests compiled, W1
-    # Qwen3-0.6B off / on / off / on after a warm-up
-    timeout 70 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py -k "balanced" 2>&1 | tail -2
-    warm_w1 .
-    for knob in 0 ${BAL_P:-4} 0 ${BAL_P:-4}; do
-      timeout 60 python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/w1" \
-        --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 qwen3 balanced=$knob: /"
-    done
-    ;;
-  s39f)
-    # Two minutes: W1 Qwen3-0.6B with balanced decode off, then on, after a warm-up
-    warm_w1 .
-    for knob in 0 ${BAL_P:-4}; do
-      timeout 50 python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/w1" \
-        --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 qwen3 balanced=$knob: /"
-    done
-    ;;
-  s38b)
-    # W1 with balanced decode off (the default) / on, interleaved after a warm-up; Llama-3-8B once each
-    # (BAL_P programs an SM, 4 unless set; BAL_TILES a dict literal over BALANCED_TILES, e.g.
-    # BAL_TILES='{"TILE_N": 32, "num_warps": 2}')
-    warm_w1 .
-    tiles=(); [ -n "$BAL_TILES" ] && tiles=(--knob "triton_attention.BALANCED_TILES=$BAL_TILES")
-    for knob in 0 ${BAL_P:-4} 0 ${BAL_P:-4}; do
-      timeout 100 python3 benchmarks/throughput.py --model-config $MA/qwen3-0.6b.json --no-tqdm --out "$OUT/w1" \
-        --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob "${tiles[@]}" 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 qwen3 balanced=$knob: /"
-    done
-    for knob in 0 ${BAL_P:-4}; do
-      timeout 150 python3 benchmarks/throughput.py --model-config $MA/llama3-8b.json --no-tqdm --out "$OUT/w1" \
-        --knob triton_attention.BALANCED_PROGRAMS_PER_SM=$knob "${tiles[@]}" 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 llama balanced=$knob: /"
     done
     ;;
   s37a)

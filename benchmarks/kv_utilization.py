@@ -42,7 +42,7 @@ def main():
     utils, steps = [], 0
     while sched.has_unfinished_requests():
         out = sched.schedule()
-        held = sum(len(kv.req_to_blocks[r.request_id]) for r in sched.running)
+        held = sum(len(kv.req_to_blocks[r.request_id][0]) for r in sched.running)
         live = sum(r.num_computed_tokens for r in sched.running)
         utils.append((live, held * args.block_size))
         sampled = {rid: 7 for rid in out.num_scheduled_tokens

@@ -51,7 +51,8 @@ def run_pagoda(args, prompts, output_lens):
                   async_scheduling=args.async_scheduling, enable_prefix_caching=args.prefix_caching,
                   tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                   data_parallel_size=args.data_parallel_size,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype,
+                  disable_hybrid_kv_cache_manager=not args.hybrid_kv_cache)
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     if args.block_size:
@@ -89,7 +90,7 @@ def run_pagoda(args, prompts, output_lens):
             "requests": len(prompts), "prompt_tokens": n_in, "output_tokens": n_out,
             "async_scheduling": engine.async_scheduling, "prefix_caching": args.prefix_caching,
             "steps": engine.stats.num_steps,
-            "preemptions": engine.stats.num_preemptions,
+            "preemptions": engine.stats.num_preemptions, "hybrid_kv_cache": args.hybrid_kv_cache,
             "kv_blocks": engine.stats.num_kv_blocks,     # (summed over data-parallel replicas)
             "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
             "max_num_seqs": engine.config.scheduler.max_num_seqs,
@@ -319,6 +320,8 @@ def main():
     p.add_argument("--no-tqdm", action="store_true")
     p.add_argument("--async-scheduling", type=on_off, default=None, help="on / off (default: on for CUDA)")
     p.add_argument("--prefix-caching", type=on_off, default=True, help="on / off (default: on, as in vLLM)")
+    p.add_argument("--hybrid-kv-cache", type=on_off, default=True,
+                   help="on / off: layers with and without a sliding window in KV cache groups (Gemma 2/3)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed run, GPU kernel time by kind (torch.profiler) and the host's hot spots (cProfile)")
     p.add_argument("--schedule-floor", type=float, nargs=2, metavar=("TB_S", "TFLOP_S"),
@@ -374,7 +377,8 @@ def main():
     result["tensor_parallel_size"] = args.tensor_parallel_size
     result["pipeline_parallel_size"] = args.pipeline_parallel_size
     result["data_parallel_size"] = args.data_parallel_size
-    tag = ("async" if result["async_scheduling"] else "sync") + ("" if args.prefix_caching else "_nocache")
+    tag = ("async" if result["async_scheduling"] else "sync") + ("" if args.prefix_caching else "_nocache") \
+        + ("" if args.hybrid_kv_cache else "_nohybrid")
     with open(os.path.join(args.out, f"throughput_{name}_{tag}.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k != "hf"}, default=str))

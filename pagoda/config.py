@@ -447,6 +447,36 @@ class CacheConfig:
     # or 1.0. For caches of models whose keys exceed FP8's range (E4M3: 448).
     calculate_kv_scales: bool = False
     num_blocks: int = 0                          # decided by the runner after profiling
+    # How the layers' KV shares the blocks (kv_cache_groups); set by EngineArgs.
+    groups: tuple["KVCacheGroup", ...] = ()
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers whose KV follows one block table (vLLM's KV cache group). A block of the pool holds
+    a block's worth of tokens for as many layers as the largest group has: layer j of a group
+    keeps its KV in the j-th cache tensor, at the block ids of its group's table. A group's
+    layers share a sliding window (0: none), outside which its blocks are given back."""
+    window: int
+    layers: tuple[int, ...]
+
+
+def kv_cache_groups(arch: ArchConfig, hybrid: bool = True) -> tuple[KVCacheGroup, ...]:
+    """The layers' KV cache groups: one for all layers where they share one window (or where
+    ``hybrid`` is off: then every layer keeps its whole context). Else, as vLLM groups Gemma 2/3's
+    layers, each kind of layer (by window) cut into groups of as many layers as the rarest kind
+    has: Gemma-3-1B's 4 full and 22 sliding layers make a full group of 4 and six sliding
+    groups (the last of 2), so a block is 4 layers' KV, and a long request holds its whole
+    context in the full group only, a window's worth in each sliding group."""
+    n = arch.num_hidden_layers
+    by_window: dict[int, list[int]] = {}
+    for i in range(n):
+        by_window.setdefault(arch.window(i), []).append(i)
+    if len(by_window) == 1 or not hybrid:
+        return (KVCacheGroup(arch.uniform_window, tuple(range(n))),)
+    size = min(len(layers) for layers in by_window.values())
+    return tuple(KVCacheGroup(w, tuple(layers[i:i + size])) for w, layers in sorted(by_window.items())
+                 for i in range(0, len(layers), size))
 
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,

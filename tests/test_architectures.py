@@ -220,13 +220,14 @@ def test_sliding_window_gives_back_blocks(tmp_path):
     """With the same window on every layer (Mistral-7B-v0.1's, here 8 positions), a request gives
     its blocks before the window back as it grows: four requests of 70 tokens (9 blocks of 8
     each, 36 in all) run side by side in 15 blocks without a preemption, and generate HF's
-    tokens; every block is free again at the end. Windows on some layers only (Gemma 2's) keep
-    every block."""
+    tokens; every block is free again at the end. Windows on some layers only (Gemma 2's) make
+    groups of their own (test_hybrid_kv_cache_groups), or with disable_hybrid_kv_cache_manager
+    keep every block."""
     folder, hf = save_tiny(tmp_path, "mistral", sliding_window=8)
     llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, block_size=8, num_gpu_blocks_override=16,
               max_model_len=80)
     kv = llm.llm_engine.kv_cache_manager
-    assert kv.sliding_window == 8
+    assert kv.windows == (8,)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 512, (20,), generator=g).tolist() for _ in range(4)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -238,7 +239,70 @@ def test_sliding_window_gives_back_blocks(tmp_path):
     del llm
     folder, _ = save_tiny(tmp_path / "g", "gemma2")
     llm = LLM(folder, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22)
-    assert llm.llm_engine.kv_cache_manager.sliding_window == 0
+    assert llm.llm_engine.kv_cache_manager.windows == (0, 8)
+    del llm
+    llm = LLM(folder, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, disable_hybrid_kv_cache_manager=True)
+    assert llm.llm_engine.kv_cache_manager.windows == (0,)
+
+
+def test_hybrid_kv_cache_groups(tmp_path):
+    """Gemma 3's sliding and full layers in KV cache groups (vLLM's hybrid KV cache manager): here
+    5 sliding layers (a window of 8 positions) and 2 full of 7 make groups of 2 layers: the full
+    group (layers 3, 6), and sliding groups (0, 1), (2, 4), (5), each layer j of a group in the
+    j-th cache tensor. In the KV memory of 170 one-layer blocks of 8 tokens, four requests of 70
+    tokens run side by side without a preemption (the sliding groups give their blocks back
+    as the window moves) and generate HF's tokens; without the groups (every layer keeps its
+    whole context) the same memory holds 24 blocks: they preempt each other, with the same
+    tokens. A prompt run again hits the prefix cache in every group, and every block is free at
+    the end. Too little memory for a max_model_len request in every group is an error that says
+    what fits."""
+    types = ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+    folder, hf = save_tiny(tmp_path, "gemma3", num_hidden_layers=7, layer_types=types)
+    layer_page = 2 * 8 * 2 * 32 * 4       # K and V of 8 tokens, 2 KV heads of 32, float32
+    kw = dict(dtype="float32", skip_tokenizer_init=True, block_size=8, max_model_len=80,
+              kv_cache_memory_bytes=170 * layer_page)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (20,), generator=g).tolist() for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    want = [hf_greedy(hf, p, 50) for p in prompts]
+    llm = LLM(folder, **kw)
+    kv, runner = llm.llm_engine.kv_cache_manager, llm.llm_engine.executor.runner
+    assert kv.windows == (0, 8, 8, 8) and kv.pool.num_blocks == 85
+    attn = [layer.self_attn.attn for layer in runner.model.model.layers]
+    assert [a.kv_group for a in attn] == [1, 1, 2, 0, 2, 3, 0]
+    caches = runner.kv_caches
+    assert len(caches) == 2 and [[a.kv_cache is c for c in caches].index(True) for a in attn] == [0, 1, 0, 0, 1, 0, 1]
+    for hit in (0, 16):
+        out = llm.generate({"prompt_token_ids": prompts[3]}, params, use_tqdm=False)[0]
+        assert out.num_cached_tokens == hit and out.outputs[0].token_ids == want[3]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.get_stats().num_preemptions == 0
+    assert kv.num_free_blocks == 84 and not kv.req_to_blocks
+    del llm
+    llm = LLM(folder, disable_hybrid_kv_cache_manager=True, **kw)
+    assert llm.llm_engine.kv_cache_manager.windows == (0,) and llm.llm_engine.kv_cache_manager.pool.num_blocks == 24
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.get_stats().num_preemptions > 0
+    del llm
+    # 15 blocks: a prompt of 80 tokens in one step needs 10 in each of the 4 groups; 3 each
+    # (24 tokens) fit
+    with pytest.raises(ValueError, match="less than one sequence of max_model_len=80 needs. Lower max_model_len to "
+                                         "at most 24 "):
+        LLM(folder, **dict(kw, kv_cache_memory_bytes=30 * layer_page))
+
+
+def test_hybrid_kv_cache_groups_sharded(tmp_path):
+    """The 7-layer Gemma 3 of test_hybrid_kv_cache_groups in two pipeline stages (layers 0-3 and
+    4-6, each stage's cache tensors those its layers use) and over two tensor-parallel ranks: one
+    engine's greedy tokens, logprobs and seeded samples (a 60-token prompt runs past the window)."""
+    from tests.test_tensor_parallel import assert_same, outputs_at
+    types = ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+    folder, _ = save_tiny(tmp_path, "gemma3", num_hidden_layers=7, layer_types=types)
+    one = outputs_at(folder, 1)
+    assert_same(one, outputs_at(folder, 1, pipeline_parallel_size=2))
+    assert_same(one, outputs_at(folder, 2))
 
 
 @pytest.mark.parametrize("extra,error", [
@@ -344,7 +408,7 @@ def test_gemma3_multimodal_checkpoint_as_its_text_model(tmp_path):
 def test_gemma3_hub_config_reads_as_transformers_does():
     """A Gemma 3 4B config.json as published (its text_config only where it differs from the
     defaults; rope_local_base_freq, sliding_window_pattern): the text model transformers makes."""
-    from pagoda.config import ArchConfig
+    from pagoda.config import ArchConfig, KVCacheGroup, kv_cache_groups
     d = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
          "torch_dtype": "bfloat16", "text_config": {
              "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
@@ -358,6 +422,11 @@ def test_gemma3_hub_config_reads_as_transformers_does():
         (ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim)
     assert arch.layer_types == tuple(ref.layer_types) and arch.sliding_window == 1024
     assert [arch.window(i) for i in range(6)] == [1024] * 5 + [0]
+    # Its KV cache groups (vLLM's): the 5 full layers, then the 29 sliding ones in fives
+    groups = kv_cache_groups(arch)
+    assert [g.window for g in groups] == [0] + [1024] * 6 and groups[0].layers == (5, 11, 17, 23, 29)
+    assert groups[1].layers == (0, 1, 2, 3, 4) and groups[-1].layers == (30, 31, 32, 33)
+    assert kv_cache_groups(arch, hybrid=False) == (KVCacheGroup(0, tuple(range(34))),)
     assert arch.rope_theta == ref.rope_parameters["full_attention"]["rope_theta"] == 1e6
     assert arch.local_rope_theta == ref.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
     assert arch.rope_scaling == {"factor": 8.0, "rope_type": "linear"}

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagoda.core.block_pool import BlockPool
-from pagoda.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
+from pagoda.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv, max_blocks_per_request
 from pagoda.core.request import Request
 from pagoda.sampling_params import SamplingParams
 
@@ -16,8 +16,9 @@ def check_invariants(kv: KVCacheManager) -> None:
     assert all(pool.free_queue[i].block_id == i for i in free_ids)
     assert len(free_ids) == len(set(free_ids)), "a block is twice in the free list"
     held: dict[int, int] = {}
-    for blocks in kv.req_to_blocks.values():
-        for b in blocks:
+    for tables in kv.req_to_blocks.values():
+        assert len({len(blocks) for blocks in tables}) == 1, "a request's group tables differ in length"
+        for b in (b for blocks in tables for b in blocks):
             if b is not pool.null_block:   # (in place of a block given back: a sliding window)
                 held[b.block_id] = held.get(b.block_id, 0) + 1
     for b in pool.blocks[1:]:
@@ -42,6 +43,10 @@ def make_request(i: int, n: int, base: int = 0, cut: int | None = None, tail: in
     return Request(str(i), tokens, SamplingParams(), eos_token_id=None, max_tokens=1000)
 
 
+# KV cache groups' windows: one group (none, or a window every layer has), or hybrid ones (Gemma
+# 2/3's full and sliding groups).
+WINDOWS = [(0,), (0,), (1,), (5,), (16,), (40,), (0, 5), (0, 16, 16), (40, 0)]
+
 ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "preempt", "fork", "reset"]),
                          st.integers(0, 7), st.integers(1, 70), st.integers(0, 2), st.integers(0, 70)),
                max_size=80)
@@ -52,9 +57,9 @@ class Simulation:
     to check that a cache hit or a fork only ever yields the request's own tokens, and that no
     one writes into a block someone else holds."""
 
-    def __init__(self, num_blocks: int, block_size: int, caching: bool, window: int = 0):
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, sliding_window=window)
-        self.bs, self.window = block_size, window
+    def __init__(self, num_blocks: int, block_size: int, caching: bool, windows: tuple[int, ...] = (0,)):
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, windows=windows)
+        self.bs, self.windows = block_size, windows
         self.content: dict[int, dict[int, int]] = {}      # block id -> {offset: token}
         self.live: dict[int, Request] = {}
 
@@ -74,40 +79,41 @@ class Simulation:
         """Do the pending copies, then write the tokens the step computes into their slots."""
         for src, dst in self.kv.take_pending_copies():
             self.content[dst] = dict(self.content.get(src, {}))
-        blocks = self.kv.req_to_blocks[req.request_id]
-        for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
-            b = blocks[pos // self.bs]
-            assert b.ref_cnt == 1, f"writing position {pos} into shared {b}"
-            self.content.setdefault(b.block_id, {})[pos % self.bs] = req.all_token_ids[pos]
+        for blocks in self.kv.req_to_blocks[req.request_id]:
+            for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
+                b = blocks[pos // self.bs]
+                assert b.ref_cnt == 1, f"writing position {pos} into shared {b}"
+                self.content.setdefault(b.block_id, {})[pos % self.bs] = req.all_token_ids[pos]
         req.num_computed_tokens += n
 
     def check_contents(self, req: Request) -> None:
-        """Every position the request's next query attends to (its window's, with one) holds the
-        request's own token; a block it gave back is the null block in its table."""
-        blocks = self.kv.req_to_blocks[req.request_id]
-        start = max(0, req.num_computed_tokens - self.window + 1) if self.window else 0
-        for pos in range(start, req.num_computed_tokens):
-            got = self.content.get(blocks[pos // self.bs].block_id, {}).get(pos % self.bs)
-            assert got == req.all_token_ids[pos], f"request {req.request_id} reads a wrong token at {pos}"
-        if self.window:
-            # (given back at its last allocation: at most the blocks of one window and a step behind)
-            assert all(b is self.kv.pool.null_block for b in blocks[:max(0, start - 70) // self.bs])
+        """In each group, every position the request's next query attends to (its window's, with
+        one) holds the request's own token; a block it gave back is the null block in its table."""
+        for window, blocks in zip(self.windows, self.kv.req_to_blocks[req.request_id]):
+            start = max(0, req.num_computed_tokens - window + 1) if window else 0
+            for pos in range(start, req.num_computed_tokens):
+                got = self.content.get(blocks[pos // self.bs].block_id, {}).get(pos % self.bs)
+                assert got == req.all_token_ids[pos], f"request {req.request_id} reads a wrong token at {pos}"
+            if window:
+                # (given back at its last allocation: at most the blocks of one window and a step behind)
+                assert all(b is self.kv.pool.null_block for b in blocks[:max(0, start - 70) // self.bs])
 
 
 @settings(max_examples=300, deadline=None)
 @given(num_blocks=st.integers(2, 24), block_size=st.sampled_from([1, 4, 16]), caching=st.booleans(), ops=ops,
-       window=st.sampled_from([0, 0, 1, 5, 16, 40]))
-def test_random_allocation_sequences_keep_invariants(num_blocks, block_size, caching, ops, window):
-    """(With a sliding window every layer has, blocks before a request's window are given back
-    as it grows: forks and prefix hits still read only the request's own tokens.)"""
-    sim = Simulation(num_blocks, block_size, caching, window)
+       windows=st.sampled_from(WINDOWS))
+def test_random_allocation_sequences_keep_invariants(num_blocks, block_size, caching, ops, windows):
+    """(With a sliding window, blocks before a request's window are given back as it grows, in
+    a group of its own beside full ones too: forks and prefix hits still read only the
+    request's own tokens.)"""
+    sim = Simulation(num_blocks, block_size, caching, windows)
     kv, live = sim.kv, sim.live
     for op, i, n, base, cut in ops:
         req = live.get(i)
         # (what each request holds, by its place in the table: with a window a block may be
         # given back and handed out again within one op, which is no eviction of a held block)
-        held = {(r, j): (b, b.block_hash) for r, blocks in kv.req_to_blocks.items() for j, b in enumerate(blocks)
-                if b.block_hash}
+        held = {(r, g, j): (b, b.block_hash) for r, tables in kv.req_to_blocks.items()
+                for g, blocks in enumerate(tables) for j, b in enumerate(blocks) if b.block_hash}
         if op == "add" and req is None:
             req = make_request(i, n, base, cut, tail=n)
             if sim.admit(req, kv.get_computed_blocks(req)):
@@ -123,19 +129,20 @@ def test_random_allocation_sequences_keep_invariants(num_blocks, block_size, cac
             req.all_token_ids += [200 + k % 5 for k in range(n)]
             if kv.allocate_slots(req, n) is not None:
                 sim.run_step(req, n)
-                assert len(kv.req_to_blocks[req.request_id]) == cdiv(req.num_computed_tokens, block_size)
+                assert len(kv.req_to_blocks[req.request_id][0]) == cdiv(req.num_computed_tokens, block_size)
             else:
                 del req.all_token_ids[-n:]
         elif op in ("free", "preempt") and req is not None:
             kv.free(req)
             del live[i]
         elif op == "reset":   # (refused while a block is held: with a window a live request may hold none)
-            in_use = any(b is not kv.pool.null_block for blocks in kv.req_to_blocks.values() for b in blocks)
+            in_use = any(b is not kv.pool.null_block for tables in kv.req_to_blocks.values()
+                         for blocks in tables for b in blocks)
             assert kv.reset_prefix_cache() == (not in_use)
-            assert in_use or window or not live
+            assert in_use or 0 not in windows or not live
         check_invariants(kv)
-        for (r, j), (b, h) in held.items():
-            if r in kv.req_to_blocks and kv.req_to_blocks[r][j] is b:
+        for (r, g, j), (b, h) in held.items():
+            if r in kv.req_to_blocks and kv.req_to_blocks[r][g][j] is b:
                 assert b.block_hash == h, "a referenced block was evicted"
         for r in live.values():
             sim.check_contents(r)
@@ -181,19 +188,19 @@ def test_cached_blocks_are_evicted_least_recently_freed_first_and_revived_on_hit
         assert kv.allocate_slots(r, 12) is not None
         r.num_computed_tokens = 12
     assert kv.pool.num_cached_blocks == 6
-    a_ids, b_ids = kv.get_block_ids(a), kv.get_block_ids(b)
+    (a_ids,), (b_ids,) = kv.get_block_ids(a), kv.get_block_ids(b)
     kv.free(a)
     kv.free(b)                                               # a's blocks were freed first
     # A request with a's prompt (plus one token) finds all three of a's blocks, and taking them
     # back from the free queue leaves them cached.
     a2 = make_request(2, 13, base=0)
     hit = kv.get_computed_blocks(a2)
-    assert hit.num_tokens == 12 and [x.block_id for x in hit.blocks] == a_ids
+    assert hit.num_tokens == 12 and [x.block_id for x in hit.blocks[0]] == a_ids
     assert kv.allocate_slots(a2, 1, hit) is not None
-    assert all(x.ref_cnt == 1 and x.block_hash is not None for x in hit.blocks)
+    assert all(x.ref_cnt == 1 and x.block_hash is not None for x in hit.blocks[0])
     # One new block needed: the least recently freed unreferenced block is b's last (freed
     # tail first), so b's first two blocks stay cached.
-    assert kv.pool.num_cached_blocks == 5 and kv.get_block_ids(a2)[3] == b_ids[2]
+    assert kv.pool.num_cached_blocks == 5 and kv.get_block_ids(a2)[0][3] == b_ids[2]
     b2 = make_request(3, 9, base=1)
     assert kv.get_computed_blocks(b2).num_tokens == 8
 
@@ -203,7 +210,7 @@ def test_window_hit_needs_only_the_window_blocks():
     its middle is still a hit as long as the blocks its next query's window reaches are cached;
     the ones before stand as the null block. (A request gives its blocks before the window back
     while it runs, so they are the first a new allocation evicts.)"""
-    kv = KVCacheManager(num_blocks=9, block_size=4, sliding_window=6)      # 8 usable blocks
+    kv = KVCacheManager(num_blocks=9, block_size=4, windows=(6,))          # 8 usable blocks
     a = make_request(0, 24, base=0)                                        # 6 full blocks
     assert kv.allocate_slots(a, 24) is not None
     a.num_computed_tokens = 24
@@ -215,10 +222,10 @@ def test_window_hit_needs_only_the_window_blocks():
     kv.free(a)
     again = make_request(2, 25, base=0)
     hit = kv.get_computed_blocks(again)
-    cached = [kv.pool.get_cached_block(h) is not None for h in kv.block_hashes(again)[:6]]
+    cached = [kv.pool.get_cached_block((0, h)) is not None for h in kv.block_hashes(again)[:6]]
     assert cached == [True, True, True, False, True, True]
     assert hit.num_tokens == 24            # (from the left, the hit would end at block 3: 12 tokens)
-    assert [b.block_id for b in hit.blocks[:4]] == [0] * 4 and all(b.block_hash for b in hit.blocks[4:])
+    assert [b.block_id for b in hit.blocks[0][:4]] == [0] * 4 and all(b.block_hash for b in hit.blocks[0][4:])
     free = kv.num_free_blocks
     assert kv.allocate_slots(again, 1, hit) is not None
     assert kv.num_free_blocks == free - 3              # blocks 4 and 5 revived, one new
@@ -265,3 +272,46 @@ def test_block_hashes_chain_each_block_and_extend_incrementally():
         kv.block_hashes(grown)
     assert grown.block_hashes == expected
     assert kv.block_hashes(Request("c", tokens, SamplingParams(), None, 8))[1:] != expected[1:]  # no salt
+
+
+def test_hybrid_groups_hit_what_every_group_can_serve():
+    """A full group and a sliding one (6 positions), blocks of 4. A request of 24 tokens that
+    grows by one gives its sliding group's blocks 0-3 back and keeps all of its full group's. The
+    same prompt then hits 24 tokens: the full group's 6 blocks, the sliding group's last 2 (the
+    null block before them). With the full group's block 2 evicted the hit ends at 8 tokens (the
+    sliding group's blocks 0-1, given back but still cached, serve it); with the sliding group's
+    block 1 evicted too, at 4."""
+    kv = KVCacheManager(num_blocks=30, block_size=4, windows=(0, 6))
+    a = make_request(0, 24, base=0)
+    assert [len(ids) for ids in kv.allocate_slots(a, 24)] == [6, 6]
+    a.num_computed_tokens = 24
+    a.all_token_ids.append(7)
+    assert kv.allocate_slots(a, 1) is not None
+    a.num_computed_tokens = 25
+    null = kv.pool.null_block
+    assert [b is null for b in kv.req_to_blocks[a.request_id][1]] == [True] * 4 + [False] * 3
+    assert kv.num_free_blocks == 29 - 10
+    kv.free(a)
+    assert kv.num_free_blocks == 29
+    again = make_request(1, 25, base=0)
+    hit = kv.get_computed_blocks(again)
+    assert hit.num_tokens == 24 and null not in hit.blocks[0] and len(hit.blocks[0]) == 6
+    assert [b is null for b in hit.blocks[1]] == [True] * 4 + [False] * 2
+
+    def evict(group, i):
+        key = (group, kv.block_hashes(again)[i])
+        kv.pool.cached_blocks.pop(key).block_hash = None
+
+    evict(0, 2)
+    hit = kv.get_computed_blocks(again)
+    assert hit.num_tokens == 8 and null not in hit.blocks[0] + hit.blocks[1]
+    evict(1, 1)
+    assert kv.get_computed_blocks(again).num_tokens == 4
+
+
+def test_max_blocks_per_request():
+    """What a request holds at most: a full group all its blocks, a sliding group its window and
+    a step's tokens (at most all its blocks)."""
+    assert max_blocks_per_request((0, 6, 6), 4, 100, 8) == 25 + 2 * (cdiv(6 + 8, 4) + 1)
+    assert max_blocks_per_request((0, 6, 6), 4, 8, 100) == 3 * 2
+    assert max_blocks_per_request((0,), 16, 100, 8192) == 7

@@ -50,3 +50,14 @@ def test_bad_arguments_fail_cleanly(bad, message):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("pagoda: error:") and message in last
+
+
+def test_engine_flags_reach_engine_args():
+    import argparse
+
+    from pagoda.entrypoints.cli import add_engine_args, engine_args_from
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert not engine_args_from(p.parse_args([])).disable_hybrid_kv_cache_manager
+    args = engine_args_from(p.parse_args(["--disable-hybrid-kv-cache-manager", "--max-logprobs", "5"]))
+    assert args.disable_hybrid_kv_cache_manager and args.max_logprobs == 5

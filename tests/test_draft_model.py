@@ -191,7 +191,8 @@ def test_abort_mid_run_frees_the_blocks_and_the_held_drafts(tiny):
 
 def test_no_proposals_where_no_drafts_would_go(tiny, monkeypatch):
     """The draft proposes only for requests the scheduler would give drafts to: none while
-    disable_by_batch_size requests are in the engine, none for a request with penalties."""
+    disable_by_batch_size requests are in the engine, none for a request with penalties, none
+    after a request's last token (max_tokens)."""
     target, _, want = tiny
     engine = LLM(target, speculative_config=spec(target, disable_by_batch_size=3), **SMALL)
     drafter, asked = engine.llm_engine.executor.runner.drafter, []
@@ -200,6 +201,7 @@ def test_no_proposals_where_no_drafts_would_go(tiny, monkeypatch):
         assert ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == want    # four equal runs: never under 3
         assert sum(asked) == 0 and engine.llm_engine.stats.num_draft_tokens == 0
         engine.generate(PROMPTS[0], SamplingParams(max_tokens=8, repetition_penalty=1.2), use_tqdm=False)
+        engine.generate(PROMPTS[0], SamplingParams(max_tokens=1), use_tqdm=False)
         assert sum(asked) == 0
         assert ids(engine.generate(PROMPTS[0], GREEDY, use_tqdm=False)) == want[:1]
         assert sum(asked) > 0 and engine.llm_engine.stats.num_draft_tokens > 0

@@ -51,8 +51,8 @@ def test_mixed_step_sizes_and_which_steps_take_a_graph(monkeypatch):
     assert graphs.graph_key(40, 2048, 2000) == ("mixed", 2048)
     assert graphs.graph_key(40, 2049, 2000) is None and graphs.graph_key(256, 16384, 64) is None    # eager
     # room for as many requests as a step of that size can hold, up to MAX_MIXED_REQS
-    assert len(graphs._metadata(("mixed", 128)).seq_lens) == 128
-    assert len(graphs._metadata(("mixed", 2048)).seq_lens) == MAX_MIXED_REQS
+    assert len(graphs._metadata(("mixed", 128))[0].seq_lens) == 128
+    assert len(graphs._metadata(("mixed", 2048))[0].seq_lens) == MAX_MIXED_REQS
     assert graphs.spec_sizes == []
     # Speculative decoding, 4 drafts: verification steps by request count, 5 token slots each
     spec = CUDAGraphRunner(None, None, max_num_seqs=1024, max_num_batched_tokens=16384, max_blocks=4,
@@ -61,7 +61,7 @@ def test_mixed_step_sizes_and_which_steps_take_a_graph(monkeypatch):
     assert spec.graph_key(1, 5, 5) == ("spec", 1) and spec.graph_key(3, 9, 5) == ("spec", 4)
     assert spec.graph_key(3, 3, 1) == ("decode", 4)                    # no drafts this step
     assert spec.graph_key(2, 40, 30) == ("mixed", 64)                  # a prompt rides along
-    md = spec._metadata(("spec", 4))
+    (md,) = spec._metadata(("spec", 4))     # (one KV cache group)
     assert (md.num_actual_tokens, len(md.seq_lens), md.max_query_len, md.num_decodes) == (20, 4, 5, 0)
     # k = 8 with 2,048-token buffers: 227 requests of 9 slots fit, so up to 128
     assert CUDAGraphRunner(None, None, max_num_seqs=1024, max_num_batched_tokens=16384, max_blocks=4, max_model_len=64,

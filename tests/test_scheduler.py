@@ -169,7 +169,7 @@ def test_prefix_cache_hit_computes_only_the_rest():
     out, _ = run_step(s)
     # 4 full blocks (16 tokens) cached; the last 2 prompt tokens are computed.
     assert out.num_scheduled_tokens == {"s1": 2} and out.new_reqs[0].num_computed_tokens == 16
-    assert out.new_reqs[0].block_ids[:4] == [b for b in s.kv.get_block_ids(again)[:4]]
+    assert out.new_reqs[0].block_ids[0][:4] == s.kv.get_block_ids(again)[0][:4]
     assert s.stats.prefix_cache_queries == 36 and s.stats.prefix_cache_hits == 16
     assert s.stats.num_prompt_tokens_computed == 18 + 2
 
@@ -181,8 +181,8 @@ def test_same_step_requests_share_the_prefix_being_computed():
     s.add_request(b)
     out, _ = run_step(s)
     assert out.num_scheduled_tokens == {"s0": 10, "s1": 2}          # b reads a's two full blocks
-    assert s.kv.get_block_ids(a)[:2] == s.kv.get_block_ids(b)[:2]
-    assert s.kv.get_block_ids(a)[2] != s.kv.get_block_ids(b)[2]
+    assert s.kv.get_block_ids(a)[0][:2] == s.kv.get_block_ids(b)[0][:2]
+    assert s.kv.get_block_ids(a)[0][2] != s.kv.get_block_ids(b)[0][2]
 
 
 def test_prefix_caching_off_shares_nothing():
@@ -208,13 +208,13 @@ def test_parallel_samples_fork_the_first_and_copy_the_partial_block():
         # The lead decodes; each sample computes only the prompt's last token (position 9).
         assert out.num_scheduled_tokens == {"s0": 1, "k0": 1, "k1": 1, "k2": 1}
         assert all(r.num_computed_tokens == 9 for r in out.new_reqs)
-        lead_blocks = s.kv.get_block_ids(lead)
+        lead_blocks = s.kv.get_block_ids(lead)[0]
         for k in kids:
-            assert s.kv.get_block_ids(k)[:2] == lead_blocks[:2]        # full blocks shared
+            assert s.kv.get_block_ids(k)[0][:2] == lead_blocks[:2]        # full blocks shared
         # Position 9 lies in the lead's third block: each sample gets a copy of it.
         copies = out.block_copies
         assert [src for src, _ in copies] == [lead_blocks[2]] * 3
-        assert sorted(dst for _, dst in copies) == sorted(s.kv.get_block_ids(k)[2] for k in kids)
+        assert sorted(dst for _, dst in copies) == sorted(s.kv.get_block_ids(k)[0][2] for k in kids)
         assert s.stats.num_forked_tokens == 27 and s.stats.num_prompt_tokens_computed == 10 + 3
         while s.has_unfinished_requests():
             run_step(s)

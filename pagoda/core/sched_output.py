@@ -12,7 +12,7 @@ class NewRequestData:
     req_id: str
     token_ids: list[int]          # prompt + outputs so far (outputs are recomputed after preemption)
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: list[list[int]]    # its block table in each KV cache group
     num_computed_tokens: int
     sampling_params: SamplingParams
     pooling_params: PoolingParams | None = None     # a pooling request (LLM.embed): pooled, not sampled
@@ -23,7 +23,7 @@ class NewRequestData:
 class CachedRequestData:
     """A request already on the runner: only the blocks added this step."""
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]     # to each KV cache group's table (empty: none added)
     num_computed_tokens: int
 
 

@@ -218,7 +218,8 @@ class Scheduler:
                               self.kv.take_pending_copies())
         self.finished_req_ids = set()
         if self.num_lookahead and self._drafting():
-            out.draft_req_ids = {req.request_id for req, _ in scheduled if self._takes_drafts(req)}
+            out.draft_req_ids = {req.request_id for req, _ in scheduled
+                                 if self._takes_drafts(req) and not self._ends_by_length(req, 1)}
         for req, n in scheduled:
             start = req.num_computed_tokens
             if start < req.num_prompt_tokens:
@@ -268,7 +269,12 @@ class Scheduler:
 
     def _last_token_in_flight(self, req: Request) -> bool:
         """The token still on the device will end the request by length: schedule nothing more."""
-        n = req.num_tokens + req.num_output_placeholders
+        return self._ends_by_length(req, req.num_output_placeholders)
+
+    def _ends_by_length(self, req: Request, more: int) -> bool:
+        """``more`` tokens beyond those the host knows end the request (max_tokens, max_model_len);
+        with more=1, the token this step samples (a draft model proposes nothing after it)."""
+        n = req.num_tokens + more
         return n - req.num_prompt_tokens >= req.max_tokens or n >= self.config.max_model_len
 
     def _prefix_hit(self, req: Request) -> PrefixHit | None:

@@ -6,9 +6,9 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from pagoda.config import (KV_CACHE_DTYPES, ArchConfig, CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
-                           ParallelConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig, classifier_from_tokens, is_classifier,
-                           sampling_defaults)
+from pagoda.config import (KV_CACHE_DTYPES, ArchConfig, CacheConfig, EngineConfig, KVCacheGroup, LoRAConfig,
+                           ModelConfig, ParallelConfig, PoolerConfig, SchedulerConfig, SpeculativeConfig,
+                           classifier_from_tokens, is_classifier, kv_cache_groups, sampling_defaults)
 from pagoda.model.hub import default_model_path, resolve_model_path
 from pagoda.model.loader import read_arch_config, read_generation_config, read_pooler_config, read_quant_config
 from pagoda.quant.base import check_quantization_name, resolve_quantization
@@ -53,6 +53,9 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     swap_space: float = 4
+    # vLLM's: every layer keeps its whole context, even where some have a sliding window (Gemma
+    # 2/3), instead of the sliding layers' KV in groups of their own that give blocks back
+    disable_hybrid_kv_cache_manager: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -240,6 +243,7 @@ class EngineArgs:
             calculate_kv_scales=self.calculate_kv_scales,
             enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching)
         speculative = self._speculative(model, parallel, max_model_len)
+        cache.groups = self._kv_cache_groups(model.arch, speculative)
         lora = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
         if lora is not None and model.arch.num_experts:
             raise ValueError(f"LoRA adapters on a mixture of experts ({model.arch.architecture}) are not supported yet.")
@@ -254,6 +258,18 @@ class EngineArgs:
         return EngineConfig(model, cache, sched, parallel, device=device, enforce_eager=self.enforce_eager,
                              log_stats=not self.disable_log_stats, enable_sleep_mode=self.enable_sleep_mode,
                              worker_extension_cls=self.worker_extension_cls, speculative=speculative, lora=lora)
+
+    def _kv_cache_groups(self, arch: ArchConfig, spec: SpeculativeConfig | None) -> tuple[KVCacheGroup, ...]:
+        """The target's KV cache groups. A draft model keeps its KV in the target's blocks, in one
+        group with all the target's layers: its blocks are given back only where both models
+        have the same window on every layer."""
+        draft = spec and spec.draft_model_config
+        if draft is None:
+            return kv_cache_groups(arch, hybrid=not self.disable_hybrid_kv_cache_manager)
+        groups = kv_cache_groups(arch, hybrid=False)
+        if draft.arch.uniform_window != groups[0].window:
+            groups = (KVCacheGroup(0, groups[0].layers),)
+        return groups
 
     def _speculative(self, model: ModelConfig, parallel: ParallelConfig, max_model_len: int) -> SpeculativeConfig | None:
         """speculative_config, checked against what it runs with."""

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import asdict
 
 from pagoda.config import EngineConfig, class_labels
-from pagoda.core.kv_cache_manager import KVCacheManager, cdiv
+from pagoda.core.kv_cache_manager import KVCacheManager, max_blocks_per_request
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.distributed.child_procs import run_call
@@ -45,11 +45,12 @@ class LLMEngine:
         self.enable_sleep_mode = config.enable_sleep_mode
         self.sleeping: set[str] = set()      # what sleeps (sleep mode): "weights", "kv_cache"
         num_blocks = self.executor.determine_num_blocks()
-        self._check_kv_cache_fits(num_blocks)
+        windows = tuple(g.window for g in config.cache.groups)
+        self._check_kv_cache_fits(num_blocks, windows)
         self.executor.initialize_kv_cache(num_blocks)
         config.cache.num_blocks = num_blocks
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching, self._uniform_window())
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                               windows)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.speculative, config.lora)
         self.output_processor = OutputProcessor(tokenizer)
         self.num_steps = self.num_prompt_tokens = 0
@@ -74,8 +75,11 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
         weakref.finalize(self, gc.unfreeze)
-        logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens (KV cache dtype %s).", time.time() - t0,
-                    num_blocks - 1, config.cache.block_size, config.cache.cache_dtype)
+        groups = config.cache.groups
+        logger.info("Engine ready in %.1f s: %d KV blocks of %d tokens (KV cache dtype %s%s).", time.time() - t0,
+                    num_blocks - 1, config.cache.block_size, config.cache.cache_dtype,
+                    f"; {len(groups)} KV cache groups of {len(groups[0].layers)} layers, windows {windows}"
+                    if len(groups) > 1 else "")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs):
@@ -88,23 +92,18 @@ class LLMEngine:
             return DPEngine(args, config, tokenizer)
         return cls(config, tokenizer)
 
-    def _uniform_window(self) -> int:
-        """The window outside which blocks can be freed: the model's, if every layer has it (and
-        every layer of a draft model too, which reads the same blocks)."""
-        window = self.config.model.arch.uniform_window
-        spec = self.config.speculative
-        if spec is not None and spec.draft_model_config is not None \
-                and spec.draft_model_config.arch.uniform_window != window:
-            return 0
-        return window
+    def _check_kv_cache_fits(self, num_blocks: int, windows: tuple[int, ...]) -> None:
+        bs, sc = self.config.cache.block_size, self.config.scheduler
 
-    def _check_kv_cache_fits(self, num_blocks: int) -> None:
-        bs, max_len = self.config.cache.block_size, self.config.scheduler.max_model_len
-        if cdiv(max_len, bs) > num_blocks - 1:
+        def blocks(num_tokens: int) -> int:
+            return max_blocks_per_request(windows, bs, num_tokens, sc.max_num_batched_tokens)
+
+        if blocks(sc.max_model_len) > num_blocks - 1:
+            fits = max((n for n in range(0, sc.max_model_len + 1, bs) if blocks(n) <= num_blocks - 1), default=0)
             raise ValueError(
                 f"The KV cache holds {(num_blocks - 1) * bs} tokens ({num_blocks - 1} blocks), less than "
-                f"one sequence of max_model_len={max_len} needs. Lower max_model_len to at most "
-                f"{(num_blocks - 1) * bs} or give the KV cache more memory.")
+                f"one sequence of max_model_len={sc.max_model_len} needs. Lower max_model_len to at most "
+                f"{fits} or give the KV cache more memory.")
 
     def _eos_token_id(self) -> int | None:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

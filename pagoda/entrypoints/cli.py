@@ -43,6 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="first come first served, or by each request's priority (lower first)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="every layer keeps its whole context, also where some have a sliding window (Gemma 2/3)")
     p.add_argument("--reasoning-parser", default=None, help="a reasoning model's thinking (<think> ... </think>): "
                    "qwen3 (Qwen3, QwQ) or deepseek_r1 (DeepSeek-R1 and its distills); structured outputs then "
                    "hold the answer after it, and the server returns it apart (the message's `reasoning`)")
@@ -115,7 +117,8 @@ def engine_args_from(args):
                       speculative_config=args.speculative_config, enable_sleep_mode=args.enable_sleep_mode,
                       enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                       max_cpu_loras=args.max_cpu_loras, reasoning_parser=args.reasoning_parser,
-                      max_logprobs=args.max_logprobs)
+                      max_logprobs=args.max_logprobs,
+                      disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
 
 
 def _make_llm(args):

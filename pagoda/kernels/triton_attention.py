@@ -41,15 +41,6 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   ``max_seq_len``); each program derives its range from the request's actual ``seq_len`` in the
   kernel, so the result is right for any lengths (pass ``max_seq_len = max_model_len`` when
   capturing a CUDA graph: it only sets how many segments there are).
-- Balanced decode (``_balanced_decode_kernel``): where a decode launch is not split it runs as a
-  fixed number of programs (a few an SM) that share the batch's K/V tiles equally, instead of one
-  program a (request, KV head): with ragged contexts that grid's last wave drains alone, and at
-  W1's batches of 64-256 one launch read at 3.4-4.0 TB/s where the same tiles over many waves
-  read at 4.47 (BENCHMARKS.md, thirteenth session). Each program counts the batch's tiles from
-  ``seq_lens`` itself (no plan from the host, a grid fixed by the device: CUDA-graph capturable),
-  attends its share pair by pair, writes the pairs wholly its own to ``out`` and partial softmax
-  states for the (at most two) pairs it shares with its neighbours; a second small kernel merges
-  those.
 - Programmatic dependent launch: the kernel before this one writes nothing it reads but this
   step's new K/V (it is the KV write; for a mixed step's second launch, the decodes' attention,
   which writes only their outputs), and every earlier kernel has completed when this one
@@ -138,16 +129,6 @@ SPLIT_BELOW_PROGRAMS_PER_SM = 2
 SPLIT_PROGRAMS_PER_SM = 2
 SPLIT_MAX_SEGMENTS = 64
 SPLIT_MIN_TOKENS = 128
-# Balanced decode (``_balanced_decode_kernel``): a decode launch that is not split runs as
-# BALANCED_PROGRAMS_PER_SM programs an SM that share the batch's K/V tiles equally, pairs cut
-# between programs merged by a second small kernel, instead of one program a (request, KV head)
-# whose last wave drains alone. 0: off. Off until measured on the GPU (BENCHMARKS.md,
-# thirty-eighth session: no device came; `gpu_session.sh s38a` / `s38b` measure it).
-BALANCED_PROGRAMS_PER_SM = 0
-# 128 registers: 4 programs of 4 warps an SM. The pair's work is a function the compiler does not
-# inline: inlined into the loop over pairs, its constants were hoisted out of that loop and held
-# in registers through it (244 uncapped, 112 bytes spilled at 128; apart: 0 spilled).
-BALANCED_TILES = dict(TILE_N=64, num_warps=4, num_stages=3, maxnreg=128)
 # Requests of up to this many queries split too: speculative decoding's verification steps (a
 # token and its drafts), whose one query tile a request would otherwise read a long context alone
 # (H200, twenty-fifth session, Llama-3-8B heads, 5 queries: batch 1 over 8,192 tokens 236 -> 30
@@ -573,183 +554,6 @@ def _merge_segments_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-# --------------------------------------------------------------------------------------------
-# Balanced decode: a persistent launch whose programs share the batch's K/V tiles equally
-# --------------------------------------------------------------------------------------------
-
-@triton.jit(noinline=True)
-def _attend_pair(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                 block_tables_ptr, seq, seq_len, q_start, kv_head, t_lo, t_hi, n, part, qk_scale, v_scale,
-                 stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
-                 cos_sin_ptr, norm_ptr, stride_cs, eps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr, HAS_ROPE: tl.constexpr,
-                 HAS_NORM: tl.constexpr, FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr, SOFTCAP: tl.constexpr,
-                 NORM_UNIT_OFFSET: tl.constexpr, ROTARY_DIM: tl.constexpr):
-    """Tiles [t_lo, t_hi) of one decode's (request seq, KV head) pair of n tiles: to out if that
-    is the whole pair, else a partial softmax state at rows ``part`` of the scratch."""
-    offs_m = tl.arange(0, BLOCK_M)
-    row_valid = offs_m < GROUP
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    d_valid = offs_d < HEAD_DIM
-    EDGES: tl.constexpr = HEAD_DIM != HEAD_DIM_P
-    q = _load_heads(q_ptr, q_start.to(tl.int64) * stride_qt + (kv_head * GROUP + offs_m % GROUP) * stride_qh,
-                    row_valid, seq_len - 1 + 0 * offs_m, cos_sin_ptr, stride_cs, norm_ptr, eps, HEAD_DIM,
-                    HEAD_DIM_P, HAS_ROPE, HAS_NORM, NORM_UNIT_OFFSET, ROTARY_DIM)
-    if FP8_DOTS_F16:
-        q = (q.to(tl.float32) * (1.0 / FP8_Q_DIVISOR)).to(tl.float16)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # the old context first (the previous kernel writes only the new tokens' K/V), then
-    # the pair's last tile, which holds its new token, after the PDL wait
-    for t in tl.range(t_lo, tl.minimum(t_hi, n - 1), num_stages=LOOP_STAGES):
-        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, seq_len, seq_len - 1 + 0 * offs_m,
-                                     kv_head, m_i, l_i, acc, qk_scale, stride_kb, stride_ks, stride_kh, offs_d,
-                                     d_valid, BLOCK_SIZE, TILE_N, DOT_PRECISION, EDGES, 0, SOFTCAP)
-    pdl_wait(USE_PDL)
-    if t_hi == n:
-        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, table, n - 1, seq_len,
-                                     seq_len - 1 + 0 * offs_m, kv_head, m_i, l_i, acc, qk_scale, stride_kb,
-                                     stride_ks, stride_kh, offs_d, d_valid, BLOCK_SIZE, TILE_N,
-                                     DOT_PRECISION, True, 0, SOFTCAP)
-    acc *= v_scale
-    if (t_lo == 0) & (t_hi == n):
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        head = kv_head * GROUP + offs_m % GROUP
-        tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
-    else:
-        rows = part + offs_m
-        tl.store(part_m_ptr + rows, m_i, mask=row_valid)
-        tl.store(part_l_ptr + rows, l_i, mask=row_valid)
-        tl.store(part_acc_ptr + rows[:, None].to(tl.int64) * HEAD_DIM_P + offs_d[None, :], acc,
-                 mask=row_valid[:, None])
-
-
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
-def _balanced_decode_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-        part_acc_ptr, part_m_ptr, part_l_ptr, merge_ptr,
-        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        qk_scale, v_scale, num_seqs,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_bt,
-        cos_sin_ptr, norm_ptr, stride_cs, eps,
-        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, BATCH_P: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-        FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr, SOFTCAP: tl.constexpr, NORM_UNIT_OFFSET: tl.constexpr,
-        ROTARY_DIM: tl.constexpr):
-    # The batch's work is its (request, KV head) pairs' tiles in batch order, numbered g = 0..T-1;
-    # program p attends the p-th of P shares as equal as whole tiles allow: T // P tiles, one
-    # more for the first T % P programs. A pair whole in one program is written to out; a pair
-    # cut between programs leaves a partial softmax state in each (at most two a program: its
-    # first pair in slot 0, its last in slot 1), and the program holding its last piece records
-    # where the pieces are for _merge_pieces_kernel. (All int32: 64-bit divisions are long
-    # subroutines, and their registers spilled.)
-    NUM_KV_HEADS: tl.constexpr = NUM_HEADS // GROUP
-    p = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    # Every program counts the tiles itself: one vector load of the step's metadata, no plan
-    # from the host, nothing that depends on tensor values in the grid.
-    offs_b = tl.arange(0, BATCH_P)
-    in_batch = offs_b < num_seqs
-    lens = tl.load(seq_lens_ptr + offs_b, mask=in_batch, other=0)
-    q_lens = (tl.load(query_start_loc_ptr + offs_b + 1, mask=in_batch, other=0)
-              - tl.load(query_start_loc_ptr + offs_b, mask=in_batch, other=0))
-    # (a decode launch leaves requests with several queries to another launch)
-    req_tiles = tl.where(q_lens == 1, tl.cdiv(lens, TILE_N), 0) * NUM_KV_HEADS
-    ends = tl.cumsum(req_tiles, 0)
-    total = tl.sum(req_tiles, 0)
-    share = total // num_programs
-    longer = total % num_programs          # programs with share + 1 tiles
-    g_lo = p * share + tl.minimum(p, longer)
-    g_hi = g_lo + share + (p < longer).to(tl.int32)
-    seq = tl.sum((ends <= g_lo).to(tl.int32), 0)
-    base = tl.sum(tl.where(offs_b < seq, req_tiles, 0), 0)   # the request's first tile
-    tl.store(merge_ptr + p * 4, -1)        # (no pair to merge, unless one ends below)
-    g = g_lo
-    while g < g_hi:
-        seq_len = tl.load(seq_lens_ptr + seq)
-        q_start = tl.load(query_start_loc_ptr + seq)
-        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-        n = tl.where(q_len == 1, tl.cdiv(seq_len, TILE_N), 0)
-        if n == 0:
-            seq += 1
-        else:
-            kv_head = (g - base) // n
-            t_lo = g - base - kv_head * n
-            t_hi = tl.minimum(n, t_lo + g_hi - g)
-            part = (p * 2 + (g != g_lo).to(tl.int32)) * GROUP    # (a partial piece's slot)
-            if (t_lo > 0) & (t_hi == n):
-                # This program holds the last piece of a pair cut between programs: record the
-                # program whose share holds its first tile, and that piece's slot there. (Before
-                # the tiles: nothing of this stays live through their loop.)
-                first_tile = base + kv_head * n
-                first = tl.where(first_tile < longer * (share + 1), first_tile // (share + 1),
-                                 longer + (first_tile - longer * (share + 1)) // tl.maximum(share, 1))
-                tl.store(merge_ptr + p * 4, seq)
-                tl.store(merge_ptr + p * 4 + 1, kv_head)
-                tl.store(merge_ptr + p * 4 + 2, first)
-                tl.store(merge_ptr + p * 4 + 3, (first_tile != first * share + tl.minimum(first, longer)).to(tl.int32))
-            _attend_pair(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                         block_tables_ptr, seq, seq_len, q_start, kv_head, t_lo, t_hi, n, part, qk_scale, v_scale,
-                         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
-                         cos_sin_ptr, norm_ptr, stride_cs, eps, GROUP, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_M,
-                         TILE_N, DOT_PRECISION, LOOP_STAGES, HAS_ROPE, HAS_NORM, FP8_DOTS_F16, USE_PDL, SOFTCAP,
-                         NORM_UNIT_OFFSET, ROTARY_DIM)
-            g += t_hi - t_lo
-            if (t_hi == n) & (kv_head == NUM_KV_HEADS - 1):
-                seq += 1
-                base += n * NUM_KV_HEADS
-    # (every program waits, also those with nothing to attend: triton_utils' rule)
-    pdl_wait(USE_PDL)
-
-
-@triton.jit
-def _merge_pieces_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, merge_ptr, query_start_loc_ptr,
-                         stride_ot, stride_oh, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, USE_PDL: tl.constexpr):
-    """The pairs of a balanced decode cut between programs: program p merges the pair whose last
-    piece program p attended, from the pieces of programs first..p (log-sum-exp weights)."""
-    p = tl.program_id(0)
-    pdl_wait(USE_PDL)
-    seq = tl.load(merge_ptr + p * 4)
-    if seq < 0:
-        return
-    kv_head = tl.load(merge_ptr + p * 4 + 1)
-    first = tl.load(merge_ptr + p * 4 + 2)
-    first_slot = tl.load(merge_ptr + p * 4 + 3)
-    offs_r = tl.arange(0, GROUP_P)
-    rows = offs_r < GROUP
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    m = tl.full([GROUP_P], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_P], tl.float32)
-    acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
-    for piece in range(first, p + 1):
-        # a piece is its program's first pair (slot 0) unless it is the first program's last
-        part = (piece * 2 + tl.where(piece == first, first_slot, 0)) * GROUP + offs_r
-        m_p = tl.load(part_m_ptr + part, mask=rows, other=float("-inf"))
-        l_p = tl.load(part_l_ptr + part, mask=rows, other=0.0)
-        acc_p = tl.load(part_acc_ptr + part[:, None].to(tl.int64) * HEAD_DIM_P + offs_d[None, :],
-                        mask=rows[:, None], other=0.0)
-        m_new = tl.maximum(m, m_p)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.math.exp2(m - m_safe)
-        b = tl.math.exp2(m_p - m_safe)
-        l = l * a + l_p * b
-        acc = acc * a[:, None] + acc_p * b[:, None]
-        m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    head = kv_head * GROUP + offs_r
-    tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & (offs_d < HEAD_DIM)[None, :])
-
-
 def _pick_tiles(max_query_len: int, group: int, dtype: torch.dtype, device: torch.device,
                 num_programs: int) -> tuple[int, dict]:
     """BLOCK_M and its launch parameters, from python ints: enough rows for the longest
@@ -774,22 +578,13 @@ def _pick_num_segments(num_programs: int, max_query_len: int, max_seq_len: int,
     return max(1, min(want, SPLIT_MAX_SEGMENTS, 1 << (fit.bit_length() - 1)))
 
 
-def _pick_balanced_programs(decode: bool, num_segments: int, sliding_window: int, device: torch.device) -> int:
-    """Programs of a balanced decode launch, 0 for none: decode launches that fill the chip
-    without a split (below that, flash-decoding's segments), without a window."""
-    if not decode or num_segments > 1 or sliding_window:
-        return 0
-    return BALANCED_PROGRAMS_PER_SM * num_sms(device)
-
-
 def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                            max_seq_len: int | None = None, max_query_len: int | None = None,
                            out: torch.Tensor | None = None,
                            num_segments: int | None = None, rope: Rope | None = None,
                            skip_decodes: bool = False, k_scale: float = 1.0, v_scale: float = 1.0,
-                           sliding_window: int = 0, softcap: float = 0.0,
-                           balanced_programs: int | None = None) -> torch.Tensor:
+                           sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of a varlen batch against its paged context; same contract as
     ``reference.paged_attention``. ``query``: ``(num_tokens, num_heads, head_dim)`` (strided
     views fine, head_dim contiguous); ``kv_cache``: ``(2, num_blocks, block_size, num_kv_heads,
@@ -807,8 +602,6 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     not read here). ``k_scale`` / ``v_scale``: an FP8 cache's (``reference.quantize_kv``).
     ``sliding_window`` (0: none): each query attends to its last ``sliding_window`` positions.
     ``softcap`` (0: none): the scores capped to ``softcap * tanh(score / softcap)`` (Gemma 2's).
-    ``balanced_programs`` forces a decode launch (``max_query_len=1``, no window) to run as that
-    many balanced programs (0: never; tests and tuning), otherwise chosen here.
 
     One batch of decodes and longer requests in any order can be attended by two launches, each
     leaving the other's requests alone (a CUDA graph of mixed steps, where which requests are
@@ -841,18 +634,10 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         num_segments = _pick_num_segments(num_seqs * num_kv_heads, max_query_len,
                                           min(max_seq_len, sliding_window or max_seq_len), query.device)
     assert num_segments >= 1 and num_segments & (num_segments - 1) == 0
-    if balanced_programs is None:
-        balanced_programs = _pick_balanced_programs(decode, num_segments, sliding_window, query.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     dots_f16 = is_fp8(kv_cache.dtype) and query.dtype != torch.float32
     if dots_f16:
         k_scale *= FP8_Q_DIVISOR.value
-    if balanced_programs:
-        assert decode and not sliding_window, "balanced programs attend decode launches without a window"
-        _balanced_decode(query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-                         scale * k_scale * math.log2(math.e), v_scale, rope, softcap, dots_f16, balanced_programs,
-                         block_m)
-        return out
     if num_segments > 1:
         part_m = torch.empty(num_tokens, num_heads, num_segments, device=query.device,
                              dtype=torch.float32)
@@ -891,36 +676,3 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 def _cap_tile_n(tile_n: int, head_dim_p: int) -> int:
     """TILE_N at most MAX_TILE_ELEMENTS // head_dim_p tokens (head dims over 128), at least 16."""
     return min(tile_n, max(16, MAX_TILE_ELEMENTS // head_dim_p))
-
-
-def _balanced_decode(query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, qk_scale, v_scale,
-                     rope, softcap, dots_f16, num_programs, block_m):
-    """A decode launch as ``num_programs`` programs of equal shares of its K/V tiles
-    (``_balanced_decode_kernel``), then the merge of the pairs cut between them. ``block_m``:
-    the decode tile's rows (``_pick_tiles``)."""
-    _, num_heads, head_dim = query.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    num_seqs = seq_lens.shape[0]
-    head_dim_p = triton.next_power_of_2(head_dim)
-    tiles = dict(BALANCED_TILES)
-    tiles["TILE_N"] = _cap_tile_n(tiles["TILE_N"], head_dim_p)
-    dev = query.device
-    part_m = torch.empty(num_programs * 2 * group, device=dev, dtype=torch.float32)
-    part_l = torch.empty_like(part_m)
-    part_acc = torch.empty(num_programs * 2 * group, head_dim_p, device=dev, dtype=torch.float32)
-    merge = torch.empty(num_programs, 4, device=dev, dtype=torch.int32)
-    _balanced_decode_kernel[(num_programs,)](
-        query, k_cache, v_cache, out, part_acc, part_m, part_l, merge,
-        block_tables, seq_lens, query_start_loc, qk_scale, v_scale, num_seqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        **_rope_args(rope, "q", head_dim, query),
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BATCH_P=max(16, triton.next_power_of_2(num_seqs)),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", LOOP_STAGES=tiles["num_stages"],
-        FP8_DOTS_F16=dots_f16, SOFTCAP=softcap * math.log2(math.e), **tiles, **pdl_launch(dev))
-    _merge_pieces_kernel[(num_programs,)](
-        out, part_acc, part_m, part_l, merge, query_start_loc, out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-        num_warps=4, **pdl_launch(dev))

@@ -60,7 +60,7 @@ def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model, backend, max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int,
-                 max_model_len: int, device: torch.device, num_speculative_tokens: int = 0):
+                 max_model_len: int, device: torch.device, num_speculative_tokens: int = 0, num_kv_groups: int = 1):
         self.model, self.backend = model, backend
         self.sizes = capture_sizes(max_num_seqs)
         self.mixed_sizes = mixed_capture_sizes(max_num_batched_tokens)
@@ -74,11 +74,12 @@ class CUDAGraphRunner:
         r = max(self.sizes[-1], self._max_reqs(self.mixed_sizes[-1]))
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        # (slots and block tables: a row a KV cache group)
+        self.slot_mapping = torch.full((num_kv_groups, n), -1, dtype=torch.long, device=device)
         self.decode_query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(r + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(r, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(r, max_blocks, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(num_kv_groups, r, max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -91,22 +92,27 @@ class CUDAGraphRunner:
     def _req_slots(self, key: tuple[str, int]) -> int:
         return self._max_reqs(key[1]) if key[0] == "mixed" else key[1]
 
-    def _metadata(self, key: tuple[str, int]) -> AttentionMetadata:
+    def _metadata(self, key: tuple[str, int]) -> list[AttentionMetadata]:
+        """The buffers as a batch of size ``key``, for each KV cache group."""
+        return [self._group_metadata(key, slots, tables) for slots, tables in zip(self.slot_mapping, self.block_tables)]
+
+    def _group_metadata(self, key: tuple[str, int], slot_mapping: torch.Tensor,
+                        block_tables: torch.Tensor) -> AttentionMetadata:
         # max_seq_len is fixed at capture: the kernels read each request's true length from
         # seq_lens, and the bound only sizes the split-KV grid.
         kind, n, r = key[0], self._num_tokens(key), self._req_slots(key)
         if kind == "decode":
             return AttentionMetadata(
-                num_actual_tokens=n, num_decodes=n, slot_mapping=self.slot_mapping[:n],
+                num_actual_tokens=n, num_decodes=n, slot_mapping=slot_mapping[:n],
                 query_start_loc=self.decode_query_start_loc[:n + 1], seq_lens=self.seq_lens[:n],
-                block_tables=self.block_tables[:n], max_query_len=1, max_seq_len=self.max_model_len,
+                block_tables=block_tables[:n], max_query_len=1, max_seq_len=self.max_model_len,
                 max_decode_seq_len=self.max_model_len)
         # (a verification step: no decodes apart, one launch of spec_len-query tiles)
         spec = kind == "spec"
         return AttentionMetadata(
-            num_actual_tokens=n, num_decodes=0 if spec else None, slot_mapping=self.slot_mapping[:n],
+            num_actual_tokens=n, num_decodes=0 if spec else None, slot_mapping=slot_mapping[:n],
             query_start_loc=self.query_start_loc[:r + 1], seq_lens=self.seq_lens[:r],
-            block_tables=self.block_tables[:r], max_query_len=self.spec_len if spec else n,
+            block_tables=block_tables[:r], max_query_len=self.spec_len if spec else n,
             max_seq_len=self.max_model_len, max_decode_seq_len=self.max_model_len)
 
     def forward(self, key: tuple[str, int]) -> torch.Tensor:
@@ -157,14 +163,15 @@ class CUDAGraphRunner:
         does not know yet."""
         kind, n = key[0], self._num_tokens(key)
         b, r = len(inputs["input_ids"]), len(inputs["seq_lens"])
-        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        for name in ("input_ids", "positions", "seq_lens"):
             getattr(self, name)[:len(inputs[name])].copy_(inputs[name], non_blocking=True)
+        self.slot_mapping[:, :b].copy_(inputs["slot_mapping"], non_blocking=True)
         block_tables = inputs["block_tables"]
-        self.block_tables[:r, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        self.block_tables[:, :r, :block_tables.shape[2]].copy_(block_tables, non_blocking=True)
         if pending is not None:
             self.input_ids[pending[0]] = pending[1]
         if n > b:       # (an empty fill still costs a few microseconds of host time)
-            self.slot_mapping[b:n].fill_(-1)
+            self.slot_mapping[:, b:n].fill_(-1)
         if kind == "decode":
             if n > r:
                 self.seq_lens[r:n].fill_(1)

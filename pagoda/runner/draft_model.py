@@ -15,31 +15,11 @@ import logging
 import numpy as np
 import torch
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, KVCacheGroup
 from pagoda.distributed.parallel_state import broadcast
 from pagoda.model.loader import get_model
 
 logger = logging.getLogger(__name__)
-
-def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block over the model's layers on this rank (its pipeline stage's only)."""
-    layers = model.model.local_layers
-    attn = layers[0].self_attn.attn
-    return 2 * len(layers) * block_size * attn.num_kv_heads * attn.head_dim * dtype.itemsize
-
-
-def bind_kv_caches(model, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> list[torch.Tensor]:
-    """Each layer's KV cache, (2, num_blocks, block_size, kv heads, head dim), uninitialised (so
-    untouched pages of a large CPU cache are never committed) but for the null block, which
-    padding reads; the runner zeroes blocks as it hands them out where the backend needs it."""
-    caches = []
-    for layer in model.model.local_layers:
-        attn = layer.self_attn.attn
-        cache = torch.empty((2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim), dtype=dtype, device=device)
-        cache[:, 0] = 0.0
-        attn.kv_cache = cache
-        caches.append(cache)
-    return caches
 
 
 class DraftModel:
@@ -47,6 +27,8 @@ class DraftModel:
         self.k = config.speculative.num_speculative_tokens
         mc = config.speculative.draft_model_config
         self.model = get_model(mc, device)
+        # Its layers follow the target's one block table (EngineArgs allows a draft no other).
+        self.kv_cache_groups = (KVCacheGroup(0, tuple(range(mc.arch.num_hidden_layers))),)
         self.graphs = None     # its CUDA graphs (ModelRunner._capture_graphs)
         logger.info("Draft model %s (%s, %d layers): up to %d drafts a step.", mc.model, mc.arch.architecture,
                     mc.arch.num_hidden_layers, self.k)

@@ -25,7 +25,8 @@ from pagoda.model.loader import get_model
 from pagoda.model.pipeline import IntermediateTensors, empty_intermediate, hidden_shapes
 from pagoda.pooling_params import PoolingParams
 from pagoda.runner.cuda_graph import CUDAGraphRunner
-from pagoda.runner.draft_model import DraftModel, bind_kv_caches, kv_bytes_per_block
+from pagoda.runner.draft_model import DraftModel
+from pagoda.runner.kv_cache import bind_kv_caches, kv_bytes_per_block
 from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, apply_grammar_bitmasks, logprobs_of, sample
 from pagoda.sampling_params import SamplingParams
 
@@ -181,7 +182,9 @@ class ModelRunner:
         max_blocks = cdiv(sc.max_model_len, self.block_size)
         # +1: a request that reaches max_model_len still appends its last sampled token.
         self.token_ids = np.zeros((self.max_num_reqs, sc.max_model_len + 1), dtype=np.int32)
-        self.block_table = np.zeros((self.max_num_reqs, max_blocks), dtype=np.int32)
+        self.kv_cache_groups = config.cache.groups
+        # A block table a KV cache group (runner/kv_cache.py), all as long as the row's tokens need.
+        self.block_table = np.zeros((len(self.kv_cache_groups), self.max_num_reqs, max_blocks), dtype=np.int32)
         self.num_row_blocks = np.zeros(self.max_num_reqs, dtype=np.int32)
         self.temperature = np.zeros(self.max_num_reqs, dtype=np.float32)
         self.top_p = np.ones(self.max_num_reqs, dtype=np.float32)
@@ -219,11 +222,19 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block over this rank's layers (its pipeline stage's only; a draft
         model's layers too: they keep their KV in the same blocks)."""
-        return sum(kv_bytes_per_block(m, self.block_size, self.kv_cache_dtype) for m in self._models())
+        return sum(kv_bytes_per_block(m, groups, self.block_size, self.kv_cache_dtype)
+                   for m, groups in self._models_and_groups())
 
     def _models(self) -> list[nn.Module]:
         """The target model, and the draft model if there is one."""
-        return [self.model] if self.drafter is None else [self.model, self.drafter.model]
+        return [m for m, _ in self._models_and_groups()]
+
+    def _models_and_groups(self) -> list[tuple[nn.Module, tuple]]:
+        """Each model with its layers' KV cache groups."""
+        models = [(self.model, self.kv_cache_groups)]
+        if self.drafter is not None:
+            models.append((self.drafter.model, self.drafter.kv_cache_groups))
+        return models
 
     def determine_num_blocks(self) -> int:
         cc = self.config.cache
@@ -236,7 +247,7 @@ class ModelRunner:
         else:
             budget = CPU_DEFAULT_KV_CACHE_BYTES
         # Never more than every sequence at full length could use (+1: the null block).
-        need = self.max_num_reqs * cdiv(self.max_model_len, self.block_size) + 1
+        need = self.max_num_reqs * cdiv(self.max_model_len, self.block_size) * len(self.kv_cache_groups) + 1
         return min(budget // self.kv_bytes_per_block(), need)
 
     @torch.inference_mode()
@@ -288,8 +299,9 @@ class ModelRunner:
         # block of an earlier cache (sleep mode), which this one has not zeroed.
         self.block_table.fill(0)
         # (blocks are zeroed as they are handed out where the backend needs it: _zero_new_blocks)
-        self.kv_caches = [cache for m in self._models()
-                          for cache in bind_kv_caches(m, num_blocks, self.block_size, self.kv_cache_dtype, self.device)]
+        self.kv_caches = [cache for m, groups in self._models_and_groups()
+                          for cache in bind_kv_caches(m, groups, num_blocks, self.block_size, self.kv_cache_dtype,
+                                                      self.device)]
         if not self.kv_scales_pending:       # (else once the first step has set the scales)
             self._capture_graphs()
         if self.device.type == "cuda":
@@ -354,8 +366,8 @@ class ModelRunner:
     def _graphs_of(self, model: nn.Module) -> CUDAGraphRunner:
         spec = self.config.speculative
         graphs = CUDAGraphRunner(model, self.backend, self.max_num_reqs, self.config.scheduler.max_num_batched_tokens,
-                                 self.block_table.shape[1], self.max_model_len, self.device,
-                                 spec.num_speculative_tokens if spec else 0)
+                                 self.block_table.shape[2], self.max_model_len, self.device,
+                                 spec.num_speculative_tokens if spec else 0, len(self.kv_cache_groups))
         graphs.capture()
         if not self.single_rank:
             graphs_captured(graphs)
@@ -399,8 +411,9 @@ class ModelRunner:
         row = self.free_rows.pop()
         n = len(r.token_ids)
         self.token_ids[row, :n] = r.token_ids
-        self.block_table[row, :len(r.block_ids)] = r.block_ids
-        self.num_row_blocks[row] = len(r.block_ids)
+        for g, ids in enumerate(r.block_ids):
+            self.block_table[g, row, :len(ids)] = ids
+        self.num_row_blocks[row] = len(r.block_ids[0])
         p = r.sampling_params
         self.temperature[row] = 0.0 if p.greedy else p.temperature
         self.top_p[row], self.top_k[row], self.min_p[row] = p.top_p, p.top_k, p.min_p
@@ -418,11 +431,12 @@ class ModelRunner:
             self.requests[r.req_id].lora_id = r.lora_request.lora_int_id
         self.num_pooling_reqs += r.pooling_params is not None
 
-    def _append_blocks(self, req_id: str, block_ids: list[int]) -> None:
+    def _append_blocks(self, req_id: str, block_ids: tuple[list[int], ...]) -> None:
         row = self.requests[req_id].row
         start = self.num_row_blocks[row]
-        self.block_table[row, start:start + len(block_ids)] = block_ids
-        self.num_row_blocks[row] = start + len(block_ids)
+        for g, ids in enumerate(block_ids):
+            self.block_table[g, row, start:start + len(ids)] = ids
+        self.num_row_blocks[row] = start + len(block_ids[0])
 
     def _remove_request(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
@@ -446,11 +460,11 @@ class ModelRunner:
         for r in sched.new_reqs:
             self._add_request(r)
             num_computed[r.req_id] = r.num_computed_tokens
-            new_blocks += r.block_ids
+            new_blocks += [b for ids in r.block_ids for b in ids]
         for r in sched.cached_reqs:
             if r.new_block_ids:
                 self._append_blocks(r.req_id, r.new_block_ids)
-                new_blocks += r.new_block_ids
+                new_blocks += [b for ids in r.new_block_ids for b in ids]
             num_computed[r.req_id] = r.num_computed_tokens
         self._zero_new_blocks(new_blocks)
         if sched.block_copies:
@@ -770,10 +784,11 @@ class ModelRunner:
         return {
             "input_ids": self.token_ids[tok_rows, positions].astype(np.int64),
             "positions": positions,
-            "slot_mapping": self.block_table[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs,
+            # (a row a KV cache group)
+            "slot_mapping": self.block_table[:, tok_rows, positions // bs].astype(np.int64) * bs + positions % bs,
             "query_start_loc": np.concatenate([[0], cu]).astype(np.int32),
             "seq_lens": seq_lens,
-            "block_tables": np.ascontiguousarray(self.block_table[rows, :cdiv(max_seq_len, bs)]),
+            "block_tables": np.ascontiguousarray(self.block_table[:, rows, :cdiv(max_seq_len, bs)]),
             "num_decodes": num_decodes,
             "max_query_len": int(q_lens.max()),
             "max_seq_len": max_seq_len,
@@ -807,10 +822,11 @@ class ModelRunner:
         with set_forward_context(self._metadata(b, t), self.backend):
             return model(t["input_ids"], t["positions"])
 
-    def _metadata(self, b: dict, t: dict[str, torch.Tensor]) -> AttentionMetadata:
-        return AttentionMetadata(len(b["input_ids"]), b["num_decodes"], t["slot_mapping"], t["query_start_loc"],
-                                 t["seq_lens"], t["block_tables"], b["max_query_len"], b["max_seq_len"],
-                                 b["max_decode_seq_len"])
+    def _metadata(self, b: dict, t: dict[str, torch.Tensor]) -> list[AttentionMetadata]:
+        """The batch as each KV cache group's layers see it."""
+        return [AttentionMetadata(len(b["input_ids"]), b["num_decodes"], slots, t["query_start_loc"], t["seq_lens"],
+                                  tables, b["max_query_len"], b["max_seq_len"], b["max_decode_seq_len"])
+                for slots, tables in zip(t["slot_mapping"], t["block_tables"])]
 
     def _forward_stage(self, t: dict[str, torch.Tensor], num_tokens: int) -> torch.Tensor | None:
         """This pipeline stage's layers between the previous stage's activations and the next

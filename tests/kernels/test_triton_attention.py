@@ -52,7 +52,7 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
 
 
 def check_attention(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen,
-                    num_segments=None, max_seq_len=None, sliding_window=0, softcap=0.0, balanced_programs=None):
+                    num_segments=None, max_seq_len=None, sliding_window=0, softcap=0.0):
     query, kv_cache, tables, seq_lens_t, qsl = make_batch(
         q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen)
     scale = head_dim ** -0.5
@@ -61,8 +61,7 @@ def check_attention(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_s
     out = torch.full_like(query, float("nan"))  # poison: every element must be written
     ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale,
                               max_seq_len or max(seq_lens), max(q_lens), out=out,
-                              num_segments=num_segments, sliding_window=sliding_window, softcap=softcap,
-                              balanced_programs=balanced_programs)
+                              num_segments=num_segments, sliding_window=sliding_window, softcap=softcap)
     assert not out.isnan().any(), "unwritten (or NaN) output elements"
     err = rel_err(out, ref)
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
@@ -226,77 +225,6 @@ def test_split_kv_for_drafts(request):
     check_attention([9, 2], [17, LONG], *HEADS[1], 64, 16, DTYPES[0], seed_for(request), num_segments=8)
 
 
-# Balanced decode: P programs share the batch's tiles (64 tokens each) equally; pairs cut between
-# programs are merged. One program takes everything; 5 and 9 cut pairs into two or more pieces
-# (the long ones into many), some starting exactly at a share's start; 300 leaves most programs
-# empty (fewer tiles than programs) and cuts every pair into one-tile pieces.
-BALANCED_LENS = [LONG, 77, LONG - 7, 1, 64, 65, 128, 129, 40]
-
-
-@pytest.mark.parametrize("programs", [1, 5, 9, 300])
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
-def test_balanced_decode(programs, heads, request):
-    check_attention([1] * len(BALANCED_LENS), BALANCED_LENS, *heads, 64, 16, DTYPES[0], seed_for(request),
-                    balanced_programs=programs)
-
-
-@pytest.mark.parametrize("head_dim,block_size", [(96, 16), (128, 32)])
-def test_balanced_decode_head_dims(head_dim, block_size, request):
-    # a head dim padded to a power of two (its columns masked), larger blocks, Llama's GQA of 4
-    check_attention([1] * 5, [LONG // 2, 3, 300, 64, 1], *HEADS[2], head_dim, block_size, DTYPES[-1],
-                    seed_for(request), balanced_programs=7)
-
-
-@pytest.mark.parametrize("norm", [None, "qwen3", "gemma"], ids=["rope", "norm+rope", "gemma-norm+rope"])
-def test_balanced_decode_fp8_cache_rope_softcap(norm, request):
-    """The balanced launch with what the one-program-a-pair launch supports for decodes: an FP8
-    cache (fp16 dots), the queries rotated (and normed) as they are read, Gemma 2's score cap."""
-    gen = seed_for(request)
-    seq_lens = [LONG, 200, 1, 65, LONG // 3]
-    query, kv_cache, tables, seq_lens_t, qsl = make_batch([1] * 5, seq_lens, *HEADS[1], 128, 16, torch.float32, gen)
-    cache = reference.quantize_kv_cache(kv_cache, FP8[0], *KV_SCALES)
-    rope = rope_inputs(5, 128, norm, torch.float16, gen)
-    rope = rope._replace(positions=torch.tensor(seq_lens, device=DEVICE) - 1)
-    q = query.to(torch.float16)
-    q_rot = rotated(rope, q, q[:, :1])[0].view_as(q)
-    scale = 128 ** -0.5
-    ref = reference.paged_attention(q_rot.float(), cache, tables, seq_lens_t, qsl, scale, k_scale=KV_SCALES[0],
-                                    v_scale=KV_SCALES[1], softcap=30.0)
-    kw = dict(rope=rope, k_scale=KV_SCALES[0], v_scale=KV_SCALES[1], softcap=30.0)
-    expected = ta.paged_attention_triton(q, cache, tables, seq_lens_t, qsl, scale, LONG, 1, balanced_programs=0, **kw)
-    out = ta.paged_attention_triton(q, cache, tables, seq_lens_t, qsl, scale, LONG, 1, balanced_programs=6, **kw)
-    assert rel_err(out, ref) < TOLERANCE[torch.float16]
-    assert rel_err(out, expected) < TOLERANCE[torch.float16] / 2
-
-
-def test_balanced_decode_leaves_other_requests_alone(request):
-    # A mixed step's decode launch (max_query_len=1) over the whole batch: the prefills and the
-    # padding requests (no query, no context) have no tiles, and their rows stay untouched.
-    gen = seed_for(request)
-    q_lens, seq_lens = [1, 9, 1, 0, 1, 30, 0], [LONG, 40, 1, 0, 300, 70, 0]
-    query, kv_cache, tables, seq_lens_t, qsl = make_batch(q_lens, seq_lens, *HEADS[2], 64, 16, DTYPES[0], gen)
-    ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, 0.125)
-    out = torch.full_like(query, float("nan"))
-    ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, 0.125, LONG, 1, out=out, balanced_programs=4)
-    decodes = torch.tensor([qsl[i] for i, q in enumerate(q_lens) if q == 1], device=DEVICE).long()
-    rows = torch.zeros(len(query), dtype=torch.bool, device=DEVICE)
-    rows[decodes] = True
-    assert out[~rows].isnan().all(), "rows of requests that are not decodes were written"
-    assert rel_err(out[rows], ref[rows]) < TOLERANCE[DTYPES[0]]
-
-
-def test_balanced_decode_chosen_where_no_split(monkeypatch):
-    dev = torch.device(DEVICE)
-    monkeypatch.setattr(ta, "BALANCED_PROGRAMS_PER_SM", 4)
-    programs = 4 * ta.num_sms(dev)
-    assert ta._pick_balanced_programs(True, 1, 0, dev) == programs     # a decode launch that fills the chip
-    assert ta._pick_balanced_programs(True, 2, 0, dev) == 0            # few decodes: flash-decoding's split
-    assert ta._pick_balanced_programs(False, 1, 0, dev) == 0           # prefills
-    assert ta._pick_balanced_programs(True, 1, 512, dev) == 0          # a sliding window
-    monkeypatch.setattr(ta, "BALANCED_PROGRAMS_PER_SM", 0)
-    assert ta._pick_balanced_programs(True, 1, 0, dev) == 0            # off
-
-
 def test_upper_bound_max_seq_len(request):
     # A CUDA graph is captured with max_seq_len = max_model_len; actual contexts are shorter.
     check_attention([1, 1], [LONG // 3, 9], *HEADS[1], 64, 16, DTYPES[0], seed_for(request),
@@ -458,12 +386,10 @@ def test_copy_blocks(num_kv_heads, head_dim, block_size, dtype, request):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("balanced", [False, True], ids=["split", "balanced"])
-def test_decode_cuda_graph_and_no_sync(balanced, request):
+def test_decode_cuda_graph_and_no_sync(request):
     gen = seed_for(request)
     num_heads, num_kv_heads, head_dim, batch = 32, 8, 128, 8
     seq_lens = [LONG, 1, 700, 2049, 16, 33, 3999, 512]
-    programs = 4 * ta.num_sms(torch.device(DEVICE)) if balanced else None
     query, kv_cache, tables, seq_lens_t, qsl = make_batch(
         [1] * batch, seq_lens, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, gen)
     scale = head_dim ** -0.5
@@ -474,7 +400,7 @@ def test_decode_cuda_graph_and_no_sync(balanced, request):
     def step():
         ta.write_kv_cache_triton(key, value, kv_cache, slot)
         ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale,
-                                  max_seq_len=LONG, max_query_len=1, out=out, balanced_programs=programs)
+                                  max_seq_len=LONG, max_query_len=1, out=out)
 
     step()  # compile
     torch.cuda.synchronize()
@@ -580,7 +506,7 @@ def test_paged_attention_rotates_queries(case, norm, dtype, request):
 def test_partial_rotary(norm, request):
     """Phi-4-mini's partial rotary embedding (its LongRoPE table turning 96 of each head's 128
     dimensions, the rest passing unrotated), in the KV write and in every launch that rotates
-    queries: a mixed step (prefill tiles and the decodes' launch), split-KV and balanced decodes."""
+    queries: a mixed step (prefill tiles and the decodes' launch) and split-KV decodes."""
     gen = seed_for(request)
     num_heads, num_kv_heads = HEADS[1]
     head_dim, rotary_dim, dtype = 128, 96, DTYPES[0]
@@ -602,8 +528,7 @@ def test_partial_rotary(norm, request):
         written = kv_cache[0].flatten(0, 1)[slots.long()]
         assert torch.equal(written[..., rotary_dim:], key[..., rotary_dim:])
     # the queries, in each launch
-    for (q_lens, seq_lens), kw in [(CASES["mixed"], {}), (CASES["decode_long"], dict(num_segments=4)),
-                                   (CASES["decode_long"], dict(balanced_programs=5))]:
+    for (q_lens, seq_lens), kw in [(CASES["mixed"], {}), (CASES["decode_long"], dict(num_segments=4))]:
         query, kv_cache, tables, seq_lens_t, qsl = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim,
                                                               16, dtype, gen)
         rope = rope_inputs(sum(q_lens), head_dim, norm, dtype, gen, scaling, rotary_dim=rotary_dim)

@@ -123,8 +123,8 @@ def test_graph_forward_matches_eager(tmp_path, q_lens):
     graphs.positions.fill_(10**6)        # (padding tokens' positions are never read)
     graphs.slot_mapping.fill_(5)         # a slot of block 0, which this batch does not use
     graphs.query_start_loc.copy_(torch.arange(len(graphs.query_start_loc)) * 2)
-    with torch.inference_mode():
-        graphs.load(key, inputs)
+    with torch.inference_mode():     # (the runner's slots and block tables: a row a KV cache group)
+        graphs.load(key, dict(inputs, slot_mapping=inputs["slot_mapping"][None], block_tables=tables[None]))
         padded = graphs.forward(key)[:sum(q_lens)]
     torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
     for c, e in zip(runner.kv_caches, eager_caches):

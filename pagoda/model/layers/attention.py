@@ -1,9 +1,9 @@
 """The attention layer and its backends.
 
-The model runner describes the batch once per step in an ``AttentionMetadata`` and installs it
-with ``set_forward_context``; every attention layer then applies the rotary embedding to its
-new q and k, writes the new K/V into its own paged cache at ``slot_mapping`` and attends
-through the block tables. Backends are the one plug-in point: ``forward(q, k, v, kv_cache,
+The model runner describes the batch once per step in an ``AttentionMetadata`` for each KV cache
+group (runner/kv_cache.py; one for most models) and installs them with ``set_forward_context``;
+every attention layer then applies the rotary embedding to its new q and k, writes the new K/V
+into its paged cache at its group's ``slot_mapping`` and attends through its group's block tables. Backends are the one plug-in point: ``forward(q, k, v, kv_cache,
 metadata, scale, rope, k_scale, v_scale, sliding_window, softcap) -> out``, plus ``copy_blocks`` for
 the copy-on-write of forked sequences. ``k_scale`` / ``v_scale`` are an FP8 cache's
 (``reference.quantize_kv``); ``sliding_window`` (0: none) the layer's window (Mistral-7B-v0.1's:
@@ -234,7 +234,9 @@ def get_attention_backend(device: torch.device):
 
 @dataclass
 class ForwardContext:
-    attn_metadata: AttentionMetadata | None
+    # The batch as each KV cache group's layers see it (their own block tables and slots), or
+    # one for all groups (steps that read and write only the null block: warm-ups, tests)
+    attn_metadata: list[AttentionMetadata] | AttentionMetadata | None
     backend: type
 
 
@@ -242,7 +244,8 @@ _FORWARD_CONTEXT: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None, backend=TorchAttentionBackend):
+def set_forward_context(attn_metadata: list[AttentionMetadata] | AttentionMetadata | None,
+                        backend=TorchAttentionBackend):
     global _FORWARD_CONTEXT
     prev, _FORWARD_CONTEXT = _FORWARD_CONTEXT, ForwardContext(attn_metadata, backend)
     try:
@@ -259,7 +262,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window     # (0: the whole context)
         self.softcap = softcap                   # (0: none)
-        self.kv_cache = torch.tensor([])   # bound by the model runner
+        self.kv_cache = torch.tensor([])   # bound by the model runner (runner/kv_cache.py)
+        self.kv_group = 0                  # the KV cache group whose block tables it follows
         # An FP8 cache's scales (vLLM's k_scale / v_scale): the checkpoint's, if it has them
         # (loader.load_weights), else 1.0; other caches ignore them. With calculate_kv_scales the
         # runner sets calibrate_next for the first step, whose keys and values set them.
@@ -271,15 +275,18 @@ class Attention(nn.Module):
         """New q, k, v (tokens, heads * head_dim), before the rotary embedding ``rope``, which
         the backend applies (on the GPU inside its kernels, leaving q and k unchanged)."""
         ctx = _FORWARD_CONTEXT
-        if ctx.attn_metadata is None:      # memory-profiling run: no cache yet
+        md = ctx.attn_metadata
+        if md is None:      # memory-profiling run: no cache yet
             return torch.empty_like(q)
+        if isinstance(md, list):
+            md = md[self.kv_group]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.calibrate_next:
-            n = ctx.attn_metadata.num_actual_tokens
+            n = md.num_actual_tokens
             self._calibrate(q[:n], k[:n], v[:n], rope and rope._replace(positions=rope.positions[:n]))
-        out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale, rope,
+        out = ctx.backend.forward(q, k, v, self.kv_cache, md, self.scale, rope,
                                   self.k_scale, self.v_scale, self.sliding_window, self.softcap)
         return out.view(-1, self.num_heads * self.head_dim)
 
