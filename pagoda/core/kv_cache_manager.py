@@ -58,6 +58,9 @@ class KVCacheManager:
         # Each group's sliding window (0: none): a request's blocks of the group wholly before
         # its next query's window are given back.
         self.windows = tuple(windows)
+        # The sliding groups by window: groups of one window give blocks back in step (their
+        # tables' null blocks reach equally far), so one of them tells whether any has some to.
+        self.sliding_groups = [(w, [g for g, x in enumerate(self.windows) if x == w]) for w in sorted(set(windows)) if w]
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}     # a table per group
         # How many leading blocks of each request are already in the prefix-cache index.
@@ -182,13 +185,14 @@ class KVCacheManager:
         gathers). A full block keeps its hash, so a later request with the same prefix may
         still find it until it is evicted."""
         null = self.pool.null_block
-        for window, blocks in zip(self.windows, tables):
+        for window, groups in self.sliding_groups:
             end = self._window_start(num_computed, window)
-            if end == 0 or blocks[end - 1] is null:     # (given back from the front: nothing new)
+            if end == 0 or tables[groups[0]][end - 1] is null:     # (given back from the front: nothing new)
                 continue
-            gone = [b for b in blocks[:end] if b is not null]
-            blocks[:end] = [null] * end
-            self.pool.free_blocks(reversed(gone))
+            for g in groups:
+                gone = [b for b in tables[g][:end] if b is not null]
+                tables[g][:end] = [null] * end
+                self.pool.free_blocks(reversed(gone))
 
     def free(self, request: Request) -> None:
         """Give back all the request's blocks, the tails of its tables first (a prefix's tail is
