@@ -59,6 +59,7 @@
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s40b      # a draft model's step cost: W2 Llama-3-8B with a Llama-3.2-1B-shaped draft
+#   bash benchmarks/gpu_session.sh s41c      # the draft of s40b alone: W2 Llama-3.2-1B-shaped, batch 1
 #   bash benchmarks/gpu_session.sh s41a      # KV cache groups (Gemma 2/3) on the GPU: their tests
 #   GIBS="1 3" bash benchmarks/gpu_session.sh s41b  # W1 Gemma-3-1B, hybrid KV cache groups on / off (GIBS=0: no cap)
 #   bash benchmarks/gpu_session.sh session20 # pooling on CUDA (tests), GPU tests, W1 both models, embedding throughput
@@ -1261,6 +1262,13 @@ case "${1:-}" in
           | grep -E "^pagoda |Error|^\{" | sed -E 's/.*"preemptions": ([0-9]+).*"kv_blocks": ([0-9]+).*/preemptions \1, kv blocks \2/' \
           | sed "s/^/W1 gemma3-1b kv=${gib}GiB hybrid=$h: /"
       done
+    done
+    ;;
+  s41c)
+    # The draft of s40b on its own: W2 Llama-3.2-1B-shaped at batch 1, async and sync scheduling
+    for a in on off; do
+      timeout 170 python3 benchmarks/latency.py --model-config benchmarks/models/llama3.2-1b.json --batch 1 \
+        --output-len 128 --async-scheduling $a 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W2 llama3.2-1b async=$a: /"
     done
     ;;
   s40b)

@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import SpeculativeConfig
@@ -196,7 +197,12 @@ def test_no_proposals_where_no_drafts_would_go(tiny, monkeypatch):
     target, _, want = tiny
     engine = LLM(target, speculative_config=spec(target, disable_by_batch_size=3), **SMALL)
     drafter, asked = engine.llm_engine.executor.runner.drafter, []
-    monkeypatch.setattr(drafter, "propose", lambda runner, reqs, f=drafter.propose: asked.append(len(reqs)) or f(runner, reqs))
+    def propose(runner, step, wanted, f=drafter.propose):
+        drafts = f(runner, step, wanted)
+        asked.append(len(drafts))
+        return drafts
+
+    monkeypatch.setattr(drafter, "propose", propose)
     try:
         assert ids(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == want    # four equal runs: never under 3
         assert sum(asked) == 0 and engine.llm_engine.stats.num_draft_tokens == 0
@@ -208,4 +214,30 @@ def test_no_proposals_where_no_drafts_would_go(tiny, monkeypatch):
         assert_no_leaks(engine)
     finally:
         del engine
+        gc.collect()
+
+
+def test_draft_kv_is_the_targets_after_rejected_drafts(tiny):
+    """The target as its own draft, sampling (temperature 0.1: the tiny model's logits are
+    flat) where the draft proposes greedily: some drafts are kept, some rejected, and after
+    each step the draft's KV catches up on the tokens that stand only. Its cache then holds the
+    target's KV at every position the request has computed."""
+    target, _, _ = tiny
+    llm = LLM(target, speculative_config=spec(target, 4), **SMALL)
+    engine = llm.llm_engine
+    try:
+        engine.add_request("r", PROMPTS[3], SamplingParams(temperature=0.1, seed=3, max_tokens=80, ignore_eos=True))
+        for _ in range(12):
+            engine.step()
+        s = engine.stats
+        assert 0 < s.num_accepted_tokens < s.num_draft_tokens          # kept and rejected drafts
+        (req,) = engine.scheduler.running
+        blocks = torch.tensor(engine.kv_cache_manager.get_block_ids(req)[0])
+        n = req.num_computed_tokens
+        runner = engine.executor.runner
+        for mine, its in zip(runner.model.model.layers, runner.drafter.model.model.layers):
+            a, b = (layer.self_attn.attn.kv_cache[:, blocks].flatten(1, 2)[:, :n] for layer in (mine, its))
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    finally:
+        del llm
         gc.collect()

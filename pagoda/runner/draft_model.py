@@ -4,13 +4,16 @@ step (the scheduler schedules them as it does n-gram drafts, runner/model_runner
 the target samples too).
 
 The draft keeps its own KV in the target's blocks (its layers' caches are indexed by the same
-block tables and slot mapping), so every token the target computes the draft computes too: right
-after the target's forward it runs over the step's tokens, drafts included (those rejected are
-written over later, as the target's are). Once the step's tokens are on the host, ``propose``
-runs k one-token steps per request: the token sampled after the kept drafts first, then each
-draft it picks (greedily). Those reach k - 1 positions past the next step's first token: the
-scheduler gives each request that many slots more (vLLM's lookahead)."""
+block tables and slot mapping), so every token the target computes the draft computes too. Once
+a step's sampled tokens are on the host, ``propose`` runs the draft over the step's tokens that
+stand (a prompt's chunk; the tokens before the drafts kept) and, for each request that proposes,
+the token sampled after them, whose logits give its first draft: one forward, as vLLM's draft
+runner does (a step whose requests all sample nothing runs it at once: ``run_step``). Then k - 1
+one-token steps follow, each on the draft the last one picked (greedily). They reach k - 1
+positions past the next step's first token: the scheduler gives each request that many slots
+more (vLLM's lookahead)."""
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -20,6 +23,16 @@ from pagoda.distributed.parallel_state import broadcast
 from pagoda.model.loader import get_model
 
 logger = logging.getLogger(__name__)
+
+
+class DraftStep(NamedTuple):
+    """A step's requests as the draft catches up on them (``DraftModel.propose``): the first
+    position the step computed of each, its number of tokens, whether it sampled."""
+    req_ids: list[str]
+    states: list
+    computed: list[int]
+    q_lens: list[int]
+    sampled: list[bool]
 
 
 class DraftModel:
@@ -35,41 +48,65 @@ class DraftModel:
 
     @torch.inference_mode()
     def run_step(self, runner, batch: dict, t: dict[str, torch.Tensor]) -> None:
-        """The draft's KV for the target's step (its flat batch, as the target ran it)."""
+        """The draft's KV for a step in which no request sampled (its flat batch, as the target ran it)."""
         runner.run(self.model, self.graphs, batch, t)
 
     @torch.inference_mode()
-    def propose(self, runner, requests: list[tuple[str, object]]) -> dict[str, list[int]]:
-        """Up to k drafts for each request (id, state) that has just sampled (its row holds its
-        tokens up to the one sampled, ``num_tokens``), fewer where its blocks or max_model_len
-        end first. Runs on every rank (the collectives of a sharded draft); the driver picks
-        the tokens."""
-        live = [(r, s) for r, s in requests if runner.requests.get(r) is s]
-        if not live:
+    def propose(self, runner, step: DraftStep, wanted: set[str]) -> dict[str, list[int]]:
+        """The draft's KV for the step's tokens that stand, and up to k drafts for each request of
+        ``wanted`` that sampled (its row holds its tokens up to the one sampled, ``num_tokens``),
+        fewer where its blocks or max_model_len end first. Runs on every rank (the collectives
+        of a sharded draft); the driver picks the tokens."""
+        names, rows, computed, ends, num = [], [], [], [], []
+        for r, s, start, q_len, sampled in zip(*step):
+            if runner.requests.get(r) is not s:        # (preempted or aborted since)
+                continue
+            n = 0
+            if sampled and r in wanted:
+                # Draft j (from 0) follows the KV of position num_tokens - 1 + j: it needs a slot there.
+                room = min(runner.num_row_blocks[s.row] * runner.block_size, runner.max_model_len)
+                n = max(0, min(self.k, room - s.num_tokens + 1))
+            end = start + q_len if not sampled else s.num_tokens - (n == 0)
+            if end > start:
+                names.append(r), rows.append(s.row), computed.append(start), ends.append(end), num.append(n)
+        if not rows:
             return {}
-        rows = np.array([s.row for _, s in live], dtype=np.int64)
-        known = np.array([s.num_tokens for _, s in live], dtype=np.int64)
-        # Step j (from 0) writes the KV of position known - 1 + j: it needs a slot there.
-        end = np.minimum(runner.num_row_blocks[rows] * runner.block_size, runner.max_model_len)
-        num = np.clip(end - known + 1, 0, self.k)
-        order = np.argsort(-num, kind="stable")     # those with most steps first: each step a prefix
-        rows, known, num = rows[order], known[order], num[order]
-        steps, tokens = [], None
-        for j in range(int(num.max())):
+        rows, computed, ends, num = (np.array(x, dtype=np.int64) for x in (rows, computed, ends, num))
+        # The proposing requests, those with most steps first (each later step a prefix of them).
+        order = np.argsort(-num, kind="stable")[:int(np.count_nonzero(num))]
+        tokens = self._catch_up(runner, rows, computed, ends, order)
+        if tokens is None:
+            return {}
+        steps, prows, known, num = [tokens], rows[order], ends[order], num[order]
+        for j in range(1, int(num.max())):
             m = int((num > j).sum())
-            b = runner.prepare_inputs(rows[:m], np.ones(m, dtype=np.int64), known[:m] - 1 + j)
+            b = runner.prepare_inputs(prows[:m], np.ones(m, dtype=np.int64), known[:m] - 1 + j)
             t = runner.upload_batch(b)
-            if tokens is not None:
-                t["input_ids"] = tokens[:m]
+            t["input_ids"] = tokens[:m]
             tokens = self._greedy(runner, runner.run(self.model, self.graphs, b, t))
             steps.append(tokens)
-        if not steps or runner.rank != 0:
+        if runner.rank != 0:
             return {}
-        drafts = torch.full((len(rows), len(steps)), -1, dtype=torch.long, device=tokens.device)
+        drafts = torch.full((len(prows), len(steps)), -1, dtype=torch.long, device=tokens.device)
         for j, x in enumerate(steps):
             drafts[:len(x), j] = x
-        drafts = drafts.tolist()
-        return {live[i][0]: drafts[n][:num[n]] for n, i in enumerate(order.tolist()) if num[n]}
+        return {names[i]: d[:n] for i, d, n in zip(order.tolist(), drafts.tolist(), num.tolist())}
+
+    def _catch_up(self, runner, rows, computed, ends, proposing) -> torch.Tensor | None:
+        """One forward of the draft over positions [computed, end) of each row (decodes first,
+        as the backends take a batch); the greedy tokens after the last position of the rows
+        ``proposing`` picks (indices into rows), in that order."""
+        q_lens = ends - computed
+        order = np.argsort(q_lens != 1, kind="stable")
+        b = runner.prepare_inputs(rows[order], q_lens[order], computed[order])
+        t = runner.upload_batch(b)
+        hidden = runner.run(self.model, self.graphs, b, t)
+        if not len(proposing):
+            return None
+        place = np.empty(len(order), dtype=np.int64)
+        place[order] = np.arange(len(order))
+        last = np.cumsum(q_lens[order]) - 1
+        return self._greedy(runner, hidden[runner._to_device(last[place[proposing]])])
 
     def _greedy(self, runner, hidden: torch.Tensor) -> torch.Tensor:
         """The draft's most likely tokens, on every rank (with tensor parallelism the logits are

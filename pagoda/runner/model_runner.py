@@ -25,7 +25,7 @@ from pagoda.model.loader import get_model
 from pagoda.model.pipeline import IntermediateTensors, empty_intermediate, hidden_shapes
 from pagoda.pooling_params import PoolingParams
 from pagoda.runner.cuda_graph import CUDAGraphRunner
-from pagoda.runner.draft_model import DraftModel
+from pagoda.runner.draft_model import DraftModel, DraftStep
 from pagoda.runner.kv_cache import bind_kv_caches, kv_bytes_per_block
 from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, apply_grammar_bitmasks, logprobs_of, sample
 from pagoda.sampling_params import SamplingParams
@@ -109,10 +109,12 @@ class AsyncRunnerOutput:
     def __init__(self, runner: "ModelRunner", out: ModelRunnerOutput, req_ids: list[str] = (),
                  states: list[CachedRequestState] = (), result: SamplerOutput | None = None,
                  step_id: int = -1, rows: np.ndarray | None = None, arrivals: list = (), pooled=None,
-                 drafts: list | None = None, draft_req_ids: set[str] = frozenset()):
+                 drafts: list | None = None, draft_step: DraftStep | None = None,
+                 draft_req_ids: set[str] = frozenset()):
         self.runner, self.out, self.req_ids, self.states = runner, out, list(req_ids), list(states)
         self.drafts = drafts       # speculative decoding: each sampling request's drafts (or None)
-        self.draft_req_ids = draft_req_ids      # (a draft model proposes for these)
+        self.draft_step = draft_step            # a draft model catches up on this step's tokens,
+        self.draft_req_ids = draft_req_ids      # and proposes for these
         self.pooled = pooled       # (request ids, params, [vectors], their wait) on their way to rank 0
         self.positions = [s.num_tokens - 1 for s in self.states]     # where each sampled token goes
         self.step_id, self.rows = step_id, rows
@@ -133,9 +135,8 @@ class AsyncRunnerOutput:
             self.host = [None if t is None else t.cpu() for t in self.host]
             self.runner._record_sampled(self)
             self.host = None
-            if self.runner.drafter is not None:
-                wanted = [(r, s) for r, s in zip(self.req_ids, self.states) if r in self.draft_req_ids]
-                self.out.draft_token_ids = self.runner.drafter.propose(self.runner, wanted)
+            if self.draft_step is not None:
+                self.out.draft_token_ids = self.runner.drafter.propose(self.runner, self.draft_step, self.draft_req_ids)
         return self.out
 
 
@@ -519,7 +520,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_token_slots(t["lora_slots"])
         hidden = self._forward(batch, t)
-        if self.drafter is not None:
+        if self.drafter is not None and not len(sampling):     # (else once the sampled tokens are known)
             self.drafter.run_step(self, batch, t)
         if calibrating:
             self.kv_scales_pending = False
@@ -545,8 +546,14 @@ class ModelRunner:
         self.pending_step[s_rows] = self.num_sampling_steps
         self.last_sampled = result.token_ids
         drafts = [sched.spec_token_ids.get(req_ids[i], ()) for i in sampling] if sched.spec_token_ids else None
+        draft_step = None
+        if self.drafter is not None:
+            sampled = np.zeros(len(req_ids), dtype=bool)
+            sampled[sampling] = True
+            draft_step = DraftStep(req_ids, states, computed.tolist(), q_lens.tolist(), sampled.tolist())
         return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result,
-                                 self.num_sampling_steps, s_rows, arrivals, pooled, drafts, sched.draft_req_ids)
+                                 self.num_sampling_steps, s_rows, arrivals, pooled, drafts, draft_step,
+                                 sched.draft_req_ids)
 
     def _write_drafts(self, spec_token_ids: dict[str, list[int]], req_ids: list[str],
                       states: list[CachedRequestState]) -> np.ndarray:
