@@ -88,12 +88,12 @@ class ArchConfig:
     @property
     def max_context(self) -> int:
         """The longest context the model takes, as vLLM derives it: max_position_embeddings, or
-        with a linear or YaRN rope scaling that times its factor (YaRN's: original_max_position_
-        embeddings times it); Llama-3's scaling is in max_position_embeddings already."""
+        with a linear, dynamic NTK or YaRN rope scaling that times its factor (YaRN's: original_
+        max_position_embeddings times it); Llama-3's scaling is in max_position_embeddings already."""
         s = self.rope_scaling or {}
         kind = s.get("rope_type")
         # (Gemma 3's linear scaling is in its max_position_embeddings already, as vLLM reads it)
-        if kind not in ("linear", "yarn") or self.hf_config.get("model_type", "").startswith("gemma3"):
+        if kind not in ("linear", "dynamic", "yarn") or self.hf_config.get("model_type", "").startswith("gemma3"):
             return self.max_position_embeddings
         base = s.get("original_max_position_embeddings", self.max_position_embeddings) if kind == "yarn" \
             else self.max_position_embeddings
@@ -184,6 +184,8 @@ def _rope_scaling(d: dict, s: dict, model_type: str) -> dict | None:
     if kind == "su" or (kind == "yarn" and model_type == "phi3"):
         kind = "longrope"
     s = dict(s, rope_type=kind)
+    if kind in ("linear", "dynamic") and not s.get("factor"):
+        raise ValueError(f"rope_scaling of type {kind!r} needs its 'factor'.")
     if kind == "longrope":
         old_len = s.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
         if not old_len or "short_factor" not in s or "long_factor" not in s:

@@ -349,6 +349,28 @@ def test_yarn_by_hf_overrides_sets_the_context(tmp_path):
         LLM(str(tmp_path), hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, **kw)
 
 
+def test_dynamic_ntk_rope_scaling_as_vllm(tmp_path):
+    """Dynamic NTK scaling (``"rope_scaling": {"type": "dynamic", "factor": 2.0}``) as vLLM applies
+    it: the rope base raised once, to base * (f^2 - f + 1)^(d / (d - 2)) for the context the
+    factor allows, which is the default max_model_len (HF raises it only past
+    max_position_embeddings). So the model is HF's at that base without a scaling: greedy tokens
+    and prompt logprobs, over prompts past max_position_embeddings too. No factor is an error."""
+    folder, _ = save_tiny(tmp_path, "qwen2", max_position_embeddings=64, rope_scaling={"type": "dynamic", "factor": 2.0})
+    ref_cfg = transformers.Qwen2Config(**{**BASE, **CASES["qwen2"][2], "max_position_embeddings": 128,
+                                          "rope_theta": 10000.0 * 3.0 ** (16 / 14)})     # (head_dim 16)
+    ref = transformers.Qwen2ForCausalLM(ref_cfg).eval()
+    ref.load_state_dict(transformers.Qwen2ForCausalLM.from_pretrained(folder).state_dict())
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    assert llm.llm_engine.config.scheduler.max_model_len == 128
+    assert_matches_hf(llm, ref, [[5, 9, 14, 3, 77], list(range(20, 100))], 8)
+    del llm
+    cfg = json.load(open(f"{folder}/config.json"))
+    cfg["rope_scaling"] = {"type": "dynamic"}
+    json.dump(cfg, open(f"{folder}/config.json", "w"))
+    with pytest.raises(ValueError, match="rope_scaling of type 'dynamic' needs its 'factor'"):
+        LLM(folder, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+
+
 def test_sharded_checkpoint_with_index(tmp_path):
     folder, hf = save_tiny(tmp_path, "llama3", max_shard_size="200KB")
     shards = sorted(p.name for p in (tmp_path / "llama3").glob("*.safetensors"))

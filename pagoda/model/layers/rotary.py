@@ -76,8 +76,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         rotary_dim = rotary_dim or head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
         kind = (rope_scaling or {}).get("rope_type")   # (ArchConfig names every kind so)
+        if kind == "dynamic":
+            # vLLM's dynamic NTK scaling, which is static: the base raised once for the context the
+            # factor allows (max_position_embeddings times it), whatever a sequence's length (HF
+            # raises it only past max_position_embeddings, by the sequence's length)
+            f = rope_scaling["factor"]
+            base = base * (f * f - f + 1) ** (rotary_dim / (rotary_dim - 2))
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
         attention = 1.0
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
@@ -87,8 +93,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq, attention = _yarn_inv_freq(inv_freq, rotary_dim, base, rope_scaling)
         elif kind == "longrope":
             inv_freq, attention = _longrope_inv_freq(inv_freq, max_position, rope_scaling)
-        elif kind not in (None, "default"):
-            raise ValueError(f"Unsupported rope_scaling type {kind!r} (supported: llama3, linear, yarn, longrope).")
+        elif kind not in (None, "default", "dynamic"):
+            raise ValueError(f"Unsupported rope_scaling type {kind!r} (supported: llama3, linear, yarn, longrope, "
+                             "dynamic).")
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         # (max_position, rotary_dim): cos for the first half, sin for the second.
