@@ -332,6 +332,18 @@ def test_chat_whole_answer_tool_calls(tokenizer, stream, parser, answer):
     assert _names_args(calls) == WEATHER_AND_TIME
 
 
+def test_mistral_parser_keeps_special_tokens_in_the_text(tokenizer):
+    """Mistral's [TOOL_CALLS] is a special token: with its parser and tools (auto choice) the
+    request's text keeps special tokens, as vLLM's parser asks; not without tools, nor with
+    tool_choice "none", nor for parsers whose tags are text."""
+    for parser, extra, keeps in [("mistral", {}, True), ("mistral", {"tool_choice": "none"}, False),
+                                 ("mistral", {"tools": None}, False), ("hermes", {}, False)]:
+        engine, client = _client(tokenizer, MISTRAL_V11_CALLS, enable_auto_tool_choice=True, tool_call_parser=parser)
+        with client:
+            assert client.post("/v1/chat/completions", json=_chat(**extra)).status_code == 200
+        assert engine.params[0].skip_special_tokens is not keeps, (parser, extra)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_qwen3_coder_types_arguments_by_the_requests_tools(tokenizer, stream):
     """The route hands the request's tools to the parser: an integer parameter arrives as a

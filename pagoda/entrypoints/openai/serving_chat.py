@@ -46,6 +46,9 @@ class OpenAIServingChat(OpenAIServing):
         choice = _tool_choice(request)
         if choice == "auto" and self.tool_parser is None:
             raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+        if choice == "auto" and request.tools and getattr(self.tool_parser, "reads_special_tokens", False):
+            # (as vLLM: Mistral's [TOOL_CALLS] is a special token, which the text would leave out)
+            params.skip_special_tokens = False
         if choice not in ("auto", "none"):
             if params.structured_outputs is not None:
                 raise ValueError("A forced tool_choice cannot be combined with response_format or structured_outputs.")

@@ -196,6 +196,8 @@ class Phi4MiniJsonToolParser(Llama3JsonToolParser):
 class MistralToolParser:
     start, end = "[TOOL_CALLS]", None
     args_tag = "[ARGS]"
+    # Its tags are special tokens (Mistral's tokenizers since v0.3): the text must keep them.
+    reads_special_tokens = True
 
     def stream(self, tools: list[dict] | None = None) -> StreamingToolCalls:
         return StreamingToolCalls(self)
