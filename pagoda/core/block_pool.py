@@ -1,5 +1,5 @@
 """The pool of physical KV cache blocks: reference counts, a free queue, and the prefix-cache
-index of full blocks by content hash.
+index of full blocks by content hash (the manager's key: its KV cache group and the hash).
 
 Block 0 is the null block: never handed out, so padded batch entries (CUDA graphs) can point
 their block tables and slots at it without touching a live request's cache.
@@ -17,7 +17,7 @@ class KVCacheBlock:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: bytes | None = None
+        self.block_hash = None        # its key in the index, while it is there
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -34,7 +34,7 @@ class BlockPool:
         # Unreferenced blocks in eviction order (least recently freed first). An OrderedDict
         # so a cache hit can take a block out of the middle in O(1).
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
-        self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        self.cached_blocks: dict[object, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,10 +84,10 @@ class BlockPool:
                 self.free_queue[b.block_id] = b
 
     # ------------------------------------------------------------------ prefix cache
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash) -> None:
         """Index a block that is (or is being) filled with the tokens ``block_hash`` names. When
         another block already holds the same tokens, that one stays the index entry."""
         if block.block_hash is None and block_hash not in self.cached_blocks:
