@@ -1,4 +1,4 @@
-"""``--reasoning-parser qwen3 | deepseek_r1``: a reasoning model's thinking returned apart from
+"""``--reasoning-parser qwen3 | deepseek_r1 | granite``: a reasoning model's thinking returned apart from
 its answer (the message's ``reasoning`` and ``reasoning_content``), whole and streamed in any
 pieces; tool calls read from the answer after it; a grammar holding only the answer after it
 (the engine's part on the real SmolLM2); bad names refused."""
@@ -12,7 +12,8 @@ from pagoda.entrypoints.openai.reasoning_parsers import ReasoningParser
 from tests.test_tool_calls import CALLS_TEXT, TEMPLATE, _chat, _client, _names_args
 
 THOUGHT = "<think>\nThe user wants Paris. <maybe> 2 < 3.\n</think>\n\nParis is sunny."
-QWEN_THINKING_PROMPT = TEMPLATE + "<think>\n"     # a template that opens the block (Qwen3's thinking releases)
+QWEN_THINKING_PROMPT = TEMPLATE + "<think>\n"
+GRANITE_THOUGHT = "Here's my thought process:\nThe user wants Paris.\nHere's my response:\nParis is sunny."     # a template that opens the block (Qwen3's thinking releases)
 
 
 @pytest.mark.parametrize("name, prompt, text, want", [
@@ -25,6 +26,11 @@ QWEN_THINKING_PROMPT = TEMPLATE + "<think>\n"     # a template that opens the bl
     ("deepseek_r1", None, "Before</think>after", ("Before", "after")),            # the prompt opened it
     ("deepseek_r1", None, THOUGHT, ("\nThe user wants Paris. <maybe> 2 < 3.\n", "\n\nParis is sunny.")),
     ("deepseek_r1", None, "still thinking", ("still thinking", None)),
+    ("granite", None, GRANITE_THOUGHT, ("\nThe user wants Paris.\n", "\nParis is sunny.")),
+    ("granite", None, "Here is my thought process: a. Here is my response: b.", (" a. ", " b.")),
+    ("granite", None, "Paris is sunny.", (None, "Paris is sunny.")),            # thinking off
+    ("granite", None, "Here's my thought process: cut off", (" cut off", None)),
+    ("granite", None, "<think>x</think>y", (None, "<think>x</think>y")),         # not its tags
 ])
 def test_extract(name, prompt, text, want):
     assert ReasoningParser(name).extract(text, prompt) == want
@@ -33,8 +39,10 @@ def test_extract(name, prompt, text, want):
 @pytest.mark.parametrize("seed", range(30))
 def test_streamed_in_any_pieces_gives_the_whole_answers_parts(seed):
     rng = random.Random(seed)
-    name = rng.choice(["qwen3", "deepseek_r1"])
-    text = rng.choice([THOUGHT, "Paris is sunny.", "Before</think>after", "<think>never closes <", "\n\n<thi"])
+    name = rng.choice(["qwen3", "deepseek_r1", "granite"])
+    text = rng.choice([THOUGHT, "Paris is sunny.", "Before</think>after", "<think>never closes <", "\n\n<thi"]
+                      if name != "granite" else [GRANITE_THOUGHT, "Paris is sunny.", "Here is my thought process: x Here",
+                                                 "\n Here's my thou"])
     prompt = rng.choice([None, "x<think>\n"])
     cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(12, len(text) - 1))))
     pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
@@ -43,8 +51,8 @@ def test_streamed_in_any_pieces_gives_the_whole_answers_parts(seed):
     reasoning = content = ""
     for i, piece in enumerate(pieces):
         r, c = stream.feed(piece, final=i == len(pieces) - 1)
-        if "think>" not in (want[1] or ""):
-            assert "think>" not in r + c                   # never a piece of a tag
+        if "think>" not in (want[1] or "") and "my thou" not in (want[1] or ""):
+            assert "think>" not in r + c and "my thou" not in r + c and "my resp" not in r + c   # never a piece of a tag
         reasoning, content = reasoning + r, content + c
     assert (reasoning or None, content or None) == want
 
@@ -165,6 +173,22 @@ def test_the_grammar_holds_the_answer_after_the_thinking(smollm_path, monkeypatc
     assert re.fullmatch("[0-9]{4}", answer) and out.finish_reason == "stop"
     monkeypatch.setattr(StructuredOutputs, "thinking_end", lambda self, ids: None)   # no thinking: held throughout
     assert re.fullmatch("[0-9]{4}", llm.generate(prompt, held, use_tqdm=False)[0].outputs[0].text)
+    del llm
+
+
+def test_granite_thinking_and_a_grammar_refused(smollm_path):
+    """Granite's thinking ends at a sentence, not a token: a structured output with the granite
+    parser is a ValueError naming it (vLLM has none either), and the engine runs on."""
+    from pagoda import LLM, SamplingParams, StructuredOutputsParams
+    from tests.conftest import TEST_KV_BYTES
+    llm = LLM(smollm_path, dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=512,
+              reasoning_parser="granite")
+    held = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]{4}"))
+    with pytest.raises(ValueError, match="Structured outputs do not run with the 'granite' reasoning parser"):
+        llm.generate("The year", held, use_tqdm=False)
+    assert len(llm.generate("The year", SamplingParams(max_tokens=4, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 4
+    assert not llm.llm_engine.has_unfinished_requests()
     del llm
 
 

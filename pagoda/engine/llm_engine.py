@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 from pagoda.config import EngineConfig, class_labels
 from pagoda.core.kv_cache_manager import KVCacheManager, max_blocks_per_request
+from pagoda.reasoning import REASONING_FORMATS
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.distributed.child_procs import run_call
@@ -233,10 +234,14 @@ class LLMEngine:
                               truncate_prompt_tokens=params.truncate_prompt_tokens), params
 
     def _grammar(self, params) -> str:
+        parser = self.config.model.reasoning_parser
+        if parser is not None and not REASONING_FORMATS[parser].tagged:
+            raise ValueError(f"Structured outputs do not run with the {parser!r} reasoning parser (nor in vLLM): "
+                             "its thinking ends at a sentence the engine cannot find among the tokens.")
         if self.structured is None:
             eos = sorted({self.eos_token_id, *(self.tokenizer.eos_token_ids if self.tokenizer else ())} - {None})
             self.structured = StructuredOutputs(self.tokenizer, self.config.model.arch.vocab_size, eos,
-                                                reasoning=self.config.model.reasoning_parser is not None)
+                                                reasoning=parser is not None)
         return self.structured.compile(params)
 
     def prompt_token_ids(self, prompt) -> list[int]:

@@ -46,8 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="every layer keeps its whole context, also where some have a sliding window (Gemma 2/3)")
     p.add_argument("--reasoning-parser", default=None, help="a reasoning model's thinking (<think> ... </think>): "
-                   "qwen3 (Qwen3, QwQ) or deepseek_r1 (DeepSeek-R1 and its distills); structured outputs then "
-                   "hold the answer after it, and the server returns it apart (the message's `reasoning`)")
+                   "qwen3 (Qwen3, QwQ), deepseek_r1 (DeepSeek-R1 and its distills) or granite (Granite 3.2 / "
+                   "3.3's sentences); structured outputs then hold the answer after it (not granite's), and the "
+                   "server returns it apart (the message's `reasoning`)")
     p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="generate text, or (pooling) embed or classify prompts: the server's /v1/embeddings, "
                         "/classify, /score, /rerank (auto: pooling for a *ForSequenceClassification model)")
