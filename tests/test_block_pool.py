@@ -99,6 +99,17 @@ class Simulation:
                 assert all(b is self.kv.pool.null_block for b in blocks[:max(0, start - 70) // self.bs])
 
 
+def longest_hit(kv: KVCacheManager, req: Request) -> int:
+    """The hit's definition, by brute force: the most blocks k whose blocks every group's next
+    query reads (a full group's all k, a sliding group's in its window) are all cached."""
+    hashes = kv.block_hashes(req)[:(req.num_tokens - 1) // kv.block_size]
+
+    def serves(k):
+        return all(kv.pool.get_cached_block((g, hashes[i])) is not None for g, w in enumerate(kv.windows)
+                   for i in range(max(0, k * kv.block_size - w + 1) // kv.block_size if w else 0, k))
+    return max(k for k in range(len(hashes) + 1) if serves(k)) * kv.block_size
+
+
 @settings(max_examples=300, deadline=None)
 @given(num_blocks=st.integers(2, 24), block_size=st.sampled_from([1, 4, 16]), caching=st.booleans(), ops=ops,
        windows=st.sampled_from(WINDOWS))
@@ -116,7 +127,9 @@ def test_random_allocation_sequences_keep_invariants(num_blocks, block_size, cac
                 for g, blocks in enumerate(tables) for j, b in enumerate(blocks) if b.block_hash}
         if op == "add" and req is None:
             req = make_request(i, n, base, cut, tail=n)
-            if sim.admit(req, kv.get_computed_blocks(req)):
+            hit = kv.get_computed_blocks(req)
+            assert hit.num_tokens == (longest_hit(kv, req) if caching else 0)
+            if sim.admit(req, hit):
                 live[i] = req
         elif op == "fork" and req is None and live:
             parent = live[min(live)]

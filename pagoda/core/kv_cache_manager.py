@@ -94,19 +94,26 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_prefix_cache:
             return PrefixHit([[] for _ in self.windows], 0)
         hashes = self.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
-        cached = [[self.pool.get_cached_block((g, h)) for h in hashes] for g in range(len(self.windows))]
-        servable = [True] * (len(hashes) + 1)        # servable[k]: every group can serve k blocks
-        for window, blocks in zip(self.windows, cached):
-            run = 0                                  # cached blocks up to and including block i
-            for i, block in enumerate(blocks):
-                run = run + 1 if block is not None else 0
-                servable[i + 1] &= i + 1 - run <= self._window_start((i + 1) * self.block_size, window)
-        best = max(k for k, ok in enumerate(servable) if ok)
+        cached = self.pool.get_cached_block
+        k = len(hashes)
+        for g, window in enumerate(self.windows):     # a full group: its run from the start
+            if not window:
+                k = next((i for i in range(k) if cached((g, hashes[i])) is None), k)
+        # A sliding group's block i missing from the window of k: no k' past i serves (their
+        # windows start no later), so try k = i; looked up from the window's end, a miss ends
+        # the search sooner.
+        while k:
+            first = [self._window_start(k * self.block_size, w) for w in self.windows]
+            missing = next((i for g, w in enumerate(self.windows) if w
+                            for i in range(k - 1, first[g] - 1, -1) if cached((g, hashes[i])) is None), None)
+            if missing is None:
+                break
+            k = missing
         tables = []
-        for window, blocks in zip(self.windows, cached):
-            first = self._window_start(best * self.block_size, window)
-            tables.append([self.pool.null_block] * first + blocks[first:best])
-        return PrefixHit(tables, best * self.block_size)
+        for g, window in enumerate(self.windows):
+            first = self._window_start(k * self.block_size, window)
+            tables.append([self.pool.null_block] * first + [cached((g, h)) for h in hashes[first:k]])
+        return PrefixHit(tables, k * self.block_size)
 
     def fork_blocks(self, parent: Request, num_tokens: int) -> PrefixHit | None:
         """Start from the first ``num_tokens`` of a running request's KV: share its blocks
