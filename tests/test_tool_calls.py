@@ -148,6 +148,9 @@ PYTHONIC_CALLS = '[get_weather(city="Paris"), get_time(tz="Europe/Paris", fmt="2
 GRANITE_CALLS = ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                  '{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "24h"}}]')
 PHI4_MINI_CALLS = GRANITE_CALLS.replace("<tool_call>", "functools")
+INTERNLM_CALLS = ('<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Paris"}}<|action_end|>\n'
+                  '<|action_start|><|plugin|>\n{"name": "get_time", "parameters": {"tz": "Europe/Paris", "fmt": "24h"}}'
+                  '<|action_end|>')
 QWEN3_CODER_CALLS = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
                      "</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=tz>\nEurope/Paris\n</parameter>\n"
                      "<parameter=fmt>\n24h\n</parameter>\n</function>\n</tool_call>")
@@ -211,7 +214,10 @@ def test_qwen3_coder_extract():
                                                         ("pythonic", PYTHONIC_CALLS, ""),
                                                         ("pythonic", "Plain (text).", "Plain (text)."),
                                                         ("qwen3_coder", "Let me see. " + QWEN3_CODER_CALLS,
-                                                         "Let me see.")])
+                                                         "Let me see."),
+                                                        ("internlm", "Checking. " + INTERNLM_CALLS, "Checking."),
+                                                        ("internlm", "A <|action_start|> alone.",
+                                                         "A <|action_start|> alone.")])
 def test_mistral_and_pythonic_streamed_in_pieces(seed, name, answer, want_content):
     """Streamed in random pieces, an answer gives its whole extraction: the content, never a
     piece of a tag or of a call, then the calls."""
@@ -312,10 +318,11 @@ def test_streamed_chat_returns_tool_call_deltas(tokenizer):
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("parser, answer", [("llama3_json", LLAMA3_CALLS), ("pythonic", PYTHONIC_CALLS),
                                             ("mistral", MISTRAL_V11_CALLS), ("qwen3_coder", QWEN3_CODER_CALLS),
-                                            ("granite", GRANITE_CALLS), ("phi4_mini_json", PHI4_MINI_CALLS)])
+                                            ("granite", GRANITE_CALLS), ("phi4_mini_json", PHI4_MINI_CALLS),
+                                            ("internlm", INTERNLM_CALLS)])
 def test_chat_whole_answer_tool_calls(tokenizer, stream, parser, answer):
     """--tool-call-parser llama3_json / pythonic / mistral / qwen3_coder / granite /
-    phi4_mini_json: an answer that is all calls gives tool_calls, no content."""
+    phi4_mini_json / internlm: an answer that is all calls gives tool_calls, no content."""
     _, client = _client(tokenizer, answer, enable_auto_tool_choice=True, tool_call_parser=parser)
     with client:
         r = client.post("/v1/chat/completions", json=_chat(stream=stream))
@@ -333,11 +340,11 @@ def test_chat_whole_answer_tool_calls(tokenizer, stream, parser, answer):
 
 
 def test_mistral_parser_keeps_special_tokens_in_the_text(tokenizer):
-    """Mistral's [TOOL_CALLS] is a special token: with its parser and tools (auto choice) the
-    request's text keeps special tokens, as vLLM's parser asks; not without tools, nor with
-    tool_choice "none", nor for parsers whose tags are text."""
+    """Mistral's [TOOL_CALLS] and InternLM's action tags are special tokens: with their parsers
+    and tools (auto choice) the request's text keeps special tokens, as vLLM's parsers ask; not
+    without tools, nor with tool_choice "none", nor for parsers whose tags are text."""
     for parser, extra, keeps in [("mistral", {}, True), ("mistral", {"tool_choice": "none"}, False),
-                                 ("mistral", {"tools": None}, False), ("hermes", {}, False)]:
+                                 ("mistral", {"tools": None}, False), ("hermes", {}, False), ("internlm", {}, True)]:
         engine, client = _client(tokenizer, MISTRAL_V11_CALLS, enable_auto_tool_choice=True, tool_call_parser=parser)
         with client:
             assert client.post("/v1/chat/completions", json=_chat(**extra)).status_code == 200

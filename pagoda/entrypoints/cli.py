@@ -194,7 +194,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help='parse tool calls out of chat answers when a request has tools (tool_choice "auto")')
     p.add_argument("--tool-call-parser", default=None, help="the tool-call format of the model: hermes (Qwen2.5/3), "
                    "llama3_json (Llama 3.1-3.3), mistral, pythonic (Llama 3.2/4), qwen3_coder (Qwen3-Coder), "
-                   "granite (Granite 3), phi4_mini_json (Phi-4-mini)")
+                   "granite (Granite 3), phi4_mini_json (Phi-4-mini), internlm (InternLM2.5/3)")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                    help="LoRA adapters (with --enable-lora) that requests name as their model: NAME=PATH, or JSON "
                         "'{\"name\": \"sql\", \"path\": \"/adapters/sql\", \"base_model_name\": \"...\"}'")

@@ -41,6 +41,12 @@ or ``<tool_call>`` (3.1 and later) or alone; ``phi4_mini_json``: Phi-4-mini's, t
     <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]
     functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
+``internlm``: InternLM2.5's and 3's, hermes' blocks between special tokens (which the request's
+text then keeps), the call's arguments as "parameters":
+
+    <|action_start|><|plugin|>
+    {"name": "get_weather", "parameters": {"city": "Paris"}}<|action_end|>
+
 Calls become OpenAI's ``tool_calls`` (``arguments`` a JSON string); text that is not calls in
 the parser's format stays as it was, content."""
 import ast
@@ -48,7 +54,8 @@ import json
 import re
 import uuid
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "granite", "phi4_mini_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "granite", "phi4_mini_json",
+                     "internlm")
 
 
 def check_tool_call_parser(name: str | None) -> None:
@@ -102,6 +109,12 @@ class Qwen3CoderToolParser(HermesToolParser):
             value = value.removeprefix("\n").removesuffix("\n")
             arguments[key.strip()] = _typed(value, schema.get(key.strip(), {}).get("type"))
         return [make_tool_call(name, json.dumps(arguments, ensure_ascii=False))]
+
+
+class InternLMToolParser(HermesToolParser):
+    """Hermes' blocks between InternLM's action tokens (module docstring)."""
+    start, end = "<|action_start|><|plugin|>", "<|action_end|>"
+    reads_special_tokens = True
 
 
 class StreamingToolCalls:
@@ -196,7 +209,7 @@ class Phi4MiniJsonToolParser(Llama3JsonToolParser):
 class MistralToolParser:
     start, end = "[TOOL_CALLS]", None
     args_tag = "[ARGS]"
-    # Its tags are special tokens (Mistral's tokenizers since v0.3): the text must keep them.
+    # Its tags are special tokens (Mistral's tokenizers since v0.3): the request's text keeps them.
     reads_special_tokens = True
 
     def stream(self, tools: list[dict] | None = None) -> StreamingToolCalls:
@@ -426,4 +439,4 @@ def get_tool_parser(name: str):
     check_tool_call_parser(name)
     return {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
             "pythonic": PythonicToolParser, "qwen3_coder": Qwen3CoderToolParser, "granite": GraniteToolParser,
-            "phi4_mini_json": Phi4MiniJsonToolParser}[name]()
+            "phi4_mini_json": Phi4MiniJsonToolParser, "internlm": InternLMToolParser}[name]()
