@@ -59,6 +59,7 @@
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s40b      # a draft model's step cost: W2 Llama-3-8B with a Llama-3.2-1B-shaped draft
+#   bash benchmarks/gpu_session.sh s41d      # the attention kernels' and backend's tests compiled
 #   bash benchmarks/gpu_session.sh s41c      # the draft of s40b alone: W2 Llama-3.2-1B-shaped, batch 1
 #   bash benchmarks/gpu_session.sh s41a      # KV cache groups (Gemma 2/3) on the GPU: their tests
 #   GIBS="1 3" bash benchmarks/gpu_session.sh s41b  # W1 Gemma-3-1B, hybrid KV cache groups on / off (GIBS=0: no cap)
@@ -1263,6 +1264,12 @@ case "${1:-}" in
           | sed "s/^/W1 gemma3-1b kv=${gib}GiB hybrid=$h: /"
       done
     done
+    ;;
+  s41d)
+    # The attention kernels' and backend's tests compiled (after the balanced launch's removal and
+    # the KV cache groups' metadata)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py 2>&1 | tail -2
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_backend.py 2>&1 | tail -2
     ;;
   s41c)
     # The draft of s40b on its own: W2 Llama-3.2-1B-shaped at batch 1, async and sync scheduling
