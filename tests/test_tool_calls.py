@@ -319,10 +319,12 @@ def test_streamed_chat_returns_tool_call_deltas(tokenizer):
 @pytest.mark.parametrize("parser, answer", [("llama3_json", LLAMA3_CALLS), ("pythonic", PYTHONIC_CALLS),
                                             ("mistral", MISTRAL_V11_CALLS), ("qwen3_coder", QWEN3_CODER_CALLS),
                                             ("granite", GRANITE_CALLS), ("phi4_mini_json", PHI4_MINI_CALLS),
-                                            ("internlm", INTERNLM_CALLS)])
+                                            ("internlm", INTERNLM_CALLS), ("llama4_json", LLAMA3_CALLS),
+                                            ("llama4_pythonic", PYTHONIC_CALLS)])
 def test_chat_whole_answer_tool_calls(tokenizer, stream, parser, answer):
     """--tool-call-parser llama3_json / pythonic / mistral / qwen3_coder / granite /
-    phi4_mini_json / internlm: an answer that is all calls gives tool_calls, no content."""
+    phi4_mini_json / internlm (and vLLM's Llama 4 names, llama4_json and llama4_pythonic): an
+    answer that is all calls gives tool_calls, no content."""
     _, client = _client(tokenizer, answer, enable_auto_tool_choice=True, tool_call_parser=parser)
     with client:
         r = client.post("/v1/chat/completions", json=_chat(stream=stream))

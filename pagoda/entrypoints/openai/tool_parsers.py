@@ -55,7 +55,7 @@ import re
 import uuid
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "granite", "phi4_mini_json",
-                     "internlm")
+                     "internlm", "llama4_json", "llama4_pythonic")     # (the last two: vLLM's names for Llama 4)
 
 
 def check_tool_call_parser(name: str | None) -> None:
@@ -439,4 +439,5 @@ def get_tool_parser(name: str):
     check_tool_call_parser(name)
     return {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
             "pythonic": PythonicToolParser, "qwen3_coder": Qwen3CoderToolParser, "granite": GraniteToolParser,
-            "phi4_mini_json": Phi4MiniJsonToolParser, "internlm": InternLMToolParser}[name]()
+            "phi4_mini_json": Phi4MiniJsonToolParser, "internlm": InternLMToolParser,
+            "llama4_json": Llama3JsonToolParser, "llama4_pythonic": PythonicToolParser}[name]()
