@@ -253,8 +253,9 @@ def test_hybrid_kv_cache_groups(tmp_path):
     tokens run side by side without a preemption (the sliding groups give their blocks back
     as the window moves) and generate HF's tokens; without the groups (every layer keeps its
     whole context) the same memory holds 24 blocks: they preempt each other, with the same
-    tokens. A prompt run again hits the prefix cache in every group, and every block is free at
-    the end. Too little memory for a max_model_len request in every group is an error that says
+    tokens. A prompt run again hits the prefix cache in every group, two greedy samples of one
+    prompt (the second forked from the first, its partial block copied in every group) are both
+    HF's, and every block is free at the end. Too little memory for a max_model_len request in every group is an error that says
     what fits."""
     types = ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
     folder, hf = save_tiny(tmp_path, "gemma3", num_hidden_layers=7, layer_types=types)
@@ -278,6 +279,10 @@ def test_hybrid_kv_cache_groups(tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert llm.get_stats().num_preemptions == 0
+    twins = llm.generate({"prompt_token_ids": prompts[0] + [7]}, SamplingParams(temperature=0, max_tokens=20,
+                                                                              ignore_eos=True, n=2), use_tqdm=False)
+    assert [c.token_ids for c in twins[0].outputs] == [hf_greedy(hf, prompts[0] + [7], 20)] * 2
+    assert llm.get_stats().num_forked_tokens > 0       # (the second forked the first's blocks, in every group)
     assert kv.num_free_blocks == 84 and not kv.req_to_blocks
     del llm
     llm = LLM(folder, disable_hybrid_kv_cache_manager=True, **kw)
