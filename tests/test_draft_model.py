@@ -197,8 +197,8 @@ def test_no_proposals_where_no_drafts_would_go(tiny, monkeypatch):
     target, _, want = tiny
     engine = LLM(target, speculative_config=spec(target, disable_by_batch_size=3), **SMALL)
     drafter, asked = engine.llm_engine.executor.runner.drafter, []
-    def propose(runner, step, wanted, f=drafter.propose):
-        drafts = f(runner, step, wanted)
+    def propose(runner, step, f=drafter.propose):
+        drafts = f(runner, step)
         asked.append(len(drafts))
         return drafts
 

@@ -157,7 +157,8 @@ class KVCacheManager:
         if tables is None:
             tables = self.req_to_blocks[request.request_id] = [[] for _ in self.windows]
         elif hit is None:
-            self._free_outside_windows(tables, request.num_computed_tokens)
+            if self.sliding_groups:     # (every request, every step: no call where no group slides)
+                self._free_outside_windows(tables, request.num_computed_tokens)
             end = request.num_computed_tokens + num_new_tokens
             if end + num_lookahead <= len(tables[0]) * self.block_size and (
                     not self.enable_caching or end // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)):

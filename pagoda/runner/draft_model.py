@@ -27,12 +27,14 @@ logger = logging.getLogger(__name__)
 
 class DraftStep(NamedTuple):
     """A step's requests as the draft catches up on them (``DraftModel.propose``): the first
-    position the step computed of each, its number of tokens, whether it sampled."""
+    position the step computed of each, its number of tokens, whether it sampled; and those the
+    scheduler wants drafts for."""
     req_ids: list[str]
     states: list
     computed: list[int]
     q_lens: list[int]
     sampled: list[bool]
+    wanted: set[str]
 
 
 class DraftModel:
@@ -52,17 +54,17 @@ class DraftModel:
         runner.run(self.model, self.graphs, batch, t)
 
     @torch.inference_mode()
-    def propose(self, runner, step: DraftStep, wanted: set[str]) -> dict[str, list[int]]:
+    def propose(self, runner, step: DraftStep) -> dict[str, list[int]]:
         """The draft's KV for the step's tokens that stand, and up to k drafts for each request of
-        ``wanted`` that sampled (its row holds its tokens up to the one sampled, ``num_tokens``),
+        ``step.wanted`` that sampled (its row holds its tokens up to the one sampled, ``num_tokens``),
         fewer where its blocks or max_model_len end first. Runs on every rank (the collectives
         of a sharded draft); the driver picks the tokens."""
         names, rows, computed, ends, num = [], [], [], [], []
-        for r, s, start, q_len, sampled in zip(*step):
+        for r, s, start, q_len, sampled in zip(step.req_ids, step.states, step.computed, step.q_lens, step.sampled):
             if runner.requests.get(r) is not s:        # (preempted or aborted since)
                 continue
             n = 0
-            if sampled and r in wanted:
+            if sampled and r in step.wanted:
                 # Draft j (from 0) follows the KV of position num_tokens - 1 + j: it needs a slot there.
                 room = min(runner.num_row_blocks[s.row] * runner.block_size, runner.max_model_len)
                 n = max(0, min(self.k, room - s.num_tokens + 1))
@@ -98,15 +100,13 @@ class DraftModel:
         ``proposing`` picks (indices into rows), in that order."""
         q_lens = ends - computed
         order = np.argsort(q_lens != 1, kind="stable")
-        b = runner.prepare_inputs(rows[order], q_lens[order], computed[order])
-        t = runner.upload_batch(b)
-        hidden = runner.run(self.model, self.graphs, b, t)
-        if not len(proposing):
-            return None
         place = np.empty(len(order), dtype=np.int64)
         place[order] = np.arange(len(order))
         last = np.cumsum(q_lens[order]) - 1
-        return self._greedy(runner, hidden[runner._to_device(last[place[proposing]])])
+        b = runner.prepare_inputs(rows[order], q_lens[order], computed[order])
+        t = runner.upload_batch(b, logits_idx=last[place[proposing]])      # (one copy for both)
+        hidden = runner.run(self.model, self.graphs, b, t)
+        return self._greedy(runner, hidden[t["logits_idx"]]) if len(proposing) else None
 
     def _greedy(self, runner, hidden: torch.Tensor) -> torch.Tensor:
         """The draft's most likely tokens, on every rank (with tensor parallelism the logits are

@@ -109,12 +109,10 @@ class AsyncRunnerOutput:
     def __init__(self, runner: "ModelRunner", out: ModelRunnerOutput, req_ids: list[str] = (),
                  states: list[CachedRequestState] = (), result: SamplerOutput | None = None,
                  step_id: int = -1, rows: np.ndarray | None = None, arrivals: list = (), pooled=None,
-                 drafts: list | None = None, draft_step: DraftStep | None = None,
-                 draft_req_ids: set[str] = frozenset()):
+                 drafts: list | None = None, draft_step: DraftStep | None = None):
         self.runner, self.out, self.req_ids, self.states = runner, out, list(req_ids), list(states)
         self.drafts = drafts       # speculative decoding: each sampling request's drafts (or None)
-        self.draft_step = draft_step            # a draft model catches up on this step's tokens,
-        self.draft_req_ids = draft_req_ids      # and proposes for these
+        self.draft_step = draft_step            # a draft model catches up on this step and proposes
         self.pooled = pooled       # (request ids, params, [vectors], their wait) on their way to rank 0
         self.positions = [s.num_tokens - 1 for s in self.states]     # where each sampled token goes
         self.step_id, self.rows = step_id, rows
@@ -136,7 +134,7 @@ class AsyncRunnerOutput:
             self.runner._record_sampled(self)
             self.host = None
             if self.draft_step is not None:
-                self.out.draft_token_ids = self.runner.drafter.propose(self.runner, self.draft_step, self.draft_req_ids)
+                self.out.draft_token_ids = self.runner.drafter.propose(self.runner, self.draft_step)
         return self.out
 
 
@@ -550,10 +548,10 @@ class ModelRunner:
         if self.drafter is not None:
             sampled = np.zeros(len(req_ids), dtype=bool)
             sampled[sampling] = True
-            draft_step = DraftStep(req_ids, states, computed.tolist(), q_lens.tolist(), sampled.tolist())
+            draft_step = DraftStep(req_ids, states, computed.tolist(), q_lens.tolist(), sampled.tolist(),
+                                   sched.draft_req_ids)
         return AsyncRunnerOutput(self, out, [req_ids[i] for i in sampling], s_states, result,
-                                 self.num_sampling_steps, s_rows, arrivals, pooled, drafts, draft_step,
-                                 sched.draft_req_ids)
+                                 self.num_sampling_steps, s_rows, arrivals, pooled, drafts, draft_step)
 
     def _write_drafts(self, spec_token_ids: dict[str, list[int]], req_ids: list[str],
                       states: list[CachedRequestState]) -> np.ndarray:
@@ -753,9 +751,9 @@ class ModelRunner:
         return {k: dev[offsets[k]:offsets[k] + a.nbytes].view(TORCH_DTYPES[a.dtype]).view(a.shape)
                 for k, a in arrays.items()}
 
-    def upload_batch(self, b: dict) -> dict[str, torch.Tensor]:
-        """The flat batch's arrays (prepare_inputs) on the device."""
-        return self._upload({k: b[k] for k in INPUT_NAMES})
+    def upload_batch(self, b: dict, **extra: np.ndarray) -> dict[str, torch.Tensor]:
+        """The flat batch's arrays (prepare_inputs) on the device, with ``extra`` arrays in the same copy."""
+        return self._upload({**{k: b[k] for k in INPUT_NAMES}, **extra})
 
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
         """One array on the device (the rare paths: block copies, penalties, prompt logprobs)."""

@@ -47,7 +47,8 @@ class OpenAIServingChat(OpenAIServing):
         if choice == "auto" and self.tool_parser is None:
             raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
         if choice == "auto" and request.tools and getattr(self.tool_parser, "reads_special_tokens", False):
-            # (as vLLM: Mistral's [TOOL_CALLS] is a special token, which the text would leave out)
+            # (as vLLM: the parser's tags are special tokens, Mistral's [TOOL_CALLS] and InternLM's
+            # action tags, which the text would leave out)
             params.skip_special_tokens = False
         if choice not in ("auto", "none"):
             if params.structured_outputs is not None:
