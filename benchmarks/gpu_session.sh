@@ -59,6 +59,8 @@
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s40b      # a draft model's step cost: W2 Llama-3-8B with a Llama-3.2-1B-shaped draft
+#   bash benchmarks/gpu_session.sh s42a      # the folded decode launch: its tests compiled, its sweep on W1's batches
+#   FOLD="4 8" bash benchmarks/gpu_session.sh s42b  # W1 both models, unfolded vs folded at FOLD programs an SM
 #   bash benchmarks/gpu_session.sh s41d      # the attention kernels' and backend's tests compiled
 #   bash benchmarks/gpu_session.sh s41c      # the draft of s40b alone: W2 Llama-3.2-1B-shaped, batch 1
 #   bash benchmarks/gpu_session.sh s41a      # KV cache groups (Gemma 2/3) on the GPU: their tests
@@ -1262,6 +1264,27 @@ case "${1:-}" in
           "${kv[@]}" --hybrid-kv-cache $h --out "$OUT/w1g" 2>&1 \
           | grep -E "^pagoda |Error|^\{" | sed -E 's/.*"preemptions": ([0-9]+).*"kv_blocks": ([0-9]+).*/preemptions \1, kv blocks \2/' \
           | sed "s/^/W1 gemma3-1b kv=${gib}GiB hybrid=$h: /"
+      done
+    done
+    ;;
+  s42a)
+    # The folded decode launch: its tests compiled (and the CUDA-graph one), then folded against
+    # unfolded on W1's ragged decode batches, in CUDA graphs
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      -k "folded or decode_cuda_graph" 2>&1 | tail -2
+    timeout 300 python3 benchmarks/attention_kernels.py --fold 2>&1 | tail -16
+    ;;
+  s42b)
+    # W1 with the decode launch unfolded, then folded at each of FOLD (programs an SM; a trailing
+    # w: one-warp tiles), interleaved, after a warm-up; FOLD_MIN pairs an SM from which to fold
+    warm_w1 .
+    for m in ${MODELS:-qwen3-0.6b llama3-8b}; do
+      for f in 0 ${FOLD:-4}; do
+        knobs=(); [ "$f" != 0 ] && knobs=(--knob triton_attention.FOLD_MIN_PAIRS_PER_SM=${FOLD_MIN:-4} \
+          --knob triton_attention.FOLD_PROGRAMS_PER_SM=${f%w})
+        [ "${f%w}" != "$f" ] && knobs+=(--knob triton_attention.FOLD_ONE_WARP=True)
+        timeout 170 python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm "${knobs[@]}" \
+          --out "$OUT/w1" 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 $m fold=$f: /"
       done
     done
     ;;
