@@ -78,6 +78,11 @@ class ArchConfig:
             return 0
         return self.sliding_window
 
+    def local_layer(self, layer: int) -> bool:
+        """A layer of the sliding kind (``layer_types``), whose rotary embedding is Gemma 3's local
+        one, its window on or off (disable_sliding_window)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
     @property
     def uniform_window(self) -> int:
         """The sliding window every layer has (Mistral-7B-v0.1's, Phi-3-mini-4k's), so that KV

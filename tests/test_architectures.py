@@ -298,6 +298,29 @@ def test_hybrid_kv_cache_groups(tmp_path):
         LLM(folder, **dict(kw, kv_cache_memory_bytes=30 * layer_page))
 
 
+def test_disable_sliding_window(tmp_path):
+    """vLLM's disable_sliding_window: no layer keeps a window (one KV cache group, the attention
+    unwindowed), the context capped to the window, within which HF's tokens come out (Gemma 3's
+    sliding layers keep their own rotary base); a longer max_model_len is an error; a model
+    without a window is unchanged."""
+    types = ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+    folder, hf = save_tiny(tmp_path, "gemma3", num_hidden_layers=7, layer_types=types, sliding_window=32)
+    llm = LLM(folder, dtype="float32", skip_tokenizer_init=True, block_size=8, disable_sliding_window=True)
+    engine = llm.llm_engine
+    assert engine.config.scheduler.max_model_len == 32 and engine.kv_cache_manager.windows == (0,)
+    assert {layer.self_attn.attn.sliding_window for layer in engine.executor.runner.model.model.layers} == {0}
+    prompt = torch.randint(3, 500, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+    del llm
+    with pytest.raises(ValueError, match=r"max_model_len=64 is longer than the sliding window \(32 tokens\)"):
+        LLM(folder, skip_tokenizer_init=True, disable_sliding_window=True, max_model_len=64)
+    folder, _ = save_tiny(tmp_path, "qwen2")
+    llm = LLM(folder, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, disable_sliding_window=True)
+    assert llm.llm_engine.config.scheduler.max_model_len == BASE["max_position_embeddings"]
+
+
 def test_hybrid_kv_cache_groups_sharded(tmp_path):
     """The 7-layer Gemma 3 of test_hybrid_kv_cache_groups in two pipeline stages (layers 0-3 and
     4-6, each stage's cache tensors those its layers use) and over two tensor-parallel ranks: one

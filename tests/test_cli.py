@@ -59,5 +59,6 @@ def test_engine_flags_reach_engine_args():
     p = argparse.ArgumentParser()
     add_engine_args(p)
     assert not engine_args_from(p.parse_args([])).disable_hybrid_kv_cache_manager
-    args = engine_args_from(p.parse_args(["--disable-hybrid-kv-cache-manager", "--max-logprobs", "5"]))
-    assert args.disable_hybrid_kv_cache_manager and args.max_logprobs == 5
+    args = engine_args_from(p.parse_args(["--disable-hybrid-kv-cache-manager", "--max-logprobs", "5",
+                                          "--disable-sliding-window"]))
+    assert args.disable_hybrid_kv_cache_manager and args.max_logprobs == 5 and args.disable_sliding_window

@@ -56,6 +56,9 @@ class EngineArgs:
     # vLLM's: every layer keeps its whole context, even where some have a sliding window (Gemma
     # 2/3), instead of the sliding layers' KV in groups of their own that give blocks back
     disable_hybrid_kv_cache_manager: bool = False
+    # vLLM's: no sliding window on any layer, the context capped to the (smallest) window instead,
+    # within which attending to the window or the whole context is the same
+    disable_sliding_window: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -203,6 +206,8 @@ class EngineArgs:
         if max_model_len > arch.max_context:
             raise ValueError(f"max_model_len={max_model_len} is larger than the model's maximum "
                              f"context ({arch.max_context} tokens).")
+        if self.disable_sliding_window:
+            arch, max_model_len = _without_sliding_window(arch, max_model_len, self.max_model_len is not None)
         arch = _fix_longrope_factors(arch, max_model_len)
         if self.block_size not in (1, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 1, 8, 16, 32, 64, 128, got {self.block_size}.")
@@ -336,6 +341,20 @@ def cpu_has_native_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def _without_sliding_window(arch: ArchConfig, max_model_len: int, explicit: bool) -> tuple[ArchConfig, int]:
+    """disable_sliding_window (vLLM's): no layer keeps a window, and the context is capped to the
+    smallest one, so that every query still sees what it would through its window. A
+    max_model_len asked for past it is an error."""
+    windows = {arch.window(i) for i in range(arch.num_hidden_layers)} - {0}
+    if not windows:   # (vLLM ignores it too for a model without one)
+        return arch, max_model_len
+    cap = min(windows)
+    if explicit and max_model_len > cap:
+        raise ValueError(f"max_model_len={max_model_len} is longer than the sliding window ({cap} tokens) that "
+                         "disable_sliding_window caps the context to: lower max_model_len, or keep the window.")
+    return replace(arch, sliding_window=0), min(max_model_len, cap)
 
 
 def _fix_longrope_factors(arch: ArchConfig, max_model_len: int) -> ArchConfig:

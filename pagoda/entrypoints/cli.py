@@ -45,6 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="every layer keeps its whole context, also where some have a sliding window (Gemma 2/3)")
+    p.add_argument("--disable-sliding-window", action="store_true",
+                   help="no sliding window on any layer, the context capped to the window instead")
     p.add_argument("--reasoning-parser", default=None, help="a reasoning model's thinking (<think> ... </think>): "
                    "qwen3 (Qwen3, QwQ), deepseek_r1 (DeepSeek-R1 and its distills) or granite (Granite 3.2 / "
                    "3.3's sentences); structured outputs then hold the answer after it (not granite's), and the "
@@ -119,7 +121,8 @@ def engine_args_from(args):
                       enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                       max_cpu_loras=args.max_cpu_loras, reasoning_parser=args.reasoning_parser,
                       max_logprobs=args.max_logprobs,
-                      disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
+                      disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
+                      disable_sliding_window=args.disable_sliding_window)
 
 
 def _make_llm(args):

@@ -168,7 +168,7 @@ class LlamaModel(nn.Module):
             if cfg.local_rope_theta else rope
 
         def layer(i):
-            return LlamaDecoderLayer(cfg, i, local_rope if cfg.window(i) else rope, qk_norm, quant)
+            return LlamaDecoderLayer(cfg, i, local_rope if cfg.local_layer(i) else rope, qk_norm, quant)
         self.start_layer, self.end_layer, self.layers = make_layers(
             cfg.num_hidden_layers, pp.rank_in_group, pp.world_size, layer)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.rms_norm_unit_offset) if pp.is_last_rank \
