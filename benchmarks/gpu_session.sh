@@ -60,7 +60,8 @@
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s40b      # a draft model's step cost: W2 Llama-3-8B with a Llama-3.2-1B-shaped draft
 #   bash benchmarks/gpu_session.sh s42a      # the folded decode launch: its tests compiled, its sweep on W1's batches
-#   FOLD="4 8" bash benchmarks/gpu_session.sh s42b  # W1 both models, unfolded vs folded at FOLD programs an SM
+#   FOLD="4:2 8w:4" bash benchmarks/gpu_session.sh s42b  # W1 both models, unfolded vs folded (programs an SM[w: one
+#                                            # warp]:from pairs an SM)
 #   bash benchmarks/gpu_session.sh s42       # s42a, then s42b for Qwen3-0.6B (MODELS, FOLD to change), in one call
 #   bash benchmarks/gpu_session.sh s41d      # the attention kernels' and backend's tests compiled
 #   bash benchmarks/gpu_session.sh s41c      # the draft of s40b alone: W2 Llama-3.2-1B-shaped, batch 1
@@ -1280,14 +1281,16 @@ case "${1:-}" in
     MODELS=${MODELS:-qwen3-0.6b} bash "$0" s42b
     ;;
   s42b)
-    # W1 with the decode launch unfolded, then folded at each of FOLD (programs an SM; a trailing
-    # w: one-warp tiles), interleaved, after a warm-up; FOLD_MIN pairs an SM from which to fold
+    # W1 with the decode launch unfolded, then folded at each of FOLD (entries PROGRAMS[w][:MIN]:
+    # programs an SM, w for one-warp tiles, folding from MIN pairs an SM, 2 by default),
+    # interleaved, after a warm-up
     warm_w1 .
     for m in ${MODELS:-qwen3-0.6b llama3-8b}; do
-      for f in 0 ${FOLD:-4}; do
-        knobs=(); [ "$f" != 0 ] && knobs=(--knob triton_attention.FOLD_MIN_PAIRS_PER_SM=${FOLD_MIN:-4} \
-          --knob triton_attention.FOLD_PROGRAMS_PER_SM=${f%w})
-        [ "${f%w}" != "$f" ] && knobs+=(--knob triton_attention.FOLD_ONE_WARP=True)
+      for f in 0 ${FOLD:-4:2 4:4}; do
+        knobs=(); p=${f%%:*}; min=2; [ "$p" != "$f" ] && min=${f#*:}
+        [ "$f" != 0 ] && knobs=(--knob triton_attention.FOLD_MIN_PAIRS_PER_SM=$min \
+          --knob triton_attention.FOLD_PROGRAMS_PER_SM=${p%w})
+        [ "${p%w}" != "$p" ] && knobs+=(--knob triton_attention.FOLD_ONE_WARP=True)
         timeout 170 python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm "${knobs[@]}" \
           --out "$OUT/w1" 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 $m fold=$f: /"
       done
