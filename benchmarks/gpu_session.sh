@@ -62,7 +62,7 @@
 #   bash benchmarks/gpu_session.sh s42a      # the folded decode launch: its tests compiled, its sweep on W1's batches
 #   FOLD="4:2 8w:4" bash benchmarks/gpu_session.sh s42b  # W1 both models, unfolded vs folded (programs an SM[w: one
 #                                            # warp]:from pairs an SM)
-#   bash benchmarks/gpu_session.sh s42       # s42a, then s42b for Qwen3-0.6B (MODELS, FOLD to change), in one call
+#   bash benchmarks/gpu_session.sh s42       # s42a's sweep, s42b for Qwen3-0.6B at 4:2 (MODELS, FOLD), s42a's tests
 #   bash benchmarks/gpu_session.sh s41d      # the attention kernels' and backend's tests compiled
 #   bash benchmarks/gpu_session.sh s41c      # the draft of s40b alone: W2 Llama-3.2-1B-shaped, batch 1
 #   bash benchmarks/gpu_session.sh s41a      # KV cache groups (Gemma 2/3) on the GPU: their tests
@@ -1277,8 +1277,11 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/attention_kernels.py --fold 2>&1 | tail -16
     ;;
   s42)
-    bash "$0" s42a
-    MODELS=${MODELS:-qwen3-0.6b} bash "$0" s42b
+    # the sweep, W1 Qwen3-0.6B unfolded / folded at 4 programs an SM from 2 pairs an SM, the tests
+    timeout 200 python3 benchmarks/attention_kernels.py --fold 2>&1 | tail -16
+    MODELS=${MODELS:-qwen3-0.6b} FOLD=${FOLD:-4:2} bash "$0" s42b
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      -k "folded or decode_cuda_graph" 2>&1 | tail -2
     ;;
   s42b)
     # W1 with the decode launch unfolded, then folded at each of FOLD (entries PROGRAMS[w][:MIN]:
