@@ -62,6 +62,7 @@
 #   bash benchmarks/gpu_session.sh s42a      # the folded decode launch: its tests compiled, its sweep on W1's batches
 #   FOLD="4:2 8w:4" bash benchmarks/gpu_session.sh s42b  # W1 both models, unfolded vs folded (programs an SM[w: one
 #                                            # warp]:from pairs an SM)
+#   bash benchmarks/gpu_session.sh s42s      # s42a's sweep alone
 #   bash benchmarks/gpu_session.sh s42       # s42a's sweep, s42b for Qwen3-0.6B at 4:2 (MODELS, FOLD), s42a's tests
 #   bash benchmarks/gpu_session.sh s41d      # the attention kernels' and backend's tests compiled
 #   bash benchmarks/gpu_session.sh s41c      # the draft of s40b alone: W2 Llama-3.2-1B-shaped, batch 1
@@ -1275,6 +1276,10 @@ case "${1:-}" in
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
       -k "folded or decode_cuda_graph" 2>&1 | tail -2
     timeout 300 python3 benchmarks/attention_kernels.py --fold 2>&1 | tail -16
+    ;;
+  s42s)
+    # the sweep alone
+    timeout 200 python3 benchmarks/attention_kernels.py --fold 2>&1 | tail -16
     ;;
   s42)
     # the sweep, W1 Qwen3-0.6B unfolded / folded at 4 programs an SM from 2 pairs an SM, the tests

@@ -41,6 +41,15 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   ``max_seq_len``); each program derives its range from the request's actual ``seq_len`` in the
   kernel, so the result is right for any lengths (pass ``max_seq_len = max_model_len`` when
   capturing a CUDA graph: it only sets how many segments there are).
+- Folded decode launch (``FOLD_*``; off until measured on an H200): one program a (request, KV
+  head) pair leaves the end of a launch of ragged contexts to the SMs still reading their long
+  pairs. Folded, a decode launch runs fewer programs, each attending an even number of pairs
+  taken from both ends of the batch's longest-first order (``p, 2P - 1 - p, 2P + p, ...``), so
+  every program's contexts add up to about the same length whichever SM it lands on; each
+  pair is still attended whole by one program (no partials, no merge: where the balanced
+  launch of the thirty-eighth session, equal shares of tiles cut across pairs, lost 8.5%).
+  The pairs' work is a function the loop calls without inlining it (inlined, the loop's
+  constants stayed in registers across it and spilled).
 - Programmatic dependent launch: the kernel before this one writes nothing it reads but this
   step's new K/V (it is the KV write; for a mixed step's second launch, the decodes' attention,
   which writes only their outputs), and every earlier kernel has completed when this one
