@@ -253,17 +253,13 @@ def test_folded_programs_chosen(monkeypatch):
     monkeypatch.setattr(ta, "FOLD_PROGRAMS_PER_SM", 4)
     assert ta._pick_folded_programs(4 * sms - 1, dev) == 0         # too few pairs
     assert ta._pick_folded_programs(8 * sms, dev) == 4 * sms      # two pairs a program
-    assert ta._pick_folded_programs(8 * sms + 1, dev) == triton_cdiv(8 * sms + 1, 4)   # four (an even number)
+    assert ta._pick_folded_programs(8 * sms + 1, dev) == -(-(8 * sms + 1) // 4)   # four (an even number)
     assert ta._pick_folded_programs(4 * sms, dev) == 2 * sms      # at least two a program
     # the kernel folds only unsplit decode launches: a split one keeps a program a segment
     monkeypatch.setattr(ta, "FOLD_MIN_PAIRS_PER_SM", 1)
     q_lens, seq_lens = [1] * 3, [LONG, 77, LONG - 7]
     check_attention(q_lens, seq_lens, *HEADS[2], 128, 16, DTYPES[-1], torch.Generator().manual_seed(0),
                     num_segments=4, folded_programs=2)
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 WINDOW = 1000 if ON_GPU else 37     # (not a multiple of a block or a tile)
