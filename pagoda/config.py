@@ -84,10 +84,15 @@ class ArchConfig:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     @property
+    def windows(self) -> set[int]:
+        """The layers' sliding windows (0 among them where some layer attends to its whole context)."""
+        return {self.window(i) for i in range(self.num_hidden_layers)}
+
+    @property
     def uniform_window(self) -> int:
         """The sliding window every layer has (Mistral-7B-v0.1's, Phi-3-mini-4k's), so that KV
         before it is never read again; 0 where some layer attends to its whole context."""
-        windows = {self.window(i) for i in range(self.num_hidden_layers)}
+        windows = self.windows
         return windows.pop() if len(windows) == 1 else 0
 
     @property

@@ -347,7 +347,7 @@ def _without_sliding_window(arch: ArchConfig, max_model_len: int, explicit: bool
     """disable_sliding_window (vLLM's): no layer keeps a window, and the context is capped to the
     smallest one, so that every query still sees what it would through its window. A
     max_model_len asked for past it is an error."""
-    windows = {arch.window(i) for i in range(arch.num_hidden_layers)} - {0}
+    windows = arch.windows - {0}
     if not windows:   # (vLLM ignores it too for a model without one)
         return arch, max_model_len
     cap = min(windows)

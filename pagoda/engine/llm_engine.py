@@ -13,7 +13,6 @@ from dataclasses import asdict
 
 from pagoda.config import EngineConfig, class_labels
 from pagoda.core.kv_cache_manager import KVCacheManager, max_blocks_per_request
-from pagoda.reasoning import REASONING_FORMATS
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.scheduler import Scheduler
 from pagoda.distributed.child_procs import run_call
@@ -27,6 +26,7 @@ from pagoda.lora.adapter import load_adapter
 from pagoda.lora.request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.pooling_params import PoolingParams
+from pagoda.reasoning import REASONING_FORMATS
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import Tokenizer
 

@@ -718,10 +718,6 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    block_m, tiles = _pick_tiles(max_query_len, group, query.dtype, query.device, num_seqs * num_kv_heads)
-    head_dim_p = triton.next_power_of_2(head_dim)
-    tiles["TILE_N"] = _cap_tile_n(tiles["TILE_N"], head_dim_p)
-    block_q = block_m // group
     decode = max_query_len == 1
     if skip_decodes:
         # The second of a mixed graph's launches: the merge of a split one would write every row
@@ -738,10 +734,13 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         folded_programs = 0
     elif folded_programs is None:
         folded_programs = _pick_folded_programs(num_seqs * num_kv_heads, query.device)
-    if folded_programs:
-        tiles = dict(MANY_DECODES) if FOLD_ONE_WARP else _pick_tiles(1, group, query.dtype, query.device,
-                                                                       folded_programs)[1]
-        tiles["TILE_N"] = _cap_tile_n(tiles["TILE_N"], head_dim_p)
+    block_m, tiles = _pick_tiles(max_query_len, group, query.dtype, query.device,
+                                 folded_programs or num_seqs * num_kv_heads)
+    if folded_programs and FOLD_ONE_WARP:
+        tiles = dict(MANY_DECODES)
+    head_dim_p = triton.next_power_of_2(head_dim)
+    tiles["TILE_N"] = _cap_tile_n(tiles["TILE_N"], head_dim_p)
+    block_q = block_m // group
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     dots_f16 = is_fp8(kv_cache.dtype) and query.dtype != torch.float32
     if dots_f16:
