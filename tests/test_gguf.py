@@ -137,7 +137,7 @@ def test_qwen3_names_no_permute(tmp_path):
     q, qn = rng.standard_normal((64, 64), np.float32), rng.standard_normal(16).astype(np.float32)
     path = _write(tmp_path / "q.gguf", "qwen3", {
         "blk.0.attn_q.weight": q, "blk.0.attn_q_norm.weight": qn, "blk.0.attn_k_norm.weight": qn,
-        "output.weight": q, "rope_freqs.weight": qn})
+        "output.weight": q, "rope_freqs.weight": np.ones(8, np.float32)})
     m = GGUFModel(path)
     w = dict(m.iter_weights())
     assert torch.equal(w["model.layers.0.self_attn.q_proj.weight"], torch.from_numpy(q))
@@ -146,6 +146,7 @@ def test_qwen3_names_no_permute(tmp_path):
     cfg = m.hf_config
     assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["tie_word_embeddings"] is False
     assert cfg["rope_theta"] == 1e6 and cfg["num_key_value_heads"] == 2
+    assert cfg["rope_scaling"] == {"rope_type": "freq_factors", "factors": [1.0] * 8}
 
 
 K_AND_LEGACY = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
@@ -204,15 +205,42 @@ _HF_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "
                "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
 
+# (Gemma 2/3's and OLMo 2/3's norms of each sublayer's output; Gemma's of the MLP's input)
 _GEMMA_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                   "post_feedforward_layernorm": "post_ffw_norm"}
+# EXAONE's GPT-2 names -> Llama's
+_EXAONE_TO_HF = [(r"transformer\.wte\.", "model.embed_tokens."), (r"transformer\.ln_f\.", "model.norm."),
+                 (r"transformer\.h\.", "model.layers."), (r"attn\.attention\.out_proj", "self_attn.o_proj"),
+                 (r"attn\.attention\.", "self_attn."), (r"ln_1", "input_layernorm"),
+                 (r"ln_2", "post_attention_layernorm"), (r"mlp\.c_fc_0", "mlp.gate_proj"),
+                 (r"mlp\.c_fc_1", "mlp.up_proj"), (r"mlp\.c_proj", "mlp.down_proj")]
+
+
+def _llama3_rope_factors(cfg: dict, s: dict) -> np.ndarray:
+    """The divisor of each rotary frequency under Llama-3's scaling, as llama.cpp's converter
+    writes it (rope_freqs): 1 for wavelengths under the original context over high_freq_factor,
+    the factor over the original context over low_freq_factor, a smooth blend between."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (s.get("rope_theta") or cfg["rope_theta"]) ** (np.arange(0, head_dim, 2) / head_dim)
+    old_len, low, high = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+    factors = []
+    for wavelen in 2 * math.pi / freqs:
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(s["factor"])
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(factors, np.float32)
 
 
 def _hf_gguf(folder, path, arch):
     """A tiny HF model as llama.cpp's converter writes it: a mixture's experts stacked (E, out,
     in) per projection, llama's q/k rows permuted, the shared expert's gate a vector, Phi-3's
     fused projections kept fused, Gemma's norm weights plus 1 (and Gemma 2/3's norms of each
-    sublayer's output, their caps, a linear rope scaling); F32."""
+    sublayer's output, their caps, a linear rope scaling), Llama-3's rope scaling as a factor a
+    frequency, EXAONE's tensors under Llama's names; F32."""
     import glob
     import json
     import re
@@ -230,6 +258,8 @@ def _hf_gguf(folder, path, arch):
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "llama3":     # (no scaling type: the factors as a tensor)
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg, rope))
     if rope.get("rope_type") == "longrope":   # (Phi-3's: the factors as tensors, no scaling type)
         old_len = rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
         grown = cfg["max_position_embeddings"] / old_len
@@ -243,7 +273,7 @@ def _hf_gguf(folder, path, arch):
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(cap):
             getattr(w, f"add_{cap}")(cfg[cap])
-    if arch == "gemma3":   # (a window a layer, as newer converters write it; llama.cpp's default: 5 of 6)
+    if arch in ("gemma3", "olmo2") and "layer_types" in cfg:   # (a window a layer, as newer converters write it)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     for key, value in [("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
                        ("embedding_length", cfg["hidden_size"]), ("feed_forward_length", cfg["intermediate_size"]),
@@ -273,6 +303,9 @@ def _hf_gguf(folder, path, arch):
     experts = {}
     for name, t in sd.items():
         t = t.float().numpy()
+        if arch == "exaone":
+            for pattern, hf in _EXAONE_TO_HF:
+                name = re.sub(pattern, hf, name)
         if gemma and name.endswith("norm.weight"):
             t = t + 1
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
@@ -290,10 +323,10 @@ def _hf_gguf(folder, path, arch):
                 w.add_tensor(f"blk.{layer}.ffn_{half}_{kind}.weight", part)
             continue
         module, kind = rest.rsplit(".", 1)
-        if arch in ("llama", "granite", "granitemoe") and module in ("self_attn.q_proj", "self_attn.k_proj"):
+        if arch in ("llama", "granite", "granitemoe", "smollm3") and module in ("self_attn.q_proj", "self_attn.k_proj"):
             t = _llama_cpp_permute(t, heads if module == "self_attn.q_proj" else kv)
         gate_vector = "shared_expert_gate" in module
-        names = {**_HF_TO_GGUF, **(_GEMMA_TO_GGUF if arch in ("gemma2", "gemma3") else {})}
+        names = {**_HF_TO_GGUF, **(_GEMMA_TO_GGUF if arch in ("gemma2", "gemma3", "olmo2") else {})}
         w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", t.reshape(-1) if gate_vector else t)
     for name, by_expert in experts.items():
         w.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
@@ -356,6 +389,29 @@ def test_phi3_gguf_equals_its_safetensors(tmp_path):
     with pytest.raises(ValueError, match="LongRoPE factors without .*original_context_length"):
         _ = GGUFModel(_write(tmp_path / "bad.gguf", "phi3", {"rope_factors_long.weight": factors,
                                                             "rope_factors_short.weight": factors})).hf_config
+
+
+@pytest.mark.parametrize("case,arch,config", [
+    ("llama3", "llama", {}),
+    ("exaone", "exaone", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 64})),
+    ("smollm3", "smollm3", dict(num_hidden_layers=4, no_rope_layers=None)),
+    ("olmo2", "olmo2", {}), ("olmo3", "olmo2", {})])
+def test_llama_like_gguf_equals_its_safetensors(tmp_path, case, arch, config):
+    """As llama.cpp writes them: Llama 3.1's rope scaling (no type in the metadata: a divisor a
+    frequency in rope_freqs), EXAONE 3.5 (GPT-2's names become Llama's; its Llama-3 scaling),
+    SmolLM3 (permuted q/k; every fourth layer without a rotary embedding, which the file does not
+    say), OLMo 2 (only the sublayers' outputs normed) and OLMo 3 (arch "olmo2" with a window a
+    layer): the HF folder's greedy tokens and prompt logprobs."""
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, case, **config)
+    path = _hf_gguf(folder, tmp_path / f"{case}.gguf", arch)
+    cfg = GGUFModel(path).hf_config
+    assert cfg["model_type"] == (case if case != "llama3" else "llama")
+    assert cfg.get("no_rope_layers") == ([1, 1, 1, 0] if case == "smollm3" else None)
+    assert (cfg["rope_scaling"] or {}).get("rope_type") == ("freq_factors" if case in ("llama3", "exaone") else None)
+    assert_same_as_folder(path, folder)
 
 
 def test_granite_gguf_equals_its_safetensors(tmp_path):

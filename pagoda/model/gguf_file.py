@@ -43,6 +43,9 @@ _ARCHITECTURES = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "granite": ("granite", "GraniteForCausalLM"),
     "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),      # (with a shared MLP: GraniteMoeShared)
+    "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM"),      # (with sliding windows: OLMo 3, whose files say "olmo2" too)
+    "exaone": ("exaone", "ExaoneForCausalLM"),
 }
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")
 
@@ -78,15 +81,18 @@ _NORMS_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
 # count, and so does this.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and subclasses)
-_PERMUTED = {"llama", "granite", "granitemoe"}
+_PERMUTED = {"llama", "granite", "granitemoe", "smollm3"}
+# SmolLM3's layers without a rotary embedding: every fourth, which llama.cpp knows by the
+# architecture (the files do not say it)
+_SMOLLM3_NO_ROPE_EVERY = 4
 # Granite's scalings: HF config entry <- metadata key
 _GRANITE_SCALES = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
                    "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
 # The experts' projections, stacked in one tensor (experts first): each expert's, one by one
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Tensors llama.cpp adds that are no parameters: rope frequency factors (Llama-3's, which the
-# metadata gives again; LongRoPE's, read into the config)
+# Tensors llama.cpp adds that are no parameters: rope frequency factors (Llama-3's and LongRoPE's,
+# read into the config)
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
@@ -190,6 +196,8 @@ class GGUFModel:
         model_type, cls = _MIXTRAL if arch == "llama" and get("expert_count") else _ARCHITECTURES[arch]
         if arch == "granitemoe" and get("expert_shared_feed_forward_length"):
             model_type, cls = "granitemoeshared", "GraniteMoeSharedForCausalLM"
+        if arch == "olmo2" and get("attention.sliding_window"):
+            model_type, cls = "olmo3", "Olmo3ForCausalLM"
         hidden, heads = get("embedding_length"), get("attention.head_count")
         head_dim = get("attention.key_length") or hidden // heads
         kv_heads = get("attention.head_count_kv", heads)
@@ -219,7 +227,7 @@ class GGUFModel:
             "torch_dtype": self._torch_dtype(),
             "hidden_act": "gelu_pytorch_tanh" if arch in _NORMS_PLUS_ONE else "silu",
             "sliding_window": get("attention.sliding_window"),
-        } | self._moe_config(get) | self._gemma_config(get) | {
+        } | self._moe_config(get) | self._gemma_config(get) | self._layer_types(get) | {
             k: get(key) for k, key in _GRANITE_SCALES.items() if arch.startswith("granite") and get(key) is not None}
 
     def _moe_config(self, get) -> dict:
@@ -241,14 +249,23 @@ class GGUFModel:
         if arch not in _GEMMA_27B_LAYERS:
             return {}
         hidden, heads, layers = get("embedding_length"), get("attention.head_count"), get("block_count")
-        pattern = get("attention.sliding_window_pattern")   # (newer files: a bool a layer)
+        pattern = get("attention.sliding_window_pattern")   # (newer files: a bool a layer, _layer_types)
         return {"query_pre_attn_scalar": hidden // heads if layers == _GEMMA_27B_LAYERS[arch]
                 else get("attention.key_length") or hidden // heads,
                 "attn_logit_softcapping": get("attn_logit_softcapping"),
                 "final_logit_softcapping": get("final_logit_softcapping"),
                 "rope_local_base_freq": get("rope.freq_base_swa"),
-                **({"layer_types": ["sliding_attention" if b else "full_attention" for b in pattern]}
-                   if isinstance(pattern, list) else {"sliding_window_pattern": pattern} if pattern else {})}
+                **({"sliding_window_pattern": pattern} if pattern and not isinstance(pattern, list) else {})}
+
+    def _layer_types(self, get) -> dict:
+        """Which layers have sliding windows (Gemma 3's and OLMo 3's: a bool a layer in newer files)
+        or no rotary embedding (SmolLM3's), as HF's config says it."""
+        layers, pattern = get("block_count"), get("attention.sliding_window_pattern")
+        if self.architecture == "smollm3":
+            return {"no_rope_layers": [int((i + 1) % _SMOLLM3_NO_ROPE_EVERY != 0) for i in range(layers)]}
+        if isinstance(pattern, list):
+            return {"layer_types": ["sliding_attention" if b else "full_attention" for b in pattern]}
+        return {}
 
     def _rope_scaling(self) -> dict | None:
         prefix = f"{self.architecture}.rope.scaling."
@@ -264,6 +281,10 @@ class GGUFModel:
                     "original_max_position_embeddings": old_len,
                     "attention_factor": self.metadata.get(prefix + "attn_factor")}
         kind = self.metadata.get(prefix + "type")
+        if kind in (None, "none") and "rope_freqs.weight" in self.tensor_infos:
+            # Llama-3's scaling (Llama 3.1 / 3.2, EXAONE 3.5): the converter writes no type, only each
+            # frequency's divisor as a tensor
+            return {"rope_type": "freq_factors", "factors": self.tensor("rope_freqs.weight").tolist()}
         if kind in (None, "none"):
             return None
         scaling = {"rope_type": kind, "factor": self.metadata.get(prefix + "factor", 1.0)}

@@ -1,5 +1,6 @@
 """Rotary position embedding (rotate-half / NeoX layout, as HF checkpoints use), with the
-Llama-3, linear, YaRN and LongRoPE scalings of the frequencies: the cos/sin table, over each head's
+Llama-3, linear, YaRN and LongRoPE scalings of the frequencies (and a factor a frequency, as GGUF
+files give Llama-3's): the cos/sin table, over each head's
 first ``rotary_dim`` dimensions (all of them but for a partial rotary embedding, Phi-4-mini's). The
 attention backends apply it (``reference.Rope``), on the GPU inside the KV-write and attention
 kernels."""
@@ -59,15 +60,20 @@ def _longrope_inv_freq(inv_freq: torch.Tensor, max_position: int, s: dict) -> tu
     vLLM, and the KV cache never holds keys of both kinds."""
     old_len = s["original_max_position_embeddings"]
     long = s.get("use_long_rope", max_position > old_len)
-    factors = s["long_factor" if long else "short_factor"]
-    if len(factors) != len(inv_freq):
-        raise ValueError(f"rope_scaling's {'long' if long else 'short'}_factor has {len(factors)} entries; "
-                         f"the rotary embedding has {len(inv_freq)} frequencies (half its dimensions).")
     factor = s["factor"]
     attention = s.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
-    return inv_freq / torch.tensor(factors, dtype=inv_freq.dtype), attention
+    return _divided(inv_freq, s, "long_factor" if long else "short_factor"), attention
+
+
+def _divided(inv_freq: torch.Tensor, s: dict, key: str) -> torch.Tensor:
+    """Each frequency over its own factor, ``s[key]``: one a frequency."""
+    factors = s[key]
+    if len(factors) != len(inv_freq):
+        raise ValueError(f"rope_scaling's {key} has {len(factors)} entries; "
+                         f"the rotary embedding has {len(inv_freq)} frequencies (half its dimensions).")
+    return inv_freq / torch.tensor(factors, dtype=inv_freq.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -93,9 +99,12 @@ class RotaryEmbedding(nn.Module):
             inv_freq, attention = _yarn_inv_freq(inv_freq, rotary_dim, base, rope_scaling)
         elif kind == "longrope":
             inv_freq, attention = _longrope_inv_freq(inv_freq, max_position, rope_scaling)
+        elif kind == "freq_factors":
+            # (a GGUF file's rope_freqs tensor: llama.cpp's converter writes Llama-3's scaling so)
+            inv_freq = _divided(inv_freq, rope_scaling, "factors")
         elif kind not in (None, "default", "dynamic"):
             raise ValueError(f"Unsupported rope_scaling type {kind!r} (supported: llama3, linear, yarn, longrope, "
-                             "dynamic).")
+                             "dynamic, freq_factors).")
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         # (max_position, rotary_dim): cos for the first half, sin for the second.
