@@ -258,6 +258,11 @@ def _hf_gguf(folder, path, arch):
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":       # (OLMo 2/3's converter: the attention factor too)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_attn_factors(rope["attention_factor"])
     if rope.get("rope_type") == "llama3":     # (no scaling type: the factors as a tensor)
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg, rope))
     if rope.get("rope_type") == "longrope":   # (Phi-3's: the factors as tensors, no scaling type)
@@ -397,20 +402,23 @@ def test_phi3_gguf_equals_its_safetensors(tmp_path):
                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 64})),
     ("smollm3", "smollm3", dict(num_hidden_layers=4, no_rope_layers=None)),
-    ("olmo2", "olmo2", {}), ("olmo3", "olmo2", {})])
+    ("olmo2", "olmo2", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                             "original_max_position_embeddings": 32, "attention_factor": 1.5})),
+    ("olmo3", "olmo2", {})])
 def test_llama_like_gguf_equals_its_safetensors(tmp_path, case, arch, config):
     """As llama.cpp writes them: Llama 3.1's rope scaling (no type in the metadata: a divisor a
     frequency in rope_freqs), EXAONE 3.5 (GPT-2's names become Llama's; its Llama-3 scaling),
     SmolLM3 (permuted q/k; every fourth layer without a rotary embedding, which the file does not
-    say), OLMo 2 (only the sublayers' outputs normed) and OLMo 3 (arch "olmo2" with a window a
-    layer): the HF folder's greedy tokens and prompt logprobs."""
+    say), OLMo 2 (only the sublayers' outputs normed; here with YaRN and its attention factor) and
+    OLMo 3 (arch "olmo2" with a window a layer): the HF folder's greedy tokens and prompt logprobs."""
     from tests.test_architectures import save_tiny
     folder, _ = save_tiny(tmp_path, case, **config)
     path = _hf_gguf(folder, tmp_path / f"{case}.gguf", arch)
     cfg = GGUFModel(path).hf_config
     assert cfg["model_type"] == (case if case != "llama3" else "llama")
     assert cfg.get("no_rope_layers") == ([1, 1, 1, 0] if case == "smollm3" else None)
-    assert (cfg["rope_scaling"] or {}).get("rope_type") == ("freq_factors" if case in ("llama3", "exaone") else None)
+    assert (cfg["rope_scaling"] or {}).get("rope_type") == {"llama3": "freq_factors", "exaone": "freq_factors",
+                                                            "olmo2": "yarn"}.get(case)
     assert_same_as_folder(path, folder)
 
 

@@ -288,8 +288,12 @@ class GGUFModel:
         if kind in (None, "none"):
             return None
         scaling = {"rope_type": kind, "factor": self.metadata.get(prefix + "factor", 1.0)}
-        if (orig := self.metadata.get(prefix + "original_context_length")) is not None:
-            scaling["original_max_position_embeddings"] = orig
+        # (YaRN's attention factor and ramp, where the converter copied HF's: OLMo 3's)
+        for hf, key in (("original_max_position_embeddings", "original_context_length"),
+                        ("attention_factor", "attn_factor"), ("beta_fast", "yarn_beta_fast"),
+                        ("beta_slow", "yarn_beta_slow")):
+            if (value := self.metadata.get(prefix + key)) is not None:
+                scaling[hf] = value
         return scaling
 
     def _torch_dtype(self) -> str:
