@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from pagoda.model import gguf_quants
 from pagoda.model.gguf_file import GGUFModel
 
 
@@ -159,7 +160,7 @@ def _random_quantized(rng, qtype, rows, cols):
     half = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     # fp16 scales sit at the block start (legacy quants) or end (K-quants: d, dmin / d)
     offsets = {QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
-    for off in offsets.get(qtype, [0, 2] if qtype == QT.Q4_1 else [0]):
+    for off in offsets.get(qtype, [0, 2] if qtype in (QT.Q4_1, QT.Q5_1) else [0]):
         data[..., off:off + 2] = half
     return data.reshape(rows, -1)
 
@@ -175,6 +176,20 @@ def test_dequantize_matches_transformers(tmp_path, qtype):
     ref = hf_dequantize(torch.from_numpy(data.copy()).reshape(-1), int(qtype)).reshape(8, 512)
     assert ours.shape == (8, 512) and torch.isfinite(ours).all()
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_quants.TYPES), ids=lambda q: q.name)
+def test_torch_dequantize_equals_gguf_py(qtype):
+    """The torch dequantization (every core; on a GPU, the GPU) gives gguf-py's numpy values bit
+    for bit, on random blocks of each type it takes."""
+    from gguf.quants import dequantize as np_dequantize
+    rng = np.random.default_rng(100 + int(qtype))
+    data = _random_quantized(rng, qtype, 6, 1024)
+    ref = torch.from_numpy(np_dequantize(data, qtype))
+    assert torch.isfinite(ref).all() and ref.abs().max() > 0
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        ours = gguf_quants.dequantize(torch.from_numpy(data.copy()).to(device), qtype).view(6, 1024)
+        assert torch.equal(ours.cpu(), ref), device
 
 
 def test_float_types(tmp_path):

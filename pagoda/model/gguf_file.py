@@ -2,7 +2,8 @@
 
 The header is parsed here with `struct` instead of `gguf.GGUFReader`: the reader builds a numpy view per
 metadata element, which takes ~4 s for a 49k-token vocabulary; this takes ~0.1 s. Tensor data stays
-memory-mapped and is dequantized by `gguf.quants.dequantize`, one tensor at a time.
+memory-mapped and is dequantized one tensor at a time, by torch ops for the common block types
+(`gguf_quants`: every core) and by `gguf.quants.dequantize` (numpy, one core) for the others.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf.quants import dequantize
+
+from pagoda.model import gguf_quants
 
 _GGUF_MAGIC = b"GGUF"
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -321,17 +324,21 @@ class GGUFModel:
             return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
         return gguf_name  # unknown: pass through so the loader reports it by its real name
 
-    def tensor(self, gguf_name: str) -> torch.Tensor:
-        """One tensor by GGUF name, dequantized to float32 in HF shape (q/k un-permuted for llama)."""
+    def tensor(self, gguf_name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """One tensor by GGUF name, dequantized to float32 in HF shape (q/k un-permuted for llama);
+        on ``device`` (where the common block types are dequantized: on a GPU, its bytes go there
+        and the GPU unpacks them)."""
         shape, qtype, offset = self.tensor_infos[gguf_name]
         if qtype not in SUPPORTED_TYPES:
             raise ValueError(f"{self.path}: tensor {gguf_name!r} has unsupported type {qtype.name}")
         raw = np.frombuffer(self._mm, dtype=np.uint8, count=self._nbytes(shape, qtype),
                             offset=self._data_start + offset)
-        rows = prod(shape[:-1])
-        w = dequantize(raw.reshape(rows, -1), qtype).reshape(shape)
-        # F32 comes back as a view of the read-only map: copy it (and only it) so torch may own it.
-        w = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        if qtype in gguf_quants.TYPES:
+            w = gguf_quants.dequantize(torch.from_numpy(raw.copy()).to(device), qtype).view(shape)
+        else:
+            w = dequantize(raw.reshape(prod(shape[:-1]), -1), qtype).reshape(shape)
+            # F32 comes back as a view of the read-only map: copy it (and only it) so torch may own it.
+            w = torch.from_numpy(np.require(w, np.float32, ["C", "W"])).to(device)
         if self.architecture in _NORMS_PLUS_ONE and gguf_name.endswith("norm.weight"):
             w = w - 1.0
         return self._unpermute(gguf_name, w)
@@ -347,20 +354,21 @@ class GGUFModel:
         n_head = heads if ".attn_q." in gguf_name else self.metadata.get(f"{arch}.attention.head_count_kv", heads)
         return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
-    def iter_weights(self, skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, dequantized tensor) pairs, but for names starting with one of ``skip`` (not read).
-        Stacked experts come out as HF's, an expert at a time."""
+    def iter_weights(self, skip: tuple[str, ...] = (), device: torch.device | str = "cpu"
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, dequantized tensor on ``device``) pairs, but for names starting with one of
+        ``skip`` (not read). Stacked experts come out as HF's, an expert at a time."""
         for gguf_name in self.tensor_infos:
             m = _LAYER_RE.fullmatch(gguf_name)
             if m and m.group(2) in _EXPERT_NAMES:
                 prefix = f"model.layers.{m.group(1)}.mlp.experts."
                 if not (skip and prefix.startswith(skip)):
-                    for e, w in enumerate(self.tensor(gguf_name)):
+                    for e, w in enumerate(self.tensor(gguf_name, device)):
                         yield f"{prefix}{e}.{_EXPERT_NAMES[m.group(2)]}.{m.group(3)}", w
                 continue
             name = self.hf_name(gguf_name)
             if name is not None and not (skip and name.startswith(skip)):
-                w = self.tensor(gguf_name)
+                w = self.tensor(gguf_name, device)
                 # (llama.cpp stores the shared expert's one-row gate as a vector)
                 yield name, w.reshape(1, -1) if gguf_name.endswith("ffn_gate_inp_shexp.weight") else w
 

@@ -386,7 +386,7 @@ def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
         init_dummy_weights(model, config.seed)
     else:
         skip = other_stages_weights(model)
-        weights = GGUFModel(config.path).iter_weights(skip) if config.is_gguf \
+        weights = GGUFModel(config.path).iter_weights(skip, device) if config.is_gguf \
             else iter_safetensors(config.path, skip, getattr(model, "checkpoint_prefixes", None))
         if config.classifier_token_ids:
             weights = score_from_lm_head(weights, model, config.classifier_token_ids)
