@@ -59,6 +59,7 @@
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s40b      # a draft model's step cost: W2 Llama-3-8B with a Llama-3.2-1B-shaped draft
+#   bash benchmarks/gpu_session.sh s43       # W1 Qwen3 unfolded / folded (FOLD), GGUF dequantized on the GPU, s42a
 #   bash benchmarks/gpu_session.sh s42a      # the folded decode launch: its tests compiled, its sweep on W1's batches
 #   FOLD="4:2 8w:4" bash benchmarks/gpu_session.sh s42b  # W1 both models, unfolded vs folded (programs an SM[w: one
 #                                            # warp]:from pairs an SM)
@@ -1269,6 +1270,17 @@ case "${1:-}" in
           | sed "s/^/W1 gemma3-1b kv=${gib}GiB hybrid=$h: /"
       done
     done
+    ;;
+  s43)
+    # The session's one call: W1 Qwen3-0.6B unfolded / folded at FOLD (the decision first), GGUF's
+    # block types dequantized on the GPU (against gguf-py; SmolLM2's file, CPU tokens in float32),
+    # then the fold sweep and its tests
+    MODELS=${MODELS:-qwen3-0.6b} FOLD=${FOLD:-4:2} bash "$0" s42b
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gguf.py -k torch_dequantize 2>&1 | tail -1
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k float32_matches_cpu 2>&1 | tail -1
+    timeout 170 python3 benchmarks/attention_kernels.py --fold 2>&1 | tail -16
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      -k "folded or decode_cuda_graph" 2>&1 | tail -2
     ;;
   s42a)
     # The folded decode launch: its tests compiled (and the CUDA-graph one), then folded against
