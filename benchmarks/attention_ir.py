@@ -24,16 +24,15 @@ SCALARS = ["qk_scale", "v_scale", "num_seqs", "stride_qt", "stride_qh", "stride_
 
 
 def compile_kernel(block_m: int, num_segments: int, use_pdl: bool = False, rope: bool = True,
-                   kv: str = "bf16", folded: bool = False, tiles: dict | None = None):
+                   kv: str = "bf16"):
     """The kernel for Qwen3-0.6B heads (16 q / 8 kv, head_dim 128, q norm + rotary), bf16 (the
-    cache ``kv``: bf16, or fp8e4nv for an FP8 cache), block size 16; ``folded``: the folded
-    decode launch; ``tiles``: other launch parameters than ``TILES[block_m]``."""
-    tiles = tiles or ta.TILES[block_m]
+    cache ``kv``: bf16, or fp8e4nv for an FP8 cache), block size 16."""
+    tiles = ta.TILES[block_m]
     const = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, HEAD_DIM_P=128, BLOCK_SIZE=16, BLOCK_M=block_m,
                  BLOCK_Q=block_m // 2, TILE_N=tiles["TILE_N"], NUM_SEGMENTS=num_segments, DOT_PRECISION="tf32",
                  LOOP_STAGES=tiles["num_stages"], DECODE=block_m == 16, SKIP_DECODES=False, HAS_ROPE=rope, HAS_NORM=rope,
                  FP8_DOTS_F16=kv != "bf16", USE_PDL=use_pdl, WINDOW=0, SOFTCAP=0.0, NORM_UNIT_OFFSET=False,
-                 ROTARY_DIM=128, FOLDED=folded)
+                 ROTARY_DIM=128)
     sig = dict(POINTERS, k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}")
     sig.update({name: ("fp32" if name in ("qk_scale", "v_scale", "eps") else "i32") for name in SCALARS})
     sig.update({name: "constexpr" for name in const})

@@ -414,48 +414,6 @@ def tune_split_ragged(dtype, gen, log):
         torch.cuda.empty_cache()
 
 
-# W1's decode batches as its requests leave (contexts as the survivors have them), longest first
-W1_DECODE_BATCHES = [("qwen3-0.6b", 256, 100, 1400), ("qwen3-0.6b", 224, 300, 1500), ("qwen3-0.6b", 192, 400, 1600),
-                     ("qwen3-0.6b", 160, 550, 1600), ("qwen3-0.6b", 128, 650, 1570), ("qwen3-0.6b", 96, 750, 1700),
-                     ("qwen3-0.6b", 64, 900, 1850), ("qwen3-0.6b", 48, 900, 2000), ("llama3-8b", 256, 100, 1400),
-                     ("llama3-8b", 128, 650, 1570), ("llama3-8b", 64, 900, 1850)]
-# (programs an SM, tiles: None for _pick_tiles' choice, "one-warp" for MANY_DECODES)
-FOLD_VARIANTS = [(2, None), (4, None), (8, None), (8, "one-warp"), (12, "one-warp"), (16, "one-warp")]
-
-
-def tune_fold(dtype, gen, log):
-    """The folded decode launch (programs attending pairs from both ends of the batch) against the
-    one-program-a-pair launch, on W1's ragged decode batches, in a CUDA graph: us per launch."""
-    log("\nFolded decode launch on W1's ragged decode batches, longest first (us per launch; GB/s)")
-    log(f"{'case':36s} {'unfolded':>14s} " + " ".join(f"{f'{n}/SM {t or 4}':>16s}" for n, t in FOLD_VARIANTS))
-    rng = torch.Generator().manual_seed(0)
-    saved = ta.FOLD_MIN_PAIRS_PER_SM, ta.FOLD_PROGRAMS_PER_SM, ta.FOLD_ONE_WARP
-    results = []
-    try:
-        for model, batch, lo, hi in W1_DECODE_BATCHES:
-            case, _ = ragged_case(model, batch, lo, hi, dtype, gen, rng)
-            ref = case.reference(fp32=True)
-            ta.FOLD_MIN_PAIRS_PER_SM = 0
-            cells = []
-            for n, tiles in [(0, None)] + FOLD_VARIANTS:
-                if n:
-                    ta.FOLD_MIN_PAIRS_PER_SM, ta.FOLD_PROGRAMS_PER_SM = 1, n
-                    ta.FOLD_ONE_WARP = bool(tiles)
-                assert rel_err(case.triton(), ref) < 2e-2, (model, batch, n, tiles)
-                ms = graph_ms(lambda: case.triton(), 25, 100)
-                cells.append(f"{ms * 1e3:7.1f} {case.kv_bytes() / 1e6 / ms:5.0f}")
-                results.append(dict(model=model, batch=batch, contexts=[lo, hi], programs_per_sm=n, tiles=tiles,
-                                    us=ms * 1e3, gbps=case.kv_bytes() / 1e6 / ms))
-            log(f"  {model:10s} b={batch:<3d} ctx {lo:4d}-{hi:4d} " + "  ".join(f"{c:>14s}" for c in cells))
-            del case
-            torch.cuda.empty_cache()
-    finally:
-        ta.FOLD_MIN_PAIRS_PER_SM, ta.FOLD_PROGRAMS_PER_SM, ta.FOLD_ONE_WARP = saved
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "attention_fold.json"), "w") as f:
-            json.dump(results, f, indent=1)
-
-
 def tune_layout(dtype, gen, log):
     """Decode attention with the cache's KV heads outside its tokens (each block and head one
     contiguous run: 4 KB at block size 16, head_dim 128) against the engine's layout (a token's
@@ -547,8 +505,6 @@ def main():
                              "ragged batches")
     parser.add_argument("--split-ragged", action="store_true",
                         help="only time flash-decoding splits on W1's ragged medium batches")
-    parser.add_argument("--fold", action="store_true",
-                        help="only time the folded decode launch against the unfolded one on W1's decode batches")
     parser.add_argument("--layout", action="store_true",
                         help="only time decode with the KV heads outside the tokens in each block")
     parser.add_argument("--tiles", default=None, metavar="N,W,S,R;...",
@@ -581,8 +537,7 @@ def main():
     bw = copy_bandwidth()
     only = {"tune_split": tune_split, "ragged": tune_ragged, "layout": tune_layout, "mixed": time_mixed,
             "decode_tiles": lambda d, g, lg: tune_decode_tiles(d, g, lg, candidates),
-            "split_ragged": tune_split_ragged, "prefill": tune_prefill, "spec": time_spec,
-            "fold": tune_fold}
+            "split_ragged": tune_split_ragged, "prefill": tune_prefill, "spec": time_spec}
     chosen = [fn for flag, fn in only.items() if getattr(args, flag)]
     if chosen:
         log(f"{props.name}; copy bandwidth {bw:.0f} GB/s")

@@ -59,12 +59,6 @@
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s40b      # a draft model's step cost: W2 Llama-3-8B with a Llama-3.2-1B-shaped draft
-#   bash benchmarks/gpu_session.sh s43       # W1 Qwen3 unfolded / folded (FOLD), GGUF dequantized on the GPU, s42a
-#   bash benchmarks/gpu_session.sh s42a      # the folded decode launch: its tests compiled, its sweep on W1's batches
-#   FOLD="4:2 8w:4" bash benchmarks/gpu_session.sh s42b  # W1 both models, unfolded vs folded (programs an SM[w: one
-#                                            # warp]:from pairs an SM)
-#   bash benchmarks/gpu_session.sh s42s      # s42a's sweep alone
-#   bash benchmarks/gpu_session.sh s42       # s42a's sweep, s42b for Qwen3-0.6B at 4:2 (MODELS, FOLD), s42a's tests
 #   bash benchmarks/gpu_session.sh s41d      # the attention kernels' and backend's tests compiled
 #   bash benchmarks/gpu_session.sh s41c      # the draft of s40b alone: W2 Llama-3.2-1B-shaped, batch 1
 #   bash benchmarks/gpu_session.sh s41a      # KV cache groups (Gemma 2/3) on the GPU: their tests
@@ -1268,49 +1262,6 @@ case "${1:-}" in
           "${kv[@]}" --hybrid-kv-cache $h --out "$OUT/w1g" 2>&1 \
           | grep -E "^pagoda |Error|^\{" | sed -E 's/.*"preemptions": ([0-9]+).*"kv_blocks": ([0-9]+).*/preemptions \1, kv blocks \2/' \
           | sed "s/^/W1 gemma3-1b kv=${gib}GiB hybrid=$h: /"
-      done
-    done
-    ;;
-  s43)
-    # The session's one call: W1 Qwen3-0.6B unfolded / folded at FOLD (the decision first), GGUF's
-    # block types dequantized on the GPU (against gguf-py), then the fold sweep and its tests
-    MODELS=${MODELS:-qwen3-0.6b} FOLD=${FOLD:-4:2} bash "$0" s42b
-    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gguf.py -k torch_dequantize 2>&1 | tail -1
-    timeout 170 python3 benchmarks/attention_kernels.py --fold 2>&1 | tail -16
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-      -k "folded or decode_cuda_graph" 2>&1 | tail -2
-    ;;
-  s42a)
-    # The folded decode launch: its tests compiled (and the CUDA-graph one), then folded against
-    # unfolded on W1's ragged decode batches, in CUDA graphs
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-      -k "folded or decode_cuda_graph" 2>&1 | tail -2
-    timeout 300 python3 benchmarks/attention_kernels.py --fold 2>&1 | tail -16
-    ;;
-  s42s)
-    # the sweep alone
-    timeout 200 python3 benchmarks/attention_kernels.py --fold 2>&1 | tail -16
-    ;;
-  s42)
-    # the sweep, W1 Qwen3-0.6B unfolded / folded at 4 programs an SM from 2 pairs an SM, the tests
-    timeout 200 python3 benchmarks/attention_kernels.py --fold 2>&1 | tail -16
-    MODELS=${MODELS:-qwen3-0.6b} FOLD=${FOLD:-4:2} bash "$0" s42b
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-      -k "folded or decode_cuda_graph" 2>&1 | tail -2
-    ;;
-  s42b)
-    # W1 with the decode launch unfolded, then folded at each of FOLD (entries PROGRAMS[w][:MIN]:
-    # programs an SM, w for one-warp tiles, folding from MIN pairs an SM, 2 by default),
-    # interleaved, after a warm-up
-    warm_w1 .
-    for m in ${MODELS:-qwen3-0.6b llama3-8b}; do
-      for f in 0 ${FOLD:-4:2 4:4}; do
-        knobs=(); p=${f%%:*}; min=2; [ "$p" != "$f" ] && min=${f#*:}
-        [ "$f" != 0 ] && knobs=(--knob triton_attention.FOLD_MIN_PAIRS_PER_SM=$min \
-          --knob triton_attention.FOLD_PROGRAMS_PER_SM=${p%w})
-        [ "${p%w}" != "$p" ] && knobs+=(--knob triton_attention.FOLD_ONE_WARP=True)
-        timeout 170 python3 benchmarks/throughput.py --model-config $MA/$m.json --no-tqdm "${knobs[@]}" \
-          --out "$OUT/w1" 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W1 $m fold=$f: /"
       done
     done
     ;;

@@ -41,15 +41,12 @@ Design: ONE unified kernel, plus a split-KV (flash-decoding) mode of that same k
   ``max_seq_len``); each program derives its range from the request's actual ``seq_len`` in the
   kernel, so the result is right for any lengths (pass ``max_seq_len = max_model_len`` when
   capturing a CUDA graph: it only sets how many segments there are).
-- Folded decode launch (``FOLD_*``; off until measured on an H200): one program a (request, KV
-  head) pair leaves the end of a launch of ragged contexts to the SMs still reading their long
-  pairs. Folded, a decode launch runs fewer programs, each attending an even number of pairs
-  taken from both ends of the batch's longest-first order (``p, 2P - 1 - p, 2P + p, ...``), so
-  every program's contexts add up to about the same length whichever SM it lands on; each
-  pair is still attended whole by one program (no partials, no merge: where the balanced
-  launch of the thirty-eighth session, equal shares of tiles cut across pairs, lost 8.5%).
-  The pairs' work is a function the loop calls without inlining it (inlined, the loop's
-  constants stayed in registers across it and spilled).
+- A decode launch is one program a (request, KV head) pair, in the batch's longest-first order:
+  the GPU hands programs to SMs as they free up, longest first, which keeps the SMs busy to the
+  end of ragged launches (on an H100, W1's decode batches read at 96% of the copy rate). Launches
+  that shared the work out themselves lost: the balanced launch (equal shares of tiles cut
+  across pairs, merged after; thirty-eighth session, -8.5% on W1) and the folded launch (pairs
+  from both ends of the order a program, not cut; forty-third session, -5.6% on W1, H100).
 - Programmatic dependent launch: the kernel before this one writes nothing it reads but this
   step's new K/V (it is the KV write; for a mixed step's second launch, the decodes' attention,
   which writes only their outputs), and every earlier kernel has completed when this one
@@ -145,18 +142,6 @@ SPLIT_MIN_TOKENS = 128
 # one program an SM (batch 32 over 2,048 tokens, two segments: 93 -> 120 us).
 SPLIT_MAX_QUERY_LEN = 16
 SPLIT_BELOW_PROGRAMS_PER_SM_QUERIES = 1
-
-# Folded decode launch: with one program a (request, KV head) pair, a decode launch of unequal
-# contexts ends with SMs idle beside the ones still reading their longest pairs (the thirteenth
-# session measured such launches at 3.5-4.0 TB/s where the same tiles over many waves read at
-# 4.47). Folded, a launch of at least FOLD_MIN_PAIRS_PER_SM pairs an SM runs as fewer
-# programs, about FOLD_PROGRAMS_PER_SM an SM, each attending an even number of pairs taken from
-# both ends of the batch's longest-first order, so that their contexts add up to about the same
-# length (no merge: every pair is still attended whole by one program). FOLD_ONE_WARP: the folded
-# programs in MANY_DECODES' one-warp tiles (else as ``_pick_tiles`` picks them for their number).
-FOLD_MIN_PAIRS_PER_SM = 0
-FOLD_PROGRAMS_PER_SM = 4
-FOLD_ONE_WARP = False
 
 
 fix_interpreter_bugs()
@@ -406,20 +391,50 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, t, kv_end, q_pos, kv_head, 
     return m_new, l_i, acc
 
 
-@triton.jit
-def _attend_query_tile(seq, kv_head, segment, local_tile, q_start, q_len,
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, block_tables_ptr,
-        seq_lens_ptr, qk_scale, v_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
-        stride_kh, stride_bt, cos_sin_ptr, norm_ptr, stride_cs, eps, NUM_HEADS: tl.constexpr,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr, DECODE: tl.constexpr,
-        SKIP_DECODES: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+# Not specialized on the values that change every step (Triton would compile a variant for
+# each of: equal to 1, divisible by 16, neither), nor on the alignment of the per-request
+# metadata, which a mixed step passes from request `first` on (16-byte aligned or not with
+# `first`): a cold compile inside a run costs about a second.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+        part_acc_ptr, part_m_ptr, part_l_ptr,       # flash-decoding scratch (NUM_SEGMENTS > 1)
+        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+        qk_scale, v_scale, num_seqs,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_bt,
+        cos_sin_ptr, norm_ptr, stride_cs, eps,   # rotary of the queries (Rope)
+        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+        NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
+        DECODE: tl.constexpr, SKIP_DECODES: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
         FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
         NORM_UNIT_OFFSET: tl.constexpr, ROTARY_DIM: tl.constexpr):
-    """One program's work: query tile ``local_tile`` of request ``seq`` (its ``q_len`` queries
-    from token ``q_start``) for the query heads of ``kv_head``, over KV segment ``segment`` of
-    its context, into ``out`` (or, with NUM_SEGMENTS > 1, the partials)."""
+    # (pdl_wait comes after the tiles of the old context: see the K/V loops)
+    if DECODE:
+        # At most one query token per request: no search (its dependent loads are most of a
+        # short context's start-up). A 1-D grid in batch order, a request's KV heads and
+        # segments next to each other: programs start in grid order, so a batch ordered longest
+        # context first starts its longest programs first and its shortest fill the last wave.
+        NUM_KV_HEADS: tl.constexpr = NUM_HEADS // GROUP
+        pid = tl.program_id(0)
+        segment = pid % NUM_SEGMENTS
+        kv_head = (pid // NUM_SEGMENTS) % NUM_KV_HEADS
+        seq = pid // (NUM_SEGMENTS * NUM_KV_HEADS)
+        local_tile = 0
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    else:
+        q_tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        segment = tl.program_id(2)
+        # (-1 for the slots before the first request's when query_start_loc[0] > 0)
+        seq = tl.maximum(_find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q), 0)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        local_tile = q_tile - (q_start // BLOCK_Q + seq)
     # (loaded before the exit test, in parallel with query_start_loc: one dependent load fewer
     # before the first K/V tile; seq is a valid request index in every program)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -520,95 +535,6 @@ def _attend_query_tile(seq, kv_head, segment, local_tile, q_start, q_len,
                  mask=row_valid[:, None])
 
 
-# The same, not inlined: called in the folded launch's loop over pairs, where an inlined copy kept
-# the loop's constants in registers across it and spilled (sm_90: 120 bytes at 128 registers).
-_attend_pair = triton.jit(_attend_query_tile.fn, noinline=True)
-
-
-# Not specialized on the values that change every step (Triton would compile a variant for
-# each of: equal to 1, divisible by 16, neither), nor on the alignment of the per-request
-# metadata, which a mixed step passes from request `first` on (16-byte aligned or not with
-# `first`): a cold compile inside a run costs about a second.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"])
-def _paged_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-        part_acc_ptr, part_m_ptr, part_l_ptr,       # flash-decoding scratch (NUM_SEGMENTS > 1)
-        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        qk_scale, v_scale, num_seqs,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_bt,
-        cos_sin_ptr, norm_ptr, stride_cs, eps,   # rotary of the queries (Rope)
-        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-        NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
-        DECODE: tl.constexpr, SKIP_DECODES: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-        FP8_DOTS_F16: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-        NORM_UNIT_OFFSET: tl.constexpr, ROTARY_DIM: tl.constexpr, FOLDED: tl.constexpr):
-    # (pdl_wait comes after the tiles of the old context: see the K/V loops)
-    if DECODE:
-        # At most one query token per request: no search (its dependent loads are most of a
-        # short context's start-up). A 1-D grid in batch order, a request's KV heads and
-        # segments next to each other: programs start in grid order, so a batch ordered longest
-        # context first starts its longest programs first and its shortest fill the last wave.
-        NUM_KV_HEADS: tl.constexpr = NUM_HEADS // GROUP
-        pid = tl.program_id(0)
-        if FOLDED:
-            # num_programs programs for the num_seqs * NUM_KV_HEADS (request, KV head) pairs in batch
-            # order (longest context first): program p attends pairs p, 2P - 1 - p, 2P + p, ...,
-            # the order folded back and forth, so that every program's contexts add up to about
-            # the same length and no SM is left with the longest ones (``FOLD_*`` above).
-            num_programs = tl.num_programs(0)
-            num_pairs = num_seqs * NUM_KV_HEADS
-            for r in range(0, tl.cdiv(num_pairs, num_programs)):
-                pair = r * num_programs + tl.where(r % 2 == 0, pid, num_programs - 1 - pid)
-                if pair < num_pairs:
-                    seq = pair // NUM_KV_HEADS
-                    q_start = tl.load(query_start_loc_ptr + seq)
-                    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-                    _attend_pair(seq, pair % NUM_KV_HEADS, 0, 0, q_start, q_len,
-                                 q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr,
-                                 part_l_ptr, block_tables_ptr, seq_lens_ptr, qk_scale, v_scale,
-                                 stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
-                                 stride_kh, stride_bt, cos_sin_ptr, norm_ptr, stride_cs, eps,
-                                 NUM_HEADS, GROUP, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, BLOCK_M, BLOCK_Q,
-                                 TILE_N, NUM_SEGMENTS, DOT_PRECISION, LOOP_STAGES, DECODE,
-                                 SKIP_DECODES, HAS_ROPE, HAS_NORM, FP8_DOTS_F16, USE_PDL, WINDOW,
-                                 SOFTCAP, NORM_UNIT_OFFSET, ROTARY_DIM)
-        else:
-            segment = pid % NUM_SEGMENTS
-            kv_head = (pid // NUM_SEGMENTS) % NUM_KV_HEADS
-            seq = pid // (NUM_SEGMENTS * NUM_KV_HEADS)
-            q_start = tl.load(query_start_loc_ptr + seq)
-            q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-            _attend_query_tile(seq, kv_head, segment, 0, q_start, q_len,
-                               q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr,
-                               part_l_ptr, block_tables_ptr, seq_lens_ptr, qk_scale, v_scale, stride_qt,
-                               stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
-                               cos_sin_ptr, norm_ptr, stride_cs, eps, NUM_HEADS, GROUP, HEAD_DIM, HEAD_DIM_P,
-                               BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, NUM_SEGMENTS, DOT_PRECISION,
-                               LOOP_STAGES, DECODE, SKIP_DECODES, HAS_ROPE, HAS_NORM, FP8_DOTS_F16, USE_PDL,
-                               WINDOW, SOFTCAP, NORM_UNIT_OFFSET, ROTARY_DIM)
-    else:
-        q_tile = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        segment = tl.program_id(2)
-        # (-1 for the slots before the first request's when query_start_loc[0] > 0)
-        seq = tl.maximum(_find_request(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q), 0)
-        q_start = tl.load(query_start_loc_ptr + seq)
-        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-        local_tile = q_tile - (q_start // BLOCK_Q + seq)
-        _attend_query_tile(seq, kv_head, segment, local_tile, q_start, q_len,
-                           q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                           block_tables_ptr, seq_lens_ptr, qk_scale, v_scale, stride_qt, stride_qh,
-                           stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt, cos_sin_ptr,
-                           norm_ptr, stride_cs, eps, NUM_HEADS, GROUP, HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE,
-                           BLOCK_M, BLOCK_Q, TILE_N, NUM_SEGMENTS, DOT_PRECISION, LOOP_STAGES, DECODE,
-                           SKIP_DECODES, HAS_ROPE, HAS_NORM, FP8_DOTS_F16, USE_PDL, WINDOW, SOFTCAP,
-                           NORM_UNIT_OFFSET, ROTARY_DIM)
-
-
 @triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["query_start_loc_ptr"])
 def _merge_segments_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr,
                            num_seqs, stride_ot, stride_oh,
@@ -658,25 +584,13 @@ def _pick_num_segments(num_programs: int, max_query_len: int, max_seq_len: int,
     return max(1, min(want, SPLIT_MAX_SEGMENTS, 1 << (fit.bit_length() - 1)))
 
 
-def _pick_folded_programs(num_pairs: int, device: torch.device) -> int:
-    """Programs of a folded decode launch of ``num_pairs`` (request, KV head) pairs, 0 for an
-    unfolded one: each program takes an even number of pairs (2, 4, ...), as few as keep the
-    programs at most FOLD_PROGRAMS_PER_SM an SM."""
-    sms = num_sms(device)
-    if not FOLD_MIN_PAIRS_PER_SM or num_pairs < FOLD_MIN_PAIRS_PER_SM * sms:
-        return 0
-    per_program = 2 * triton.cdiv(num_pairs, 2 * FOLD_PROGRAMS_PER_SM * sms)
-    return triton.cdiv(num_pairs, per_program)
-
-
 def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                            max_seq_len: int | None = None, max_query_len: int | None = None,
                            out: torch.Tensor | None = None,
                            num_segments: int | None = None, rope: Rope | None = None,
                            skip_decodes: bool = False, k_scale: float = 1.0, v_scale: float = 1.0,
-                           sliding_window: int = 0, softcap: float = 0.0,
-                           folded_programs: int | None = None) -> torch.Tensor:
+                           sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of a varlen batch against its paged context; same contract as
     ``reference.paged_attention``. ``query``: ``(num_tokens, num_heads, head_dim)`` (strided
     views fine, head_dim contiguous); ``kv_cache``: ``(2, num_blocks, block_size, num_kv_heads,
@@ -687,9 +601,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     (upper bounds are fine); when given, the call makes no host sync and its grid depends only on
     them and on shapes (CUDA-graph capturable). Writes into ``out`` if given (rows past
     ``query_start_loc[-1]`` are left untouched) and returns it. ``num_segments`` forces the
-    flash-decoding split factor (a power of two; tests and tuning), otherwise chosen here;
-    ``folded_programs`` the same for the folded decode launch (0: not folded; it applies to
-    unsplit decode launches only).
+    flash-decoding split factor (a power of two; tests and tuning), otherwise chosen here.
     ``rope``: rotary embedding (and q norm) applied to the queries as they are read (``query``
     itself is left unchanged), each at its place in its context: ``seq_len - q_len + i`` for
     the request's i-th query, which is what the runner's positions are (``rope.positions`` is
@@ -730,14 +642,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         num_segments = _pick_num_segments(num_seqs * num_kv_heads, max_query_len,
                                           min(max_seq_len, sliding_window or max_seq_len), query.device)
     assert num_segments >= 1 and num_segments & (num_segments - 1) == 0
-    if not decode or num_segments > 1:
-        folded_programs = 0
-    elif folded_programs is None:
-        folded_programs = _pick_folded_programs(num_seqs * num_kv_heads, query.device)
-    block_m, tiles = _pick_tiles(max_query_len, group, query.dtype, query.device,
-                                 folded_programs or num_seqs * num_kv_heads)
-    if folded_programs and FOLD_ONE_WARP:
-        tiles = dict(MANY_DECODES)
+    block_m, tiles = _pick_tiles(max_query_len, group, query.dtype, query.device, num_seqs * num_kv_heads)
     head_dim_p = triton.next_power_of_2(head_dim)
     tiles["TILE_N"] = _cap_tile_n(tiles["TILE_N"], head_dim_p)
     block_q = block_m // group
@@ -754,9 +659,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     else:
         part_m = part_l = part_acc = out  # unused
 
-    if folded_programs:
-        grid = (folded_programs,)
-    elif decode:   # one tile per request, KV head and segment, flattened in batch order
+    if decode:   # one tile per request, KV head and segment, flattened in batch order
         grid = (num_seqs * num_kv_heads * num_segments,)
     else:        # query tile slots: an upper bound, from shapes only
         grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
@@ -772,8 +675,7 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         NUM_SEGMENTS=num_segments,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         LOOP_STAGES=tiles["num_stages"], DECODE=decode, SKIP_DECODES=skip_decodes, FP8_DOTS_F16=dots_f16,
-        WINDOW=sliding_window, SOFTCAP=softcap * math.log2(math.e), FOLDED=bool(folded_programs), **tiles,
-        **pdl_launch(query.device))
+        WINDOW=sliding_window, SOFTCAP=softcap * math.log2(math.e), **tiles, **pdl_launch(query.device))
     if num_segments > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc, num_seqs,

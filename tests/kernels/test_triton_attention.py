@@ -52,7 +52,7 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
 
 
 def check_attention(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen,
-                    num_segments=None, max_seq_len=None, sliding_window=0, softcap=0.0, folded_programs=None):
+                    num_segments=None, max_seq_len=None, sliding_window=0, softcap=0.0):
     query, kv_cache, tables, seq_lens_t, qsl = make_batch(
         q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, gen)
     scale = head_dim ** -0.5
@@ -61,8 +61,7 @@ def check_attention(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_s
     out = torch.full_like(query, float("nan"))  # poison: every element must be written
     ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale,
                               max_seq_len or max(seq_lens), max(q_lens), out=out,
-                              num_segments=num_segments, sliding_window=sliding_window, softcap=softcap,
-                              folded_programs=folded_programs)
+                              num_segments=num_segments, sliding_window=sliding_window, softcap=softcap)
     assert not out.isnan().any(), "unwritten (or NaN) output elements"
     err = rel_err(out, ref)
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
@@ -172,48 +171,8 @@ def test_split_kv_decode(num_segments, request):
                     DTYPES[-1], seed_for(request), num_segments=num_segments)
 
 
-# The folded decode launch: a batch longest first, as the runner orders it (ragged, a context of
-# one token, padding requests with no query last), attended by 1 to more programs than pairs / 2
-FOLD_SEQ_LENS = [LONG, LONG - 7, LONG // 2 + 5, 700 if ON_GPU else 70, 77, 33, 16, 1]
-
-
-@pytest.mark.parametrize("num_programs", [1, 3, 8, 13])
-@pytest.mark.parametrize("heads,head_dim,block_size", [(HEADS[2], 128, 16), (HEADS[1], 96, 32), (HEADS[0], 64, 16)],
-                         ids=["gqa4-d128-b16", "gqa3-d96-b32", "mha-d64-b16"])
-def test_folded_decode(num_programs, heads, head_dim, block_size, request):
-    """Each program attends pairs taken from both ends of the batch (one program: all of them;
-    13 of 16 or 24 pairs: a second round for some programs only), with padding requests."""
-    seq_lens = FOLD_SEQ_LENS[:6] + [0, 0]
-    check_attention([1] * 6 + [0, 0], seq_lens, *heads, head_dim, block_size, DTYPES[0], seed_for(request),
-                    num_segments=1, folded_programs=num_programs, max_seq_len=LONG)
-
-
-@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["model-dtype cache", "fp8 cache"])
-def test_folded_decode_rotary_and_fp8(kv_dtype, monkeypatch, request):
-    """Qwen3's q norm and rotary on the queries, and an FP8 cache, through the folded launch with
-    the one-warp tiles of large batches."""
-    gen = seed_for(request)
-    num_heads, num_kv_heads = HEADS[1]
-    head_dim, dtype = 128, DTYPES[0]
-    seq_lens = FOLD_SEQ_LENS
-    query, kv_cache, tables, seq_lens_t, qsl = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads,
-                                                          head_dim, 16, dtype, gen)
-    if kv_dtype is not None:
-        kv_cache = reference.quantize_kv_cache(kv_cache.float(), kv_dtype)
-    rope = rope_inputs(len(seq_lens), head_dim, "qwen3", dtype, gen)
-    places = seq_lens_t.long() - 1
-    q_rot = rotated(rope._replace(positions=places.to(DEVICE)), query, query[:, :1])[0].view_as(query)
-    ref = reference.paged_attention(q_rot.float(), kv_cache if kv_dtype else kv_cache.float(), tables, seq_lens_t,
-                                    qsl, head_dim ** -0.5)
-    for one_warp in (False, True):
-        monkeypatch.setattr(ta, "FOLD_ONE_WARP", one_warp)
-        out = ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, head_dim ** -0.5, LONG, 1,
-                                        rope=rope, num_segments=1, folded_programs=5)
-        assert rel_err(out, ref) < TOLERANCE[dtype]
-
-
-def test_folded_decode_launch_of_a_mixed_step(request):
-    """A mixed step's decode launch, folded: the decodes' rows attended, the prefills' (another
+def test_decode_launch_of_a_mixed_step(request):
+    """A mixed step's decode launch (unsplit): the decodes' rows attended, the prefills' (another
     launch's) left untouched."""
     gen = seed_for(request)
     q_lens, seq_lens = [1, 9, 1, 1, 4, 1], [LONG, 40, 300, 77, 4, 1]
@@ -221,7 +180,7 @@ def test_folded_decode_launch_of_a_mixed_step(request):
     ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, 64 ** -0.5)
     out = torch.full_like(query, float("nan"))
     ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, 64 ** -0.5, LONG, 1, out=out,
-                              num_segments=1, folded_programs=3)
+                              num_segments=1)
     decode_rows = (qsl[:-1][torch.tensor(q_lens) == 1]).long()
     others = torch.ones(len(query), dtype=torch.bool)
     others[decode_rows.cpu()] = False
@@ -242,24 +201,6 @@ def test_mixed_graph_launches_of_short_prompts(request):
         ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, 64 ** -0.5, LONG, max_query_len,
                                   out=out, skip_decodes=skip_decodes)
     assert rel_err(out, ref) < TOLERANCE[DTYPES[0]]
-
-
-def test_folded_programs_chosen(monkeypatch):
-    dev = torch.device(DEVICE)   # (132 SMs in the interpreter)
-    sms = ta.num_sms(dev)
-    monkeypatch.setattr(ta, "FOLD_MIN_PAIRS_PER_SM", 0)
-    assert ta._pick_folded_programs(8 * 256, dev) == 0             # off
-    monkeypatch.setattr(ta, "FOLD_MIN_PAIRS_PER_SM", 4)
-    monkeypatch.setattr(ta, "FOLD_PROGRAMS_PER_SM", 4)
-    assert ta._pick_folded_programs(4 * sms - 1, dev) == 0         # too few pairs
-    assert ta._pick_folded_programs(8 * sms, dev) == 4 * sms      # two pairs a program
-    assert ta._pick_folded_programs(8 * sms + 1, dev) == -(-(8 * sms + 1) // 4)   # four (an even number)
-    assert ta._pick_folded_programs(4 * sms, dev) == 2 * sms      # at least two a program
-    # the kernel folds only unsplit decode launches: a split one keeps a program a segment
-    monkeypatch.setattr(ta, "FOLD_MIN_PAIRS_PER_SM", 1)
-    q_lens, seq_lens = [1] * 3, [LONG, 77, LONG - 7]
-    check_attention(q_lens, seq_lens, *HEADS[2], 128, 16, DTYPES[-1], torch.Generator().manual_seed(0),
-                    num_segments=4, folded_programs=2)
 
 
 WINDOW = 1000 if ON_GPU else 37     # (not a multiple of a block or a tile)
@@ -477,8 +418,7 @@ def test_copy_blocks(num_kv_heads, head_dim, block_size, dtype, request):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("folded", [False, True], ids=["one program a pair", "folded"])
-def test_decode_cuda_graph_and_no_sync(folded, request):
+def test_decode_cuda_graph_and_no_sync(request):
     gen = seed_for(request)
     num_heads, num_kv_heads, head_dim, batch = 32, 8, 128, 8
     seq_lens = [LONG, 1, 700, 2049, 16, 33, 3999, 512]
@@ -492,8 +432,7 @@ def test_decode_cuda_graph_and_no_sync(folded, request):
     def step():
         ta.write_kv_cache_triton(key, value, kv_cache, slot)
         ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, scale,
-                                  max_seq_len=LONG, max_query_len=1, out=out,
-                                  **(dict(num_segments=1, folded_programs=3) if folded else {}))
+                                  max_seq_len=LONG, max_query_len=1, out=out)
 
     step()  # compile
     torch.cuda.synchronize()
