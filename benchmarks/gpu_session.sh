@@ -59,6 +59,7 @@
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s40b      # a draft model's step cost: W2 Llama-3-8B with a Llama-3.2-1B-shaped draft
+#   bash benchmarks/gpu_session.sh s43b      # GGUF on the GPU: tests, load times (gguf_load.py, 1B and 8B)
 #   bash benchmarks/gpu_session.sh s41d      # the attention kernels' and backend's tests compiled
 #   bash benchmarks/gpu_session.sh s41c      # the draft of s40b alone: W2 Llama-3.2-1B-shaped, batch 1
 #   bash benchmarks/gpu_session.sh s41a      # KV cache groups (Gemma 2/3) on the GPU: their tests
@@ -1264,6 +1265,15 @@ case "${1:-}" in
           | sed "s/^/W1 gemma3-1b kv=${gib}GiB hybrid=$h: /"
       done
     done
+    ;;
+  s43b)
+    # GGUF on the GPU: files as llama.cpp writes them against their safetensors folders (the
+    # engine on CUDA, float32), the block types against gguf-py; load times of Q4_K_M-like files
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gguf.py -k "llama_like or torch_dequantize" \
+      2>&1 | tail -2
+    timeout 300 python3 benchmarks/gguf_load.py --model-config benchmarks/models/llama3.2-1b.json \
+      --model-config benchmarks/models/llama3-8b.json \
+      2>&1 | grep -v "^{" | tail -4
     ;;
   s41d)
     # The attention kernels' and backend's tests compiled (after the balanced launch's removal and

@@ -1,0 +1,141 @@
+"""GGUF load time: a Llama-shaped file of random Q4_K_M-like blocks (Q6_K for the LM head, the
+embedding, attn_v and ffn_down; Q4_K for the other matrices; F32 norms), dequantized by gguf-py's
+numpy (one core: the baseline), by pagoda's torch ops on the CPU (every core) and on the GPU, and
+loaded whole by ``LLM`` (to its first token). Random blocks dequantize to noise: the model's tokens
+mean nothing, the times are a real file's.
+
+  python benchmarks/gguf_load.py --model-config benchmarks/models/llama3.2-1b.json
+"""
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import common  # noqa: F401  (puts this checkout first on sys.path)
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from pagoda import LLM, SamplingParams
+from pagoda.model.gguf_file import GGUFModel
+
+
+def _random_blocks(rng, qtype: QT, rows: int, cols: int) -> np.ndarray:
+    """Random quantized rows whose float16 scales are small finite numbers (as a real file's)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    for offset in {QT.Q4_K: (0, 2), QT.Q6_K: (208,)}[qtype]:
+        data[..., offset:offset + 2] = scale
+    return data.reshape(rows, -1)
+
+
+def write_file(cfg: dict, path: str, seed: int = 0) -> int:
+    """The config's Llama model as llama.cpp names it; returns its parameter count."""
+    rng = np.random.default_rng(seed)
+    hidden, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value in [("block_count", layers), ("context_length", 8192), ("embedding_length", hidden),
+                       ("feed_forward_length", inter), ("head_count", heads), ("head_count_kv", kv),
+                       ("layer_norm_rms_eps", cfg["rms_norm_eps"]), ("rope_freq_base", cfg["rope_theta"]),
+                       ("vocab_size", cfg["vocab_size"])]:
+        getattr(w, f"add_{key}")(value)
+    w.add_key_length(head_dim)
+    matrices = {"token_embd.weight": (cfg["vocab_size"], hidden, QT.Q6_K)}
+    if not cfg.get("tie_word_embeddings"):
+        matrices["output.weight"] = (cfg["vocab_size"], hidden, QT.Q6_K)
+    for i in range(layers):
+        for name, rows, cols, qtype in [("attn_q", heads * head_dim, hidden, QT.Q4_K),
+                                        ("attn_k", kv * head_dim, hidden, QT.Q4_K),
+                                        ("attn_v", kv * head_dim, hidden, QT.Q6_K),
+                                        ("attn_output", hidden, heads * head_dim, QT.Q4_K),
+                                        ("ffn_gate", inter, hidden, QT.Q4_K), ("ffn_up", inter, hidden, QT.Q4_K),
+                                        ("ffn_down", hidden, inter, QT.Q6_K)]:
+            matrices[f"blk.{i}.{name}.weight"] = (rows, cols, qtype)
+    params = 0
+    for name, (rows, cols, qtype) in matrices.items():
+        w.add_tensor(name, _random_blocks(rng, qtype, rows, cols), raw_dtype=qtype)
+        params += rows * cols
+    norms = ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")]
+    for name in norms:
+        w.add_tensor(name, np.ones(hidden, np.float32))
+        params += hidden
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return params
+
+
+def numpy_seconds(path: str) -> float:
+    """gguf-py's reader and numpy dequantization over every tensor (its own reading, not pagoda's)."""
+    start = time.perf_counter()
+    for t in gguf.GGUFReader(path).tensors:
+        gguf.quants.dequantize(t.data, t.tensor_type)
+    return time.perf_counter() - start
+
+
+def pagoda_seconds(path: str, device: str) -> float:
+    start = time.perf_counter()
+    for _ in GGUFModel(path).iter_weights(device=device):
+        pass
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def llm_seconds(path: str) -> float:
+    """``LLM(path)`` (bf16) until its first token: load, KV cache, kernels, CUDA graphs."""
+    start = time.perf_counter()
+    llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, gpu_memory_utilization=0.6)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    del llm
+    return seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-config", action="append", required=True, help="a Llama config.json (repeatable)")
+    parser.add_argument("--no-numpy", action="store_true", help="skip gguf-py's one-core baseline (slow for 8B)")
+    args = parser.parse_args()
+    out = os.environ.get("OUT", "results")
+    rows = []
+    for config_path in args.model_config:
+        cfg = common.model_config(config_path)
+        name = os.path.basename(config_path).removesuffix(".json")
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, f"{name}-q4_k_m.gguf")
+            t = time.perf_counter()
+            params = write_file(cfg, path)
+            row = dict(model=name, params=params, file_gb=os.path.getsize(path) / 1e9,
+                       write_s=time.perf_counter() - t, cpu_threads=torch.get_num_threads())
+            row["numpy_s"] = None if args.no_numpy else numpy_seconds(path)
+            row["torch_cpu_s"] = pagoda_seconds(path, "cpu")
+            if torch.cuda.is_available():
+                pagoda_seconds(path, "cuda")     # (CUDA's context and kernels, once)
+                row["torch_cuda_s"] = pagoda_seconds(path, "cuda")
+                row["llm_first_token_s"] = llm_seconds(path)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gguf_load.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", rows=rows), f,
+                  indent=1)
+    kinds = [("numpy_s", "gguf-py numpy (1 core)"), ("torch_cpu_s", "torch, CPU"), ("torch_cuda_s", "torch, GPU")]
+    common.bar_chart(os.path.join(out, "gguf_load.png"), "GGUF Q4_K_M-like dequantization", "seconds",
+                     [r["model"] for r in rows], {label: [r.get(k) for r in rows] for k, label in kinds})
+    print(f"\n{'model':14s} {'params':>7s} {'file GB':>8s} {'numpy s':>8s} {'torch CPU s':>12s} "
+          f"{'torch GPU s':>12s} {'LLM to 1st token s':>19s}")
+    for r in rows:
+        cells = [r.get(k) for k in ("numpy_s", "torch_cpu_s", "torch_cuda_s", "llm_first_token_s")]
+        print(f"{r['model']:14s} {r['params'] / 1e9:6.2f}B {r['file_gb']:8.2f} "
+              + " ".join(f"{c:>{w}.1f}" if c is not None else f"{'-':>{w}s}" for c, w in zip(cells, (8, 12, 12, 19))))
+
+
+if __name__ == "__main__":
+    main()
