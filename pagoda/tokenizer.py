@@ -54,6 +54,10 @@ _GGUF_PRE = {
     "qwen2": (lambda: _split_then_bytes(_QWEN2_SPLIT), normalizers.NFC, False),
     "deepseek-r1-qwen": (lambda: _split_then_bytes(_QWEN2_SPLIT), normalizers.NFC, False),
 }
+# Names llama.cpp gives other vocabularies it splits as one of the above (llama-vocab.cpp)
+_GGUF_PRE |= {name: _GGUF_PRE["gpt-2"] for name in ("olmo", "mpt", "jais")}
+_GGUF_PRE |= {name: _GGUF_PRE["smollm"] for name in ("exaone", "command-r", "codeshell")}
+_GGUF_PRE["dbrx"] = (lambda: _split_then_bytes(_LLAMA3_SPLIT), None, False)   # (GPT-4's; OLMo 2's)
 
 
 def _token_content(token: Any) -> str | None:

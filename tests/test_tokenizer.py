@@ -183,6 +183,18 @@ def test_smollm_pre_splits_digits_where_gpt2_does_not(tmp_path):
     assert [gpt2.id_to_token(i) for i in gpt2.encode(" 123")] == ["Ġ", "123"]
 
 
+@pytest.mark.parametrize("pre,same_as", [("exaone", "smollm"), ("command-r", "smollm"), ("olmo", "gpt-2"),
+                                         ("dbrx", "llama-bpe")])
+def test_other_models_pre_tokenizers(tmp_path, pre, same_as, caplog):
+    """EXAONE's, OLMo's, DBRX's (GPT-4's regex: OLMo 2's files) ... vocabularies split as llama.cpp
+    splits them: as a known type's, not the GPT-2 fallback."""
+    with caplog.at_level(logging.WARNING):
+        ours = Tokenizer.from_gguf(_byte_level_gguf(tmp_path / "a.gguf", pre))
+    assert pre not in caplog.text
+    ref = Tokenizer.from_gguf(_byte_level_gguf(tmp_path / "b.gguf", same_as))
+    assert all(ours.encode(t) == ref.encode(t) for t in SYNTH_TEXTS)
+
+
 def test_unknown_pre_falls_back_with_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         odd = Tokenizer.from_gguf(_byte_level_gguf(tmp_path / "o.gguf", "some-new-model"))
