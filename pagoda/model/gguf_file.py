@@ -2,8 +2,8 @@
 
 The header is parsed here with `struct` instead of `gguf.GGUFReader`: the reader builds a numpy view per
 metadata element, which takes ~4 s for a 49k-token vocabulary; this takes ~0.1 s. Tensor data stays
-memory-mapped and is dequantized one tensor at a time, by torch ops for the common block types
-(`gguf_quants`: every core) and by `gguf.quants.dequantize` (numpy, one core) for the others.
+memory-mapped and is dequantized one tensor at a time on the engine's device, its block types by
+torch ops (`gguf_quants`), its float types by `gguf.quants.dequantize`.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """GGUF's block quantizations dequantized with torch ops: the legacy types (Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0) and the K-quants of the files people download most (Q4_K, Q5_K, Q6_K: Q4_K_M / Q5_K_M /
-Q6_K files). gguf-py's numpy reference runs on one core, about 80 M weights a second for Q4_K: a
+Q8_0) and the K-quants (Q2_K to Q6_K: the Q2_K ... Q6_K files' types). gguf-py's numpy reference runs on one core, about 80 M weights a second for Q4_K: a
 minute and a half for an 8B model; torch's elementwise ops use every core. Each type's layout is
 ggml's (ggml-common.h); the values equal gguf-py's bit for bit (same float32 operations in the same
-order), which the tests check on random blocks. Other types are left to gguf-py."""
+order), which the tests check on random blocks. Other types (the IQ and ternary ones) are left
+to gguf-py, or refused by the reader."""
 from __future__ import annotations
 
 import torch
@@ -94,8 +94,42 @@ def _q6_k(x):
     return (d.unsqueeze(-1) * q).flatten(1)
 
 
+def _two_bit_planes(qs):
+    """64 bytes -> 256 2-bit values (Q2_K / Q3_K): each half of 128 values from its 32 bytes,
+    bit pairs 0, 2, 4, 6 giving values 0-31, 32-63, 64-95, 96-127 of it."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device)[:, None]
+    return ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).flatten(1)
+
+
+def _q2_k(x):
+    """16 bytes of scales (a 16 values: the scale's 4 bits low, the min's high), 64 bytes of 2-bit
+    values, d, dmin: each group (d scale) q - (dmin min)."""
+    scales = x[:, :16]
+    d = _f16(x[:, 80:82]) * (scales & 0x0F).float()
+    dmin = _f16(x[:, 82:84]) * (scales >> 4).float()
+    q = _two_bit_planes(x[:, 16:80]).float().view(-1, 16, 16)
+    return (d.unsqueeze(-1) * q - dmin.unsqueeze(-1)).flatten(1)
+
+
+def _q3_k(x):
+    """32 bytes of high bits, 64 bytes of 2-bit values, 12 bytes of 6-bit scales (a 16 values,
+    stored plus 32), d. Value i's high bit is bit (i // 32) of byte i % 32; where it is clear the
+    value is 4 less. Scale s: the low 4 bits are nibble s // 8 of byte s % 8, the high 2 bits bits
+    2 (s // 4) of byte 8 + s % 4."""
+    b = x[:, 96:108]
+    group = torch.arange(16, device=x.device)
+    low = (b[:, group % 8] >> (4 * (group // 8)).to(torch.uint8)) & 0x0F
+    high = (b[:, 8 + group % 4] >> (2 * (group // 4)).to(torch.uint8)) & 3
+    scales = (low | (high << 4)).to(torch.int8) - 32
+    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)[:, None]
+    bit = ((x[:, :32].unsqueeze(1) >> shifts) & 1).flatten(1)               # (blocks, 256)
+    q = (_two_bit_planes(x[:, 32:96]).to(torch.int8) - 4 * (1 - bit.to(torch.int8))).float()
+    d = _f16(x[:, 108:110]) * scales.float()
+    return (d.unsqueeze(-1) * q.view(-1, 16, 16)).flatten(1)
+
+
 _DEQUANTIZE = {QT.Q8_0: _q8_0, QT.Q4_0: _q4_0, QT.Q4_1: _q4_1, QT.Q5_0: _q5_0, QT.Q5_1: _q5_1,
-               QT.Q4_K: _q4_k, QT.Q5_K: _q5_k, QT.Q6_K: _q6_k}
+               QT.Q2_K: _q2_k, QT.Q3_K: _q3_k, QT.Q4_K: _q4_k, QT.Q5_K: _q5_k, QT.Q6_K: _q6_k}
 TYPES = frozenset(_DEQUANTIZE)
 
 
