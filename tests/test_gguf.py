@@ -250,12 +250,14 @@ def _llama3_rope_factors(cfg: dict, s: dict) -> np.ndarray:
     return np.array(factors, np.float32)
 
 
-def _hf_gguf(folder, path, arch):
+def _hf_gguf(folder, path, arch, types=None):
     """A tiny HF model as llama.cpp's converter writes it: a mixture's experts stacked (E, out,
     in) per projection, llama's q/k rows permuted, the shared expert's gate a vector, Phi-3's
     fused projections kept fused, Gemma's norm weights plus 1 (and Gemma 2/3's norms of each
     sublayer's output, their caps, a linear rope scaling), Llama-3's rope scaling as a factor a
-    frequency, EXAONE's tensors under Llama's names; F32."""
+    frequency, EXAONE's tensors under Llama's names; F32, but for the layer matrices named in
+    ``types`` (llama.cpp's module name -> type): the legacy types quantized by gguf-py, the
+    K-quants (which it cannot quantize) random blocks."""
     import glob
     import json
     import re
@@ -320,7 +322,7 @@ def _hf_gguf(folder, path, arch):
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
-    experts = {}
+    experts, rng = {}, np.random.default_rng(0)
     for name, t in sd.items():
         t = t.float().numpy()
         if arch == "exaone":
@@ -347,7 +349,13 @@ def _hf_gguf(folder, path, arch):
             t = _llama_cpp_permute(t, heads if module == "self_attn.q_proj" else kv)
         gate_vector = "shared_expert_gate" in module
         names = {**_HF_TO_GGUF, **(_GEMMA_TO_GGUF if arch in ("gemma2", "gemma3", "olmo2") else {})}
-        w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", t.reshape(-1) if gate_vector else t)
+        qtype = (types or {}).get(names[module])
+        if qtype in K_AND_LEGACY[3:]:
+            w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", _random_quantized(rng, qtype, *t.shape), raw_dtype=qtype)
+        elif qtype is not None:
+            w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", t.reshape(-1) if gate_vector else t)
     for name, by_expert in experts.items():
         w.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
     w.write_header_to_file()
@@ -435,6 +443,116 @@ def test_llama_like_gguf_equals_its_safetensors(tmp_path, case, arch, config):
     assert (cfg["rope_scaling"] or {}).get("rope_type") == {"llama3": "freq_factors", "exaone": "freq_factors",
                                                             "olmo2": "yarn"}.get(case)
     assert_same_as_folder(path, folder)
+
+
+def test_decompose_equals_dequantize():
+    """quantization="gguf"'s parts ((q - zero) * scale, a zero and scale a group of 16) give each
+    type's values; a group of one value whose scale is 0 (Q4_1's d = 0, m = 0.5) is kept exactly."""
+    for qtype in sorted(gguf_quants.TYPES):
+        raw = torch.from_numpy(_random_quantized(np.random.default_rng(int(qtype)), qtype, 4, 512).copy())
+        q, scale, zero = gguf_quants.decompose(raw, qtype)
+        ours = ((q.float().view(q.shape[0], -1, 16) - zero[..., None]) * scale[..., None]).flatten(1)
+        ref = gguf_quants.dequantize(raw, qtype)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()), msg=qtype.name)
+    flat = np.zeros((1, 20), np.uint8)
+    flat[0, 2:4] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)        # d = 0, m = 0.5
+    q, scale, zero = gguf_quants.decompose(torch.from_numpy(flat), QT.Q4_1)
+    assert torch.equal((q.float().view(1, 2, 16) - zero[..., None]) * scale[..., None], torch.full((1, 2, 16), 0.5))
+
+
+@pytest.mark.parametrize("case,arch,types", [
+    # SmolLM2's own file's type; a Q4_K_M-like mix (attn_v and ffn_down Q6_K, fused with Q4_K parts)
+    ("llama3", "llama", dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                       "ffn_down"), QT.Q4_1)),
+    ("llama3", "llama", dict(attn_q=QT.Q4_K, attn_k=QT.Q4_K, attn_v=QT.Q6_K, attn_output=QT.Q4_K,
+                             ffn_gate=QT.Q4_K, ffn_up=QT.Q4_K, ffn_down=QT.Q6_K)),
+    # every other type once (attn_output F32: a dense layer among packed ones)
+    ("qwen3", "qwen3", dict(attn_q=QT.Q8_0, attn_k=QT.Q5_0, attn_v=QT.Q5_1, ffn_gate=QT.Q2_K, ffn_up=QT.Q3_K,
+                            ffn_down=QT.Q5_K)),
+], ids=["q4_1", "q4_k_m", "mixed"])
+def test_packed_gguf_equals_dequantized(tmp_path, case, arch, types):
+    """quantization="gguf" keeps the layer matrices packed (4-bit words where every part fits,
+    else 8-bit; groups of 32 where every part has them, else 16) and gives the dequantized
+    file's greedy tokens and prompt logprobs (float32)."""
+    from pagoda import LLM, SamplingParams
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, case, hidden_size=256, intermediate_size=512, head_dim=64)
+    path = _hf_gguf(folder, tmp_path / "q.gguf", arch, types)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 14, 3, 77], list(range(20, 60)))]
+    outs, layouts = [], []
+    for quantization in (None, "gguf"):
+        llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24,
+                  max_model_len=128, quantization=quantization)
+        outs.append(llm.generate(prompts, params, use_tqdm=False))
+        layouts.append(llm.apply_model(lambda m: {n.split(".", 3)[-1]: (l.bits, l.group_size)
+                                                  for n, l in m.named_modules() if n.startswith("model.layers.0.")
+                                                  and hasattr(l, "qweight")})[0])
+        del llm
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert next(iter(pa.values())).logprob == pytest.approx(next(iter(pb.values())).logprob, abs=1e-3)
+    assert layouts[0] == {} and layouts[1] == {
+        "q4_1": {"self_attn.qkv_proj": (4, 32), "self_attn.o_proj": (4, 32), "mlp.gate_up_proj": (4, 32),
+                 "mlp.down_proj": (4, 32)},
+        "q4_k_m": {"self_attn.qkv_proj": (8, 16), "self_attn.o_proj": (4, 32), "mlp.gate_up_proj": (4, 32),
+                   "mlp.down_proj": (8, 16)},
+        "mixed": {"self_attn.qkv_proj": (8, 32), "mlp.gate_up_proj": (4, 16), "mlp.down_proj": (8, 32)},
+    }[{QT.Q4_1: "q4_1", QT.Q4_K: "q4_k_m"}.get(types["attn_q"], "mixed")]
+
+
+def test_packed_gguf_over_two_ranks(tmp_path):
+    """Packed at tp=2 (each rank its slice: output rows of the column-parallel layers, groups of
+    16 inputs of the row-parallel ones): one process's greedy tokens and prompt logprobs."""
+    from pagoda import LLM, SamplingParams
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, "llama3", hidden_size=256, intermediate_size=512, head_dim=64)
+    path = _hf_gguf(folder, tmp_path / "q.gguf", "llama", dict(attn_q=QT.Q4_K, attn_k=QT.Q4_K, attn_v=QT.Q6_K,
+                                                                attn_output=QT.Q4_K, ffn_gate=QT.Q4_1,
+                                                                ffn_up=QT.Q4_1, ffn_down=QT.Q6_K))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128,
+                  quantization="gguf", tensor_parallel_size=tp)
+        outs.append(llm.generate([{"prompt_token_ids": list(range(30, 70))}], params, use_tqdm=False)[0])
+        del llm
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    for pa, pb in zip(outs[0].prompt_logprobs[1:], outs[1].prompt_logprobs[1:]):
+        assert next(iter(pa.values())).logprob == pytest.approx(next(iter(pb.values())).logprob, abs=1e-3)
+
+
+def test_smollm2_packed(llm, smollm_path):
+    """SmolLM2's own file (Q4_1 matrices) kept packed: the dequantized engine's greedy tokens and
+    prompt logprobs (float32), its layers in under a fifth of their float32 bytes (4-bit words, a
+    float32 scale and zero a group of 32)."""
+    from pagoda import LLM, SamplingParams
+    packed = LLM(smollm_path, dtype="float32", kv_cache_memory_bytes=1 << 26, max_model_len=512, quantization="gguf")
+    params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=1)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    for a, b in zip(llm.generate(prompts, params, use_tqdm=False), packed.generate(prompts, params, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert next(iter(pa.values())).logprob == pytest.approx(next(iter(pb.values())).logprob, abs=1e-3)
+
+    def layer_bytes(model):
+        return sum(t.numel() * t.element_size() for n, t in model.named_parameters() if ".layers." in n)
+    dense, ours = llm.apply_model(layer_bytes)[0], packed.apply_model(layer_bytes)[0]
+    assert ours < dense / 5, (ours, dense)
+
+
+def test_packed_gguf_refusals(tmp_path, smollm_path):
+    """quantization="gguf" needs a GGUF file, and keeps no mixture of experts packed yet."""
+    from pagoda import LLM
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, "qwen3")
+    with pytest.raises(ValueError, match="no .gguf file"):
+        LLM(folder, quantization="gguf")
+    folder, _ = save_tiny(tmp_path, "mixtral")
+    path = _hf_gguf(folder, tmp_path / "moe.gguf", "llama")
+    with pytest.raises(NotImplementedError, match="mixture of experts"):
+        LLM(path, quantization="gguf", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128)
 
 
 def test_granite_gguf_equals_its_safetensors(tmp_path):

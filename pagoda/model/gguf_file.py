@@ -27,10 +27,8 @@ _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 
-SUPPORTED_TYPES = frozenset({
-    QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0,
-    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
-})
+FLOAT_TYPES = frozenset({QT.F32, QT.F16, QT.BF16})
+SUPPORTED_TYPES = FLOAT_TYPES | gguf_quants.TYPES
 
 # general.architecture -> (HF model_type, HF architecture class); Mixtral's files say "llama"
 # with an expert count
@@ -328,11 +326,7 @@ class GGUFModel:
         """One tensor by GGUF name, dequantized to float32 in HF shape (q/k un-permuted for llama);
         on ``device`` (where the common block types are dequantized: on a GPU, its bytes go there
         and the GPU unpacks them)."""
-        shape, qtype, offset = self.tensor_infos[gguf_name]
-        if qtype not in SUPPORTED_TYPES:
-            raise ValueError(f"{self.path}: tensor {gguf_name!r} has unsupported type {qtype.name}")
-        raw = np.frombuffer(self._mm, dtype=np.uint8, count=self._nbytes(shape, qtype),
-                            offset=self._data_start + offset)
+        shape, qtype, raw = self._raw(gguf_name)
         if qtype in gguf_quants.TYPES:
             w = gguf_quants.dequantize(torch.from_numpy(raw.copy()).to(device), qtype).view(shape)
         else:
@@ -342,6 +336,14 @@ class GGUFModel:
         if self.architecture in _NORMS_PLUS_ONE and gguf_name.endswith("norm.weight"):
             w = w - 1.0
         return self._unpermute(gguf_name, w)
+
+    def _raw(self, gguf_name: str, types: frozenset = SUPPORTED_TYPES) -> tuple[tuple[int, ...], QT, np.ndarray]:
+        """A tensor's shape, type and bytes (a view of the map), if its type is one of ``types``."""
+        shape, qtype, offset = self.tensor_infos[gguf_name]
+        if qtype not in types:
+            raise ValueError(f"{self.path}: tensor {gguf_name!r} has unsupported type {qtype.name}")
+        return shape, qtype, np.frombuffer(self._mm, dtype=np.uint8, count=self._nbytes(shape, qtype),
+                                           offset=self._data_start + offset)
 
     def _unpermute(self, gguf_name: str, w: torch.Tensor) -> torch.Tensor:
         # llama.cpp's converter interleaves each head's rotary halves in q/k rows for the llama
@@ -354,10 +356,30 @@ class GGUFModel:
         n_head = heads if ".attn_q." in gguf_name else self.metadata.get(f"{arch}.attention.head_count_kv", heads)
         return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
-    def iter_weights(self, skip: tuple[str, ...] = (), device: torch.device | str = "cpu"
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_types(self) -> dict[str, QT]:
+        """Each tensor's type by its HF name (stacked experts left out)."""
+        names = {}
+        for gguf_name, (_, qtype, _) in self.tensor_infos.items():
+            m = _LAYER_RE.fullmatch(gguf_name)
+            if not (m and m.group(2) in _EXPERT_NAMES) and (name := self.hf_name(gguf_name)) is not None:
+                names[name] = qtype
+        return names
+
+    def packed_parts(self, gguf_name: str, device: torch.device | str) -> list[tuple[str, torch.Tensor]]:
+        """A matrix of a block type as ``gguf_quants.decompose``'s parts, in HF shape and order
+        (q/k rows un-permuted for llama): ``(".gguf_q", q (N, K) uint8), (".gguf_scale", (N, K /
+        GROUP) float32), (".gguf_zero", ...)``."""
+        shape, qtype, raw = self._raw(gguf_name, gguf_quants.TYPES)
+        parts = gguf_quants.decompose(torch.from_numpy(raw.copy()).to(device), qtype)
+        return [(suffix, self._unpermute(gguf_name, t.reshape(shape[0], -1)))
+                for suffix, t in zip((".gguf_q", ".gguf_scale", ".gguf_zero"), parts)]
+
+    def iter_weights(self, skip: tuple[str, ...] = (), device: torch.device | str = "cpu",
+                     packed: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, dequantized tensor on ``device``) pairs, but for names starting with one of
-        ``skip`` (not read). Stacked experts come out as HF's, an expert at a time."""
+        ``skip`` (not read), and the names in ``packed``, which come as ``packed_parts`` (their
+        names ``.weight`` replaced by the parts'). Stacked experts come out as HF's, an expert at
+        a time."""
         for gguf_name in self.tensor_infos:
             m = _LAYER_RE.fullmatch(gguf_name)
             if m and m.group(2) in _EXPERT_NAMES:
@@ -367,7 +389,10 @@ class GGUFModel:
                         yield f"{prefix}{e}.{_EXPERT_NAMES[m.group(2)]}.{m.group(3)}", w
                 continue
             name = self.hf_name(gguf_name)
-            if name is not None and not (skip and name.startswith(skip)):
+            if name in packed and not (skip and name.startswith(skip)):
+                for suffix, t in self.packed_parts(gguf_name, device):
+                    yield name.removesuffix(".weight") + suffix, t
+            elif name is not None and not (skip and name.startswith(skip)):
                 w = self.tensor(gguf_name, device)
                 # (llama.cpp stores the shared expert's one-row gate as a vector)
                 yield name, w.reshape(1, -1) if gguf_name.endswith("ffn_gate_inp_shexp.weight") else w

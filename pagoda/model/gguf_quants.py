@@ -1,13 +1,28 @@
-"""GGUF's block quantizations dequantized with torch ops: the legacy types (Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0) and the K-quants (Q2_K to Q6_K: the Q2_K ... Q6_K files' types). gguf-py's numpy reference runs on one core, about 80 M weights a second for Q4_K: a
-minute and a half for an 8B model; torch's elementwise ops use every core. Each type's layout is
-ggml's (ggml-common.h); the values equal gguf-py's bit for bit (same float32 operations in the same
-order), which the tests check on random blocks. Other types (the IQ and ternary ones) are left
-to gguf-py, or refused by the reader."""
+"""GGUF's block quantizations unpacked with torch ops: the legacy types (Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0) and the K-quants (Q2_K to Q6_K), on whatever device the bytes are (a GPU's, or every CPU
+core, where gguf-py's numpy reference runs on one: about 80 M weights a second for Q4_K, a minute
+and a half for an 8B model).
+
+Each type's layout is ggml's (ggml-common.h). A block unpacks to ``_Parts``: unsigned integers
+``q`` and a scale a group of 16 or 32 of them, with either an integer zero point (the symmetric
+types: ``value = scale (q - zero)``) or an offset a group (``value = scale q - offset``).
+``dequantize`` computes the values from them in gguf-py's float32 operations and order, so they
+equal its values bit for bit (the tests check it on random blocks); ``decompose`` gives the same
+parts as ``(q - zero) * scale`` with a float zero a group of 16: the packed layout of
+``pagoda.quant.int4``, in which ``quantization="gguf"`` keeps the weights."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+
+class _Parts(NamedTuple):
+    q: torch.Tensor                     # (blocks, block size) uint8
+    scale: torch.Tensor                 # (blocks, groups) float32
+    zero: int = 0                       # value = scale (q - zero), or with
+    offset: torch.Tensor | None = None  # (blocks, groups): value = scale q - offset
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -26,28 +41,28 @@ def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
     return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], count)
 
 
-def _q8_0(x):      # d, 32 x int8
-    return _f16(x[:, :2]) * x.view(torch.int8)[:, 2:].float()
+def _q8_0(x):      # d, 32 x int8 (stored here plus 128)
+    return _Parts((x.view(torch.int8)[:, 2:].to(torch.int16) + 128).to(torch.uint8), _f16(x[:, :2]), 128)
 
 
-def _q4_0(x):      # d, 16 bytes of nibbles: q - 8
-    return _f16(x[:, :2]) * (_nibbles(x[:, 2:]).to(torch.int8) - 8).float()
+def _q4_0(x):      # d, 16 bytes of nibbles: d (q - 8)
+    return _Parts(_nibbles(x[:, 2:]), _f16(x[:, :2]), 8)
 
 
 def _q4_1(x):      # d, m, 16 bytes of nibbles: d q + m
-    return _f16(x[:, :2]) * _nibbles(x[:, 4:]).float() + _f16(x[:, 2:4])
+    return _Parts(_nibbles(x[:, 4:]), _f16(x[:, :2]), offset=-_f16(x[:, 2:4]))
 
 
-def _q5(x, offset):   # 4 bytes of fifth bits at offset, then 16 bytes of nibbles
-    return _nibbles(x[:, offset + 4:]) | (_bits(x[:, offset:offset + 4], 32) << 4)
+def _q5(x, at):    # 4 bytes of fifth bits at ``at``, then 16 bytes of nibbles
+    return _nibbles(x[:, at + 4:]) | (_bits(x[:, at:at + 4], 32) << 4)
 
 
-def _q5_0(x):      # d, 32 high bits, 16 bytes of nibbles: q - 16
-    return _f16(x[:, :2]) * (_q5(x, 2).to(torch.int8) - 16).float()
+def _q5_0(x):      # d, 32 high bits, 16 bytes of nibbles: d (q - 16)
+    return _Parts(_q5(x, 2), _f16(x[:, :2]), 16)
 
 
 def _q5_1(x):      # d, m, 32 high bits, 16 bytes of nibbles: d q + m
-    return _f16(x[:, :2]) * _q5(x, 4).float() + _f16(x[:, 2:4])
+    return _Parts(_q5(x, 4), _f16(x[:, :2]), offset=-_f16(x[:, 2:4]))
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +79,7 @@ def _k_quant(x, q):
     """Q4_K / Q5_K: each sub-block of 32 is (d scale) q - (dmin min); q is (blocks, 256), in
     sub-block order."""
     scales, mins = _k_scales(x[:, 4:16])
-    d, dmin = _f16(x[:, :2]) * scales, _f16(x[:, 2:4]) * mins
-    return (d.unsqueeze(-1) * q.float().view(-1, 8, 32) - dmin.unsqueeze(-1)).flatten(1)
+    return _Parts(q, _f16(x[:, :2]) * scales, offset=_f16(x[:, 2:4]) * mins)
 
 
 def _k_nibbles(qs):
@@ -83,15 +97,14 @@ def _q5_k(x):      # and 32 bytes of fifth bits before the nibbles: sub-block j'
 
 
 def _q6_k(x):
-    """128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales (one a 16 values), d. Each half
-    of 128 values: its 64 low-nibble bytes give values 0-63 (low nibbles) and 64-127 (high); its
-    32 high-bit bytes give bits 4-5 of values l, l + 32, l + 64, l + 96 from bit pairs 0, 2, 4, 6."""
+    """128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales (one a 16 values), d: d scale
+    (q - 32). Each half of 128 values: its 64 low-nibble bytes give values 0-63 (low nibbles) and
+    64-127 (high); its 32 high-bit bytes give bits 4-5 of values l, l + 32, l + 64, l + 96 from
+    bit pairs 0, 2, 4, 6."""
     low = _nibbles(x[:, :128].reshape(-1, 2, 64))                                # (blocks, 2, 128)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=x.device)[:, None]
     high = ((x[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3).flatten(2)      # (blocks, 2, 128)
-    q = ((low | (high << 4)).to(torch.int8) - 32).float().view(-1, 16, 16)
-    d = _f16(x[:, 208:210]) * x.view(torch.int8)[:, 192:208].float()
-    return (d.unsqueeze(-1) * q).flatten(1)
+    return _Parts((low | (high << 4)).flatten(1), _f16(x[:, 208:210]) * x.view(torch.int8)[:, 192:208].float(), 32)
 
 
 def _two_bit_planes(qs):
@@ -105,16 +118,14 @@ def _q2_k(x):
     """16 bytes of scales (a 16 values: the scale's 4 bits low, the min's high), 64 bytes of 2-bit
     values, d, dmin: each group (d scale) q - (dmin min)."""
     scales = x[:, :16]
-    d = _f16(x[:, 80:82]) * (scales & 0x0F).float()
-    dmin = _f16(x[:, 82:84]) * (scales >> 4).float()
-    q = _two_bit_planes(x[:, 16:80]).float().view(-1, 16, 16)
-    return (d.unsqueeze(-1) * q - dmin.unsqueeze(-1)).flatten(1)
+    return _Parts(_two_bit_planes(x[:, 16:80]), _f16(x[:, 80:82]) * (scales & 0x0F).float(),
+                  offset=_f16(x[:, 82:84]) * (scales >> 4).float())
 
 
 def _q3_k(x):
     """32 bytes of high bits, 64 bytes of 2-bit values, 12 bytes of 6-bit scales (a 16 values,
-    stored plus 32), d. Value i's high bit is bit (i // 32) of byte i % 32; where it is clear the
-    value is 4 less. Scale s: the low 4 bits are nibble s // 8 of byte s % 8, the high 2 bits bits
+    stored plus 32), d: d scale (q - 4), value i's q the 2-bit value plus 4 times bit (i // 32) of
+    byte i % 32. Scale s: the low 4 bits are nibble s // 8 of byte s % 8, the high 2 bits bits
     2 (s // 4) of byte 8 + s % 4."""
     b = x[:, 96:108]
     group = torch.arange(16, device=x.device)
@@ -123,20 +134,51 @@ def _q3_k(x):
     scales = (low | (high << 4)).to(torch.int8) - 32
     shifts = torch.arange(8, dtype=torch.uint8, device=x.device)[:, None]
     bit = ((x[:, :32].unsqueeze(1) >> shifts) & 1).flatten(1)               # (blocks, 256)
-    q = (_two_bit_planes(x[:, 32:96]).to(torch.int8) - 4 * (1 - bit.to(torch.int8))).float()
-    d = _f16(x[:, 108:110]) * scales.float()
-    return (d.unsqueeze(-1) * q.view(-1, 16, 16)).flatten(1)
+    return _Parts(_two_bit_planes(x[:, 32:96]) | (bit << 2), _f16(x[:, 108:110]) * scales.float(), 4)
 
 
-_DEQUANTIZE = {QT.Q8_0: _q8_0, QT.Q4_0: _q4_0, QT.Q4_1: _q4_1, QT.Q5_0: _q5_0, QT.Q5_1: _q5_1,
-               QT.Q2_K: _q2_k, QT.Q3_K: _q3_k, QT.Q4_K: _q4_k, QT.Q5_K: _q5_k, QT.Q6_K: _q6_k}
-TYPES = frozenset(_DEQUANTIZE)
+_PARTS = {QT.Q8_0: _q8_0, QT.Q4_0: _q4_0, QT.Q4_1: _q4_1, QT.Q5_0: _q5_0, QT.Q5_1: _q5_1,
+          QT.Q2_K: _q2_k, QT.Q3_K: _q3_k, QT.Q4_K: _q4_k, QT.Q5_K: _q5_k, QT.Q6_K: _q6_k}
+TYPES = frozenset(_PARTS)
+GROUP = 16   # decompose's group: every type's groups are 16 or 32 values
+
+
+def _parts(raw: torch.Tensor, qtype: QT) -> tuple[_Parts, int]:
+    """The parts of a tensor's bytes (uint8, a whole number of blocks) and their group size."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    parts = _PARTS[qtype](raw.view(-1, type_size))
+    return parts, block // parts.scale.shape[1]
 
 
 def dequantize(raw: torch.Tensor, qtype: QT) -> torch.Tensor:
     """A tensor's bytes (uint8, a whole number of blocks) as float32, one row of ``block size``
     values a block: (blocks, block size). ``qtype`` must be in TYPES."""
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    out = _DEQUANTIZE[qtype](raw.view(-1, type_size))
-    assert out.shape[1] == block
-    return out
+    p, group = _parts(raw, qtype)
+    q = p.q.view(p.q.shape[0], -1, group)
+    if p.offset is None:
+        values = p.scale.unsqueeze(-1) * (q.to(torch.int16) - p.zero).float()
+    else:
+        values = p.scale.unsqueeze(-1) * q.float() - p.offset.unsqueeze(-1)
+    return values.flatten(1)
+
+
+def decompose(raw: torch.Tensor, qtype: QT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tensor's bytes as ``(q, scale, zero)``: q uint8 ``(blocks, block size)``, scale and zero
+    float32 ``(blocks, block size / GROUP)``, value i ``(q[i] - zero[g]) * scale[g]`` with ``g =
+    i // GROUP`` (equal to ``dequantize``'s values up to float32 rounding). A group whose values
+    are all one number but whose scale is 0 (scale q - offset with q's scale gone) becomes q = 0,
+    zero = -1, scale = that number, which the form holds exactly."""
+    p, group = _parts(raw, qtype)
+    scale = p.scale
+    if p.offset is None:
+        zero = torch.full_like(scale, p.zero)
+    else:
+        flat = scale == 0
+        zero = p.offset / torch.where(flat, 1.0, scale)
+        if bool(flat.any()):
+            zero = torch.where(flat, -1.0, zero)
+            scale = torch.where(flat, -p.offset, scale)
+            q = p.q.view(p.q.shape[0], -1, group)
+            p = p._replace(q=torch.where(flat.unsqueeze(-1), 0, q).flatten(1).to(torch.uint8))
+    repeat = group // GROUP
+    return p.q, scale.repeat_interleave(repeat, 1), zero.repeat_interleave(repeat, 1)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pagoda.config import ArchConfig, ModelConfig, apply_hf_overrides, classifier_from_tokens
-from pagoda.model.gguf_file import GGUFModel
+from pagoda.model.gguf_file import FLOAT_TYPES, GGUFModel
 from pagoda.model.hub import read_json
 from pagoda.model.layers.fused_moe import expert_param_name
 from pagoda.model.pipeline import missing_prefixes
@@ -344,9 +344,33 @@ def _build(cls, config: ModelConfig, device: torch.device | str) -> nn.Module:
             model = cls(config.arch, get_quant_method(config.quantization, config.quant_config))
             if config.quant_config is not None and config.load_format != "dummy" and not config.is_gguf:
                 leave_unquantized(model, stored_unquantized(config.path, getattr(cls, "checkpoint_prefixes", None)))
+            if config.quantization == "gguf" and config.load_format != "dummy":
+                _check_gguf_packable(model)
+                leave_unquantized(model, {name.removesuffix(".weight") for name, qtype
+                                          in GGUFModel(config.path).hf_types().items() if qtype in FLOAT_TYPES})
             return model
     finally:
         torch.set_default_dtype(prev)
+
+
+def _check_gguf_packable(model: nn.Module) -> None:
+    from pagoda.model.layers.fused_moe import FusedMoE
+    if any(isinstance(m, FusedMoE) for m in model.modules()):
+        raise NotImplementedError("quantization='gguf' keeps dense layers' weights packed; a mixture of experts' "
+                                  "are not yet: leave quantization unset to load the file dequantized.")
+
+
+def gguf_packed(model: nn.Module, gguf: GGUFModel) -> set[str]:
+    """The GGUF matrices (HF names) that go to layers of ``quantization="gguf"``'s packed method."""
+    from pagoda.model.layers.linear import LinearBase
+    from pagoda.quant.int4 import GGUFLinearMethod
+    mapping, owners = getattr(model, "packed_modules_mapping", {}), dict(model.named_modules())
+    packed = set()
+    for name in gguf.hf_types():
+        layer = owners.get(_param_name(name, mapping)[0].rpartition(".")[0])
+        if isinstance(layer, LinearBase) and isinstance(layer.quant_method, GGUFLinearMethod):
+            packed.add(name)
+    return packed
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
@@ -386,7 +410,8 @@ def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
         init_dummy_weights(model, config.seed)
     else:
         skip = other_stages_weights(model)
-        weights = GGUFModel(config.path).iter_weights(skip, device) if config.is_gguf \
+        gguf = GGUFModel(config.path) if config.is_gguf else None
+        weights = gguf.iter_weights(skip, device, gguf_packed(model, gguf)) if gguf \
             else iter_safetensors(config.path, skip, getattr(model, "checkpoint_prefixes", None))
         if config.classifier_token_ids:
             weights = score_from_lm_head(weights, model, config.classifier_token_ids)

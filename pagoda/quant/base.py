@@ -73,8 +73,8 @@ class UnquantizedLinearMethod(QuantMethod):
 
 INT4_METHODS = ("gptq", "awq")
 # "fp8" also quantizes an unquantized checkpoint at load ("online"), as in vLLM
-METHODS = INT4_METHODS + ("fp8", "compressed-tensors")
-PLANNED_METHODS = ("bitsandbytes", "gguf")
+METHODS = INT4_METHODS + ("fp8", "compressed-tensors", "gguf")
+PLANNED_METHODS = ("bitsandbytes",)
 # vLLM's names for its faster kernels of the same checkpoints; W8A8 checkpoints are compressed-tensors
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "w8a8": "compressed-tensors"}
 
@@ -89,7 +89,7 @@ def _known(name: str, from_checkpoint: bool = False) -> str:
         whose = " (the checkpoint's)" if from_checkpoint else ""
         raise NotImplementedError(f"quantization={name!r}{whose} is not implemented yet; load a GPTQ, AWQ, FP8 "
                                   "or compressed-tensors 8-bit checkpoint, unquantized (bf16/fp16) weights or a "
-                                  "GGUF file (its own quantized types are dequantized at load).")
+                                  "GGUF file.")
     if from_checkpoint:
         raise NotImplementedError(f"The checkpoint is quantized with {name!r}, which pagoda does not load; "
                                   f"supported: {list(METHODS)}.")
@@ -126,6 +126,10 @@ def resolve_quantization(requested: str | None, checkpoint_config: dict | None, 
     requested = _known(requested)
     if found is None and requested == "fp8":
         return requested, None             # quantized at load
+    if requested == "gguf":                # (a GGUF file's own block types, kept packed)
+        if not path.endswith(".gguf"):
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized weights; {path} is no .gguf file.")
+        return requested, None
     if found is None:
         raise ValueError(f"quantization={requested!r} needs a checkpoint quantized that way, but {path} has no "
                          "quantization config (config.json's 'quantization_config' or a quantize_config.json).")
@@ -139,7 +143,9 @@ def get_quant_method(quantization: str | None, checkpoint_config: dict | None = 
     if quantization is None:
         return UnquantizedLinearMethod()
     name = _known(quantization)
-    from pagoda.quant.int4 import Int4Config, Int4LinearMethod, packed_compressed_tensors
+    from pagoda.quant.int4 import GGUFLinearMethod, Int4Config, Int4LinearMethod, packed_compressed_tensors
+    if name == "gguf":
+        return GGUFLinearMethod()
     if name == "fp8" or (name == "compressed-tensors" and not packed_compressed_tensors(checkpoint_config)):
         from pagoda.quant.w8 import W8LinearMethod, block_scale_name, block_size, weight_dtype
         return W8LinearMethod(weight_dtype(name, checkpoint_config), block_size(name, checkpoint_config),

@@ -30,7 +30,7 @@ from pagoda.quant.base import QuantMethod, compressed_tensors_group, triton_kern
 
 # AWQ's order of the 8 columns in a packed word: slot i holds column AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-NAMES = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors pack-quantized"}
+NAMES = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors pack-quantized", "gguf": "GGUF"}
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,9 @@ class Int4Config:
         p, group = self.pack, k if self.group_size == -1 else self.group_size
         groups, k_groups = -(-k // group), None if self.group_size == -1 else 0   # (per channel: not split)
         t = CheckpointTensor
+        if self.method == "gguf":   # (gguf_quants.decompose's parts: a byte a weight, a scale and zero a group)
+            return {"gguf_q": t((n, k), torch.uint8, 0, 1, 1, 1), "gguf_scale": t((n, groups), None, 0, 1, 1, group),
+                    "gguf_zero": t((n, groups), None, 0, 1, 1, group)}
         if self.method == "compressed-tensors":      # (N, K) tensors: GPTQ's transposed
             out = {"weight_packed": t((n, k // p), torch.int32, 0, 1, 1, p),
                    "weight_scale": t((n, groups), None, 0, 1, None if k_groups is None else 1, group)}
@@ -249,12 +252,13 @@ class Int4LinearMethod(QuantMethod):
         qweight, scales, zeros, g_idx = c.repack(loaded)
         if g_idx is None:   # by the rule (GPTQ checkpoints store a g_idx even without act-order; the others none)
             g_idx = torch.arange(k, dtype=torch.int32, device=qweight.device) // layer.group_size
+        layer.bits = c.bits
         for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("g_idx", g_idx)):
             setattr(layer, name, nn.Parameter(t, requires_grad=False))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         group_size = None if self.config.desc_act else layer.group_size
-        weights = layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.config.bits
+        weights = layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.bits
         if not x.is_cuda:
             return F.linear(x, dequantize(*weights).t(), bias)
         w4a16 = triton_kernels("triton_w4a16")
@@ -262,3 +266,29 @@ class Int4LinearMethod(QuantMethod):
             return w4a16.w4a16_linear(x, *weights, bias, group_size)
         # larger ones: the dense weight written once, for cuBLAS
         return F.linear(x, w4a16.dequantize(*weights, group_size, x.dtype), bias)
+
+
+class GGUFLinearMethod(Int4LinearMethod):
+    """A GGUF file's block types kept packed (``quantization="gguf"``): each layer loads
+    ``gguf_quants.decompose``'s parts of its tensors (a byte a weight; a scale and a float zero
+    point a group of 16, in the model's dtype) and repacks them into the layout above: 4-bit
+    words where every value fits in 4 bits (Q2_K, Q3_K, Q4_K, Q4_0, Q4_1), else 8-bit (Q5, Q6_K,
+    Q8_0, or a fused layer with one such part), in groups of 32 where the scales and zeros of
+    each pair of groups are equal (the 32-value blocks and sub-blocks), else of 16."""
+
+    def __init__(self):
+        from pagoda.model.gguf_quants import GROUP
+        super().__init__(Int4Config("gguf", 8, GROUP))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        q, scale, zero = (layer._parameters.pop(name).data for name in ("gguf_q", "gguf_scale", "gguf_zero"))
+        bits = 4 if int(q.max()) < 16 else 8
+        group = self.config.group_size
+        if scale.shape[1] % 2 == 0 and torch.equal(scale[:, 0::2], scale[:, 1::2]) \
+                and torch.equal(zero[:, 0::2], zero[:, 1::2]):
+            scale, zero, group = scale[:, 0::2], zero[:, 0::2], 2 * group
+        layer.bits, layer.group_size = bits, group
+        g_idx = torch.arange(q.shape[1], dtype=torch.int32, device=q.device) // group
+        for name, t in (("qweight", pack_rows(q.t(), bits)), ("scales", scale.t().contiguous()),
+                        ("zeros", zero.t().contiguous()), ("g_idx", g_idx)):
+            setattr(layer, name, nn.Parameter(t, requires_grad=False))
