@@ -1,8 +1,9 @@
 """GGUF load time: a Llama-shaped file of random Q4_K_M-like blocks (Q6_K for the LM head, the
 embedding, attn_v and ffn_down; Q4_K for the other matrices; F32 norms), dequantized by gguf-py's
-numpy (one core: the baseline), by pagoda's torch ops on the CPU (every core) and on the GPU, and
-loaded whole by ``LLM`` (to its first token). Random blocks dequantize to noise: the model's tokens
-mean nothing, the times are a real file's.
+numpy (one core: the baseline), by pagoda's torch ops on the CPU (every core) and on the GPU; on
+a GPU also loaded whole by ``LLM``, dequantized and kept packed (``quantization="gguf"``): time to
+its first token, its layers' memory, W2's decode ms a token. Random blocks dequantize to noise:
+the model's tokens mean nothing, the times are a real file's.
 
   python benchmarks/gguf_load.py --model-config benchmarks/models/llama3.2-1b.json
 """
@@ -88,14 +89,25 @@ def pagoda_seconds(path: str, device: str) -> float:
     return time.perf_counter() - start
 
 
-def llm_seconds(path: str) -> float:
-    """``LLM(path)`` (bf16) until its first token: load, KV cache, kernels, CUDA graphs."""
+def llm_run(path: str, quantization: str | None) -> dict:
+    """``LLM(path)`` (bf16; ``quantization="gguf"``: the matrices kept packed): seconds to its
+    first token (load, KV cache, kernels, CUDA graphs), its decoder layers' GiB, and ms a token
+    decoding 256 tokens after a 512-token prompt at batch 1 (W2's shape)."""
     start = time.perf_counter()
-    llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, gpu_memory_utilization=0.6)
+    llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, gpu_memory_utilization=0.6,
+              quantization=quantization)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1), use_tqdm=False)
-    seconds = time.perf_counter() - start
+    first = time.perf_counter() - start
+    layers = llm.apply_model(lambda m: sum(t.numel() * t.element_size() for n, t in m.named_parameters()
+                                           if ".layers." in n))[0]
+    prompt = {"prompt_token_ids": list(range(1, 513))}
+    params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
+    llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)   # (warm)
+    t = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    ms = (time.perf_counter() - t) * 1e3 / len(out.outputs[0].token_ids)
     del llm
-    return seconds
+    return {"first_token_s": first, "layers_gib": layers / (1 << 30), "ms_per_token": ms}
 
 
 def main():
@@ -119,7 +131,9 @@ def main():
             if torch.cuda.is_available():
                 pagoda_seconds(path, "cuda")     # (CUDA's context and kernels, once)
                 row["torch_cuda_s"] = pagoda_seconds(path, "cuda")
-                row["llm_first_token_s"] = llm_seconds(path)
+                for quantization in (None, "gguf"):
+                    for key, value in llm_run(path, quantization).items():
+                        row[f"{quantization or 'dequantized'}_{key}"] = value
         rows.append(row)
         print(json.dumps(row), flush=True)
     os.makedirs(out, exist_ok=True)
@@ -129,12 +143,17 @@ def main():
     kinds = [("numpy_s", "gguf-py numpy (1 core)"), ("torch_cpu_s", "torch, CPU"), ("torch_cuda_s", "torch, GPU")]
     common.bar_chart(os.path.join(out, "gguf_load.png"), "GGUF Q4_K_M-like dequantization", "seconds",
                      [r["model"] for r in rows], {label: [r.get(k) for r in rows] for k, label in kinds})
-    print(f"\n{'model':14s} {'params':>7s} {'file GB':>8s} {'numpy s':>8s} {'torch CPU s':>12s} "
-          f"{'torch GPU s':>12s} {'LLM to 1st token s':>19s}")
+    print(f"\n{'model':14s} {'params':>7s} {'file GB':>8s} {'numpy s':>8s} {'torch CPU s':>12s} {'torch GPU s':>12s}")
     for r in rows:
-        cells = [r.get(k) for k in ("numpy_s", "torch_cpu_s", "torch_cuda_s", "llm_first_token_s")]
+        cells = [r.get(k) for k in ("numpy_s", "torch_cpu_s", "torch_cuda_s")]
         print(f"{r['model']:14s} {r['params'] / 1e9:6.2f}B {r['file_gb']:8.2f} "
-              + " ".join(f"{c:>{w}.1f}" if c is not None else f"{'-':>{w}s}" for c, w in zip(cells, (8, 12, 12, 19))))
+              + " ".join(f"{c:>{w}.1f}" if c is not None else f"{'-':>{w}s}" for c, w in zip(cells, (8, 12, 12))))
+    if any("gguf_ms_per_token" in r for r in rows):
+        print(f"\n{'model, bf16':20s} {'to 1st token s':>15s} {'layers GiB':>11s} {'W2 b=1 ms/token':>16s}")
+        for r in rows:
+            for kind in ("dequantized", "gguf"):
+                print(f"{r['model'] + ' ' + kind:20s} {r[kind + '_first_token_s']:15.1f} {r[kind + '_layers_gib']:11.2f} "
+                      f"{r[kind + '_ms_per_token']:16.2f}")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s40b      # a draft model's step cost: W2 Llama-3-8B with a Llama-3.2-1B-shaped draft
-#   bash benchmarks/gpu_session.sh s43b      # GGUF on the GPU: tests, load times (gguf_load.py, 1B and 8B)
+#   bash benchmarks/gpu_session.sh s43b      # GGUF on the GPU: tests, load times, packed vs dequantized (gguf_load.py)
 #   bash benchmarks/gpu_session.sh s41d      # the attention kernels' and backend's tests compiled
 #   bash benchmarks/gpu_session.sh s41c      # the draft of s40b alone: W2 Llama-3.2-1B-shaped, batch 1
 #   bash benchmarks/gpu_session.sh s41a      # KV cache groups (Gemma 2/3) on the GPU: their tests
@@ -1267,11 +1267,12 @@ case "${1:-}" in
     done
     ;;
   s43b)
-    # GGUF on the GPU: files as llama.cpp writes them against their safetensors folders (the
-    # engine on CUDA, float32), the block types against gguf-py; load times of Q4_K_M-like files
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gguf.py -k "llama_like or torch_dequantize" \
-      2>&1 | tail -2
-    timeout 300 python3 benchmarks/gguf_load.py --model-config benchmarks/models/llama3.2-1b.json \
+    # GGUF on the GPU: files as llama.cpp writes them against their safetensors folders, packed
+    # (quantization="gguf") against dequantized (the engine on CUDA, float32), the block types
+    # against gguf-py; load times, memory and W2 decode of Q4_K_M-like files, dequantized / packed
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gguf.py \
+      -k "llama_like or torch_dequantize or packed or decompose" 2>&1 | tail -2
+    timeout 370 python3 benchmarks/gguf_load.py --model-config benchmarks/models/llama3.2-1b.json \
       --model-config benchmarks/models/llama3-8b.json \
       2>&1 | grep -v "^{" | tail -4
     ;;
