@@ -1274,7 +1274,7 @@ case "${1:-}" in
       -k "llama_like or torch_dequantize or packed or decompose" 2>&1 | tail -2
     timeout 370 python3 benchmarks/gguf_load.py --model-config benchmarks/models/llama3.2-1b.json \
       --model-config benchmarks/models/llama3-8b.json \
-      2>&1 | grep -v "^{" | tail -4
+      2>&1 | grep -v "^{" | tail -12
     ;;
   s41d)
     # The attention kernels' and backend's tests compiled (after the balanced launch's removal and
