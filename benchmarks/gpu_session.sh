@@ -1272,6 +1272,7 @@ case "${1:-}" in
     # against gguf-py; load times, memory and W2 decode of Q4_K_M-like files, dequantized / packed
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gguf.py \
       -k "llama_like or torch_dequantize or packed or decompose" 2>&1 | tail -2
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_w4a16.py -k float_zero 2>&1 | tail -1
     timeout 370 python3 benchmarks/gguf_load.py --model-config benchmarks/models/llama3.2-1b.json \
       --model-config benchmarks/models/llama3-8b.json \
       2>&1 | grep -v "^{" | tail -12

@@ -70,15 +70,18 @@ fix_interpreter_bugs()
 
 
 @triton.jit
-def _minus_zero(q, zero, BITS: tl.constexpr):
-    """``q - zero`` in zero's dtype (exact: small integers). For bf16 and fp16 without an
-    int-to-float conversion (a quarter-rate instruction, one per weight): q's bits set into the
-    mantissa of 128.0 (bf16, 7 mantissa bits: 4-bit q) or 1024.0 (fp16, 10 bits: up to 8-bit
-    q) read as that float, then that base subtracted with the zero point."""
+def _minus_zero(q, zero, BITS: tl.constexpr, INT_ZEROS: tl.constexpr):
+    """``q - zero`` in zero's dtype (exact for integer zeros: small integers). For bf16 and fp16
+    without an int-to-float conversion (a quarter-rate instruction, one per weight): q's bits set
+    into the mantissa of 128.0 (bf16, 7 mantissa bits: 4-bit q) or 1024.0 (fp16, 10 bits: up to
+    8-bit q) read as that float, then that base subtracted with an integer zero point; a float
+    one (``INT_ZEROS`` off: GGUF's) after the base, so that its fraction survives (one rounding)."""
     if (zero.dtype == tl.bfloat16) & (BITS <= 7):
-        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (zero + 128.0)
+        q = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return q - (zero + 128.0) if INT_ZEROS else (q - 128.0) - zero
     elif (zero.dtype == tl.float16) & (BITS <= 10):
-        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (zero + 1024.0)
+        q = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        return q - (zero + 1024.0) if INT_ZEROS else (q - 1024.0) - zero
     else:
         return q.to(zero.dtype) - zero
 
@@ -114,7 +117,7 @@ def _packed_tile(w_ptrs, s_ptr, z_ptr, g_ptr, expert, k0, K, offs_n, n_valid, st
         sz_mask = k_valid[:, None] & n_valid[None, :]
     scale = tl.load(s_ptr + sz, mask=sz_mask, other=0.0)
     zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0)
-    return _minus_zero(q, zero, INT_BITS) * scale
+    return _minus_zero(q, zero, INT_BITS, True) * scale
 
 
 def dequantize_experts(w: reference.Int4Experts, dtype: torch.dtype) -> torch.Tensor:
@@ -169,7 +172,8 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr
                   M, N, K, k_per_split, group_size, group_n, stride_xm, stride_w, stride_sg, stride_os, stride_om,
                   BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   WHOLE_GROUPS: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                  FP8_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                  FP8_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
+                  INT_ZEROS: tl.constexpr):
     PACK: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -222,7 +226,7 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr
                 zero = tl.load(zeros_ptr + sz, mask=n_ok[None, :], other=0.0)
             # (q - zero) * scale in the weights' dtype, as ``int4.dequantize`` rounds it; rows
             # past K were masked to 0 in x
-            w = (_minus_zero(q, zero, BITS) * scale).to(x.dtype)
+            w = (_minus_zero(q, zero, BITS, INT_ZEROS) * scale).to(x.dtype)
             acc += tl.dot(tl.trans(w), tl.trans(x), input_precision="ieee" if x.dtype == tl.float32 else "tf32")
     if ROW_SCALED and not BLOCK_SCALED:
         acc *= tl.load(scales_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
@@ -236,12 +240,13 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr
 def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
                        N, K, k_per_split, group_size, stride_w, stride_sg, stride_os,
                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ROW_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                       ROW_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
+                       INT_ZEROS: tl.constexpr):
     """``x (1, K) @ W`` for packed W: each program sums ``BLOCK_N`` columns over its range of K,
     on the CUDA cores. The tile's words stay in the layout they were loaded in: value j of each
     word is taken out in turn (a shift and a mask), made a float32 without a conversion (its
-    bits set into the mantissa of 2^23; the zero, an integer in every format, is subtracted
-    together with 2^23, exactly) and multiplied by its x. Where each word lies in one group
+    bits set into the mantissa of 2^23; an integer zero is subtracted together with 2^23,
+    exactly; a float one, ``INT_ZEROS`` off, after it) and multiplied by its x. Where each word lies in one group
     (``ROW_GROUPS``: groups by the rule), the scale multiplies a word row's sum once; else each
     value's group comes from ``g_idx``. The partial sums of the tile's rows reduce once, at the end."""
     PACK: tl.constexpr = 32 // BITS
@@ -267,13 +272,14 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bia
             ks = rows * PACK + j
             x = tl.load(x_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)[:, None]   # (rows past K: 0)
             q = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
+            qf = q.to(tl.float32, bitcast=True)
             if ROW_GROUPS:
-                tile += (q.to(tl.float32, bitcast=True) - (zero + MANTISSA)) * x
+                tile += (qf - (zero + MANTISSA) if INT_ZEROS else (qf - MANTISSA) - zero) * x
             else:          # each row's own group: act-order, small or partial groups
                 sz = tl.load(g_idx_ptr + ks, mask=ks < k_hi, other=0).to(tl.int64)[:, None] * stride_sg + offs_n[None, :]
                 s = tl.load(scales_ptr + sz, mask=n_ok[None, :], other=0.0).to(tl.float32)
                 z = tl.load(zeros_ptr + sz, mask=n_ok[None, :], other=0.0).to(tl.float32)
-                acc += (q.to(tl.float32, bitcast=True) - (z + MANTISSA)) * s * x
+                acc += (qf - (z + MANTISSA) if INT_ZEROS else (qf - MANTISSA) - z) * s * x
         if ROW_GROUPS:
             acc += tile * scale
     out = tl.sum(acc, axis=0)
@@ -294,14 +300,16 @@ def use_w4a16(x: torch.Tensor, max_m: int | None = None) -> bool:
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  g_idx: torch.Tensor, bits: int, bias: torch.Tensor | None = None,
-                 group_size: int | None = None) -> torch.Tensor:
+                 group_size: int | None = None, int_zeros: bool = True) -> torch.Tensor:
     """``x (M, K) @ W (K, N) + bias`` in ``x``'s dtype, W as ``int4.dequantize`` would build it.
     ``group_size``: the groups when ``g_idx`` is ``k // group_size`` (no act-order); None reads
-    each row's group from ``g_idx``. Capturable (no host sync)."""
+    each row's group from ``g_idx``. ``int_zeros`` off: zero points with fractions (GGUF's).
+    Capturable (no host sync)."""
     k, n = x.shape[1], scales.shape[1]
     assert qweight.shape == (k // (32 // bits), n) and zeros.shape == scales.shape and g_idx.shape == (k,)
     assert qweight.stride(1) == 1 and scales.stride(1) == 1 and zeros.stride() == scales.stride()
-    return _launch(x, n, (qweight, scales, zeros, g_idx), bits, bias, group_size, row_scaled=False)
+    return _launch(x, n, (qweight, scales, zeros, g_idx), bits, bias, group_size, row_scaled=False,
+                   int_zeros=int_zeros)
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -322,7 +330,7 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def _launch(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch.Tensor | None,
             group_size: int | None, row_scaled: bool, fp8_weight: bool = False,
-            group_n: int | None = None) -> torch.Tensor:
+            group_n: int | None = None, int_zeros: bool = True) -> torch.Tensor:
     """The kernel over ``x (M, K)``: its tiles, the K split, and the float32 partials' sum."""
     qweight, scales, zeros, g_idx = weights
     m, k = x.shape
@@ -349,7 +357,8 @@ def _launch(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch.Tens
             x, qweight, scales, zeros, g_idx, scales if fused_bias is None else fused_bias, out, n, k, k_per_split,
             group_size or 1, qweight.stride(0), scales.stride(0), out.stride(0) if split > 1 else 0, BITS=bits,
             BLOCK_N=block_n, BLOCK_K=block_k, ROW_GROUPS=group_size is not None and group_size % (32 // bits) == 0,
-            HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"], num_warps=tiles["num_warps"])
+            HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"], INT_ZEROS=int_zeros,
+            num_warps=tiles["num_warps"])
     else:
         _w4a16_kernel[(col_tiles, split, row_tiles)](
             x, qweight, scales, zeros, g_idx, scales if fused_bias is None else fused_bias, out,
@@ -357,7 +366,7 @@ def _launch(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch.Tens
             out.stride(0) if split > 1 else 0, out.stride(-2),
             BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WHOLE_GROUPS=whole_groups,
             ROW_SCALED=row_scaled, BLOCK_SCALED=group_n is not None, FP8_WEIGHT=fp8_weight,
-            HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"],
+            HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"], INT_ZEROS=int_zeros,
             num_warps=tiles["num_warps"])
     if split == 1:
         return out

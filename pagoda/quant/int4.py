@@ -221,6 +221,7 @@ class Int4LinearMethod(QuantMethod):
     """Creates each linear layer's tensors as the checkpoint holds them (the layer's weight
     loaders narrow them along ``output_dim`` / ``input_dim``, in units of their packing), then
     repacks them (``process_weights_after_loading``)."""
+    int_zeros = True    # the zero points are integers (the kernels subtract them exactly)
 
     def __init__(self, config: Int4Config):
         self.config = config
@@ -263,9 +264,11 @@ class Int4LinearMethod(QuantMethod):
             return F.linear(x, dequantize(*weights).t(), bias)
         w4a16 = triton_kernels("triton_w4a16")
         if w4a16.use_w4a16(x, w4a16.PACKED_MAX_M):   # decode batches: dequantized in registers
-            return w4a16.w4a16_linear(x, *weights, bias, group_size)
-        # larger ones: the dense weight written once, for cuBLAS
-        return F.linear(x, w4a16.dequantize(*weights, group_size, x.dtype), bias)
+            return w4a16.w4a16_linear(x, *weights, bias, group_size, self.int_zeros)
+        # larger ones: the dense weight written once, for cuBLAS (by torch where zero points have
+        # fractions: the one-pass kernel takes integer ones)
+        dense = w4a16.dequantize(*weights, group_size, x.dtype) if self.int_zeros else dequantize(*weights).t()
+        return F.linear(x, dense, bias)
 
 
 class GGUFLinearMethod(Int4LinearMethod):
@@ -274,7 +277,9 @@ class GGUFLinearMethod(Int4LinearMethod):
     point a group of 16, in the model's dtype) and repacks them into the layout above: 4-bit
     words where every value fits in 4 bits (Q2_K, Q3_K, Q4_K, Q4_0, Q4_1), else 8-bit (Q5, Q6_K,
     Q8_0, or a fused layer with one such part), in groups of 32 where the scales and zeros of
-    each pair of groups are equal (the 32-value blocks and sub-blocks), else of 16."""
+    each pair of groups are equal (the 32-value blocks and sub-blocks), else of 16. The zero
+    points of the types with a minimum (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K) have fractions."""
+    int_zeros = False
 
     def __init__(self):
         from pagoda.model.gguf_quants import GROUP

@@ -51,6 +51,27 @@ def test_w4a16_matches_dequantized_matmul(dtype, m, bits, k, n, group, act_order
         assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 5, 64])
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (8, 16), (8, 32)])
+def test_float_zero_points(dtype, m, bits, group, request):
+    """GGUF's layout (``quantization="gguf"``): zero points with fractions, groups of 16 or 32,
+    with ``int_zeros`` off; the integer-zero path would drop their fractions (float16's base of
+    1024 has no fraction bits left)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    k, n = 256, 96
+    qweight, scales, _, g_idx = random_layer(k, n, bits, group, False, dtype, gen)
+    zeros = (torch.rand(k // group, n, generator=gen) * (1 << bits)).to(DEVICE, dtype)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    ref = x.float() @ dequantize(qweight, scales, zeros, g_idx, bits).float()
+    out = tw.w4a16_linear(x, qweight, scales, zeros, g_idx, bits, None, group, int_zeros=False)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+    if dtype == torch.float16:
+        rounded = tw.w4a16_linear(x, qweight, scales, zeros, g_idx, bits, None, group)
+        assert ((rounded.float() - ref).norm() / ref.norm()).item() > 3 * err
+
+
 @pytest.mark.parametrize("bits,k,n,group,act_order", [
     (4, 256, 200, 128, False), (4, 256, 48, 32, True), (8, 96, 64, 64, False), (4, 160, 72, 48, False)],
     ids=["4bit", "4bit-act-order", "8bit-partial-group", "4bit-groups-across-tiles"])
