@@ -515,7 +515,7 @@ def test_packed_gguf_over_two_ranks(tmp_path):
     outs = []
     for tp in (1, 2):
         llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128,
-                  quantization="gguf", tensor_parallel_size=tp)
+                  quantization="gguf", tensor_parallel_size=tp, device="cpu")   # (one GPU machines too)
         outs.append(llm.generate([{"prompt_token_ids": list(range(30, 70))}], params, use_tqdm=False)[0])
         del llm
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
