@@ -152,8 +152,8 @@ def main():
         print(f"\n{'model, bf16':20s} {'to 1st token s':>15s} {'layers GiB':>11s} {'W2 b=1 ms/token':>16s}")
         for r in rows:
             for kind in ("dequantized", "gguf"):
-                print(f"{r['model'] + ' ' + kind:20s} {r[kind + '_first_token_s']:15.1f} {r[kind + '_layers_gib']:11.2f} "
-                      f"{r[kind + '_ms_per_token']:16.2f}")
+                first, gib, ms = (r[f"{kind}_{key}"] for key in ("first_token_s", "layers_gib", "ms_per_token"))
+                print(f"{r['model'] + ' ' + kind:20s} {first:15.1f} {gib:11.2f} {ms:16.2f}")
 
 
 if __name__ == "__main__":

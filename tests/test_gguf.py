@@ -150,7 +150,8 @@ def test_qwen3_names_no_permute(tmp_path):
     assert cfg["rope_scaling"] == {"rope_type": "freq_factors", "factors": [1.0] * 8}
 
 
-K_AND_LEGACY = [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+K_QUANTS = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]     # (gguf-py cannot quantize these)
+K_AND_LEGACY = [QT.Q4_0, QT.Q4_1, QT.Q8_0] + K_QUANTS
 
 
 def _random_quantized(rng, qtype, rows, cols):
@@ -349,13 +350,13 @@ def _hf_gguf(folder, path, arch, types=None):
             t = _llama_cpp_permute(t, heads if module == "self_attn.q_proj" else kv)
         gate_vector = "shared_expert_gate" in module
         names = {**_HF_TO_GGUF, **(_GEMMA_TO_GGUF if arch in ("gemma2", "gemma3", "olmo2") else {})}
-        qtype = (types or {}).get(names[module])
-        if qtype in K_AND_LEGACY[3:]:
-            w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", _random_quantized(rng, qtype, *t.shape), raw_dtype=qtype)
+        qtype, gguf_name = (types or {}).get(names[module]), f"blk.{layer}.{names[module]}.{kind}"
+        if qtype in K_QUANTS:
+            w.add_tensor(gguf_name, _random_quantized(rng, qtype, *t.shape), raw_dtype=qtype)
         elif qtype is not None:
-            w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", t.reshape(-1) if gate_vector else t)
+            w.add_tensor(gguf_name, t.reshape(-1) if gate_vector else t)
     for name, by_expert in experts.items():
         w.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
     w.write_header_to_file()

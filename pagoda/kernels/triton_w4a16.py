@@ -246,9 +246,10 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bia
     on the CUDA cores. The tile's words stay in the layout they were loaded in: value j of each
     word is taken out in turn (a shift and a mask), made a float32 without a conversion (its
     bits set into the mantissa of 2^23; an integer zero is subtracted together with 2^23,
-    exactly; a float one, ``INT_ZEROS`` off, after it) and multiplied by its x. Where each word lies in one group
-    (``ROW_GROUPS``: groups by the rule), the scale multiplies a word row's sum once; else each
-    value's group comes from ``g_idx``. The partial sums of the tile's rows reduce once, at the end."""
+    exactly; a float one, ``INT_ZEROS`` off, after it) and multiplied by its x. Where each word
+    lies in one group (``ROW_GROUPS``: groups by the rule), the scale multiplies a word row's sum
+    once; else each value's group comes from ``g_idx``. The partial sums of the tile's rows
+    reduce once, at the end."""
     PACK: tl.constexpr = 32 // BITS
     BLOCK_KP: tl.constexpr = BLOCK_K // PACK
     MANTISSA: tl.constexpr = 8388608.0   # 2^23
