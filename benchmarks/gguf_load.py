@@ -21,16 +21,7 @@ from gguf import GGMLQuantizationType as QT
 
 from pagoda import LLM, SamplingParams
 from pagoda.model.gguf_file import GGUFModel
-
-
-def _random_blocks(rng, qtype: QT, rows: int, cols: int) -> np.ndarray:
-    """Random quantized rows whose float16 scales are small finite numbers (as a real file's)."""
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    scale = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
-    for offset in {QT.Q4_K: (0, 2), QT.Q6_K: (208,)}[qtype]:
-        data[..., offset:offset + 2] = scale
-    return data.reshape(rows, -1)
+from tests.quant_utils import random_gguf_blocks
 
 
 def write_file(cfg: dict, path: str, seed: int = 0) -> int:
@@ -59,7 +50,7 @@ def write_file(cfg: dict, path: str, seed: int = 0) -> int:
             matrices[f"blk.{i}.{name}.weight"] = (rows, cols, qtype)
     params = 0
     for name, (rows, cols, qtype) in matrices.items():
-        w.add_tensor(name, _random_blocks(rng, qtype, rows, cols), raw_dtype=qtype)
+        w.add_tensor(name, random_gguf_blocks(rng, qtype, rows, cols, scale=0.002), raw_dtype=qtype)
         params += rows * cols
     norms = ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")]
     for name in norms:

@@ -5,11 +5,18 @@ package's own packer), not from pagoda's unpacking, so the two check each other.
 import json
 import os
 
+import gguf
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file, save_file
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# Where a GGUF block type keeps its float16 scales: the block's start (legacy types: d, and m for
+# the _1 types), or the K-quants' own places (d, dmin / d)
+GGUF_SCALE_OFFSETS = {QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2], QT.Q8_0: [0],
+                      QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -223,3 +230,14 @@ def compressed_folder(src: str, dst: str, kind: str = "int", strategy: str = "ch
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
                   "num_bits": 8, "type": kind, "symmetric": True, "strategy": "token", "dynamic": True}}}}
     return convert_folder(src, dst, convert, config, torch.bfloat16, keep)
+
+
+def random_gguf_blocks(rng: np.random.Generator, qtype: QT, rows: int, cols: int, scale: float = 0.01) -> np.ndarray:
+    """Random ``rows`` of GGUF blocks of ``qtype`` (uint8, a row of blocks each) whose float16
+    scales are ``scale``: finite, as a real file's (random bytes would be NaN or huge)."""
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, type_size), dtype=np.uint8)
+    half = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+    for offset in GGUF_SCALE_OFFSETS[qtype]:
+        data[..., offset:offset + 2] = half
+    return data.reshape(rows, -1)

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as QT
 
 from pagoda.model import gguf_quants
 from pagoda.model.gguf_file import GGUFModel
+from tests.quant_utils import random_gguf_blocks
 
 
 @pytest.fixture(scope="module")
@@ -154,24 +155,12 @@ K_QUANTS = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]     # (gguf-py cannot q
 K_AND_LEGACY = [QT.Q4_0, QT.Q4_1, QT.Q8_0] + K_QUANTS
 
 
-def _random_quantized(rng, qtype, rows, cols):
-    """Random blocks with every fp16 scale field replaced by a small finite value."""
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    data = rng.integers(0, 256, (rows, cols // block, type_size), dtype=np.uint8)
-    half = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    # fp16 scales sit at the block start (legacy quants) or end (K-quants: d, dmin / d)
-    offsets = {QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
-    for off in offsets.get(qtype, [0, 2] if qtype in (QT.Q4_1, QT.Q5_1) else [0]):
-        data[..., off:off + 2] = half
-    return data.reshape(rows, -1)
-
-
 @pytest.mark.parametrize("qtype", K_AND_LEGACY, ids=lambda q: q.name)
 def test_dequantize_matches_transformers(tmp_path, qtype):
     pytest.importorskip("transformers")
     from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
     rng = np.random.default_rng(int(qtype))
-    data = _random_quantized(rng, qtype, 8, 512)
+    data = random_gguf_blocks(rng, qtype, 8, 512)
     path = _write(tmp_path / "t.gguf", "qwen2", {"blk.0.ffn_up.weight": (data, qtype)})
     ours = GGUFModel(path).tensor("blk.0.ffn_up.weight")
     ref = hf_dequantize(torch.from_numpy(data.copy()).reshape(-1), int(qtype)).reshape(8, 512)
@@ -185,7 +174,7 @@ def test_torch_dequantize_equals_gguf_py(qtype):
     for bit, on random blocks of each type it takes."""
     from gguf.quants import dequantize as np_dequantize
     rng = np.random.default_rng(100 + int(qtype))
-    data = _random_quantized(rng, qtype, 6, 1024)
+    data = random_gguf_blocks(rng, qtype, 6, 1024)
     ref = torch.from_numpy(np_dequantize(data, qtype))
     assert torch.isfinite(ref).all() and ref.abs().max() > 0
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
@@ -352,7 +341,7 @@ def _hf_gguf(folder, path, arch, types=None):
         names = {**_HF_TO_GGUF, **(_GEMMA_TO_GGUF if arch in ("gemma2", "gemma3", "olmo2") else {})}
         qtype, gguf_name = (types or {}).get(names[module]), f"blk.{layer}.{names[module]}.{kind}"
         if qtype in K_QUANTS:
-            w.add_tensor(gguf_name, _random_quantized(rng, qtype, *t.shape), raw_dtype=qtype)
+            w.add_tensor(gguf_name, random_gguf_blocks(rng, qtype, *t.shape), raw_dtype=qtype)
         elif qtype is not None:
             w.add_tensor(gguf_name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
@@ -450,7 +439,7 @@ def test_decompose_equals_dequantize():
     """quantization="gguf"'s parts ((q - zero) * scale, a zero and scale a group of 16) give each
     type's values; a group of one value whose scale is 0 (Q4_1's d = 0, m = 0.5) is kept exactly."""
     for qtype in sorted(gguf_quants.TYPES):
-        raw = torch.from_numpy(_random_quantized(np.random.default_rng(int(qtype)), qtype, 4, 512).copy())
+        raw = torch.from_numpy(random_gguf_blocks(np.random.default_rng(int(qtype)), qtype, 4, 512).copy())
         q, scale, zero = gguf_quants.decompose(raw, qtype)
         ours = ((q.float().view(q.shape[0], -1, 16) - zero[..., None]) * scale[..., None]).flatten(1)
         ref = gguf_quants.dequantize(raw, qtype)
@@ -461,17 +450,23 @@ def test_decompose_equals_dequantize():
     assert torch.equal((q.float().view(1, 2, 16) - zero[..., None]) * scale[..., None], torch.full((1, 2, 16), 0.5))
 
 
-@pytest.mark.parametrize("case,arch,types", [
-    # SmolLM2's own file's type; a Q4_K_M-like mix (attn_v and ffn_down Q6_K, fused with Q4_K parts)
+@pytest.mark.parametrize("case,arch,types,layouts", [
+    # SmolLM2's own file's type: every layer 4-bit in groups of 32
     ("llama3", "llama", dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                                       "ffn_down"), QT.Q4_1)),
+                                       "ffn_down"), QT.Q4_1),
+     {"self_attn.qkv_proj": (4, 32), "self_attn.o_proj": (4, 32), "mlp.gate_up_proj": (4, 32),
+      "mlp.down_proj": (4, 32)}),
+    # a Q4_K_M-like mix: attn_v and ffn_down Q6_K (8-bit, groups of 16), the fused q/k/v with them
     ("llama3", "llama", dict(attn_q=QT.Q4_K, attn_k=QT.Q4_K, attn_v=QT.Q6_K, attn_output=QT.Q4_K,
-                             ffn_gate=QT.Q4_K, ffn_up=QT.Q4_K, ffn_down=QT.Q6_K)),
+                             ffn_gate=QT.Q4_K, ffn_up=QT.Q4_K, ffn_down=QT.Q6_K),
+     {"self_attn.qkv_proj": (8, 16), "self_attn.o_proj": (4, 32), "mlp.gate_up_proj": (4, 32),
+      "mlp.down_proj": (8, 16)}),
     # every other type once (attn_output F32: a dense layer among packed ones)
     ("qwen3", "qwen3", dict(attn_q=QT.Q8_0, attn_k=QT.Q5_0, attn_v=QT.Q5_1, ffn_gate=QT.Q2_K, ffn_up=QT.Q3_K,
-                            ffn_down=QT.Q5_K)),
+                            ffn_down=QT.Q5_K),
+     {"self_attn.qkv_proj": (8, 32), "mlp.gate_up_proj": (4, 16), "mlp.down_proj": (8, 32)}),
 ], ids=["q4_1", "q4_k_m", "mixed"])
-def test_packed_gguf_equals_dequantized(tmp_path, case, arch, types):
+def test_packed_gguf_equals_dequantized(tmp_path, case, arch, types, layouts):
     """quantization="gguf" keeps the layer matrices packed (4-bit words where every part fits,
     else 8-bit; groups of 32 where every part has them, else 16) and gives the dequantized
     file's greedy tokens and prompt logprobs (float32)."""
@@ -481,12 +476,12 @@ def test_packed_gguf_equals_dequantized(tmp_path, case, arch, types):
     path = _hf_gguf(folder, tmp_path / "q.gguf", arch, types)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
     prompts = [{"prompt_token_ids": p} for p in ([5, 9, 14, 3, 77], list(range(20, 60)))]
-    outs, layouts = [], []
+    outs, found = [], []     # (each engine's packed layers: bits, group)
     for quantization in (None, "gguf"):
         llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24,
                   max_model_len=128, quantization=quantization)
         outs.append(llm.generate(prompts, params, use_tqdm=False))
-        layouts.append(llm.apply_model(lambda m: {n.split(".", 3)[-1]: (l.bits, l.group_size)
+        found.append(llm.apply_model(lambda m: {n.split(".", 3)[-1]: (l.bits, l.group_size)
                                                   for n, l in m.named_modules() if n.startswith("model.layers.0.")
                                                   and hasattr(l, "qweight")})[0])
         del llm
@@ -494,13 +489,7 @@ def test_packed_gguf_equals_dequantized(tmp_path, case, arch, types):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert next(iter(pa.values())).logprob == pytest.approx(next(iter(pb.values())).logprob, abs=1e-3)
-    assert layouts[0] == {} and layouts[1] == {
-        "q4_1": {"self_attn.qkv_proj": (4, 32), "self_attn.o_proj": (4, 32), "mlp.gate_up_proj": (4, 32),
-                 "mlp.down_proj": (4, 32)},
-        "q4_k_m": {"self_attn.qkv_proj": (8, 16), "self_attn.o_proj": (4, 32), "mlp.gate_up_proj": (4, 32),
-                   "mlp.down_proj": (8, 16)},
-        "mixed": {"self_attn.qkv_proj": (8, 32), "mlp.gate_up_proj": (4, 16), "mlp.down_proj": (8, 32)},
-    }[{QT.Q4_1: "q4_1", QT.Q4_K: "q4_k_m"}.get(types["attn_q"], "mixed")]
+    assert found[0] == {} and found[1] == layouts
 
 
 def test_packed_gguf_over_two_ranks(tmp_path):

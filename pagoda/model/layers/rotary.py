@@ -1,9 +1,8 @@
 """Rotary position embedding (rotate-half / NeoX layout, as HF checkpoints use), with the
 Llama-3, linear, YaRN and LongRoPE scalings of the frequencies (and a factor a frequency, as GGUF
-files give Llama-3's): the cos/sin table, over each head's
-first ``rotary_dim`` dimensions (all of them but for a partial rotary embedding, Phi-4-mini's). The
-attention backends apply it (``reference.Rope``), on the GPU inside the KV-write and attention
-kernels."""
+files give Llama-3's): the cos/sin table, over each head's first ``rotary_dim`` dimensions (all of
+them but for a partial rotary embedding, Phi-4-mini's). The attention backends apply it
+(``reference.Rope``), on the GPU inside the KV-write and attention kernels."""
 import math
 
 import torch
