@@ -57,6 +57,8 @@
 #   bash benchmarks/gpu_session.sh serve16   # W3: the OpenAI server under Poisson arrivals, both models
 #   bash benchmarks/gpu_session.sh serve17   # W3 with the asyncio client, both models; the server stack over a stand-in engine
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
+#   bash benchmarks/gpu_session.sh s44b      # batch-1 GPTQ GEMV variants (gemv_probe.py), ncu of each
+#   BASE=dir bash benchmarks/gpu_session.sh s44c  # gemv_candidate.patch applied: tests, W2 GPTQ batch 1 BASE vs tree
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s40b      # a draft model's step cost: W2 Llama-3-8B with a Llama-3.2-1B-shaped draft
 #   bash benchmarks/gpu_session.sh s43b      # GGUF on the GPU: tests, load times, packed vs dequantized (gguf_load.py)
@@ -1265,6 +1267,32 @@ case "${1:-}" in
           | sed "s/^/W1 gemma3-1b kv=${gib}GiB hybrid=$h: /"
       done
     done
+    ;;
+  s44b)
+    # One row against 4-bit GPTQ weights: GEMV variants (gemv_probe.py), then ncu of one launch each
+    timeout 300 python3 benchmarks/gemv_probe.py 2>&1 | tee "$OUT/gemv_probe.txt"
+    if command -v ncu >/dev/null; then
+      timeout 200 ncu --kernel-name regex:gemv --launch-skip 3 --launch-count 3 --section MemoryWorkloadAnalysis \
+        --section SpeedOfLight --section WarpStateStats --section InstructionStats --section Occupancy \
+        python3 benchmarks/gemv_probe.py --ncu > "$OUT/ncu.txt" 2>&1; tail -5 "$OUT/ncu.txt"
+    else echo "no ncu"; fi
+    ;;
+  s44c)
+    # The GEMV kernel rewritten (one row of 4-bit weights; `git apply benchmarks/gemv_candidate.patch`
+    # first, BASE a worktree without it): its tests compiled (failures in $OUT/tests.txt); W2 GPTQ
+    # batch 1, BASE (the merged GEMV) against this tree; the eight matrices at one row
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/kernels/test_triton_w4a16.py \
+      > "$OUT/tests.txt" 2>&1; grep -E "^FAILED|^E  |passed|failed" "$OUT/tests.txt" | head -30
+    w2g() {  # tree label model knob...
+      tree=$1 label=$2 m=$3; shift 3
+      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 100 python3 benchmarks/latency.py --model-config "$MA/$m.json" \
+        --batch 1 --quantization gptq --out "$OUT/w2_$label" "$@" 2>&1 | grep -E "^pagoda|Error" \
+        | sed "s|^|W2 $m gptq $label: |")
+    }
+    for m in llama3-8b qwen3-0.6b; do w2g "$BASE" base $m; w2g . tree $m; done
+    timeout 60 python3 benchmarks/w4a16.py --rows 1 2>&1 | grep "^all eight"
+    [ "${MORE:-}" ] && { w2g . no-bf16x2 llama3-8b --knob triton_w4a16.GEMV_BF16X2=0;
+      w2g . torch-sums llama3-8b --knob triton_w4a16.GEMV_REDUCE_IN_KERNEL=0; }
     ;;
   s43b)
     # GGUF on the GPU: the W4A16 kernels with float zero points; files as llama.cpp writes them
