@@ -27,15 +27,11 @@ import triton
 import triton.language as tl
 
 from common import graph_ms
+from w4a16 import GROUP, MATRICES, layer as weights
 from pagoda.kernels import triton_w4a16 as tw
 from pagoda.kernels.triton_utils import num_sms
-from pagoda.quant.int4 import dequantize, pack_rows
+from pagoda.quant.int4 import dequantize
 
-MATRICES = {("llama3-8b", "qkv"): (4096, 6144), ("llama3-8b", "o"): (4096, 4096),
-            ("llama3-8b", "gate_up"): (4096, 28672), ("llama3-8b", "down"): (14336, 4096),
-            ("qwen3-0.6b", "qkv"): (1024, 4096), ("qwen3-0.6b", "o"): (2048, 1024),
-            ("qwen3-0.6b", "gate_up"): (1024, 6144), ("qwen3-0.6b", "down"): (3072, 1024)}
-GROUP = 128
 COPIES = 10
 
 # Eight 4-bit values of a word (value j at bits 4j) times their x, summed: pairs (j, j + 4) are
@@ -154,13 +150,6 @@ def group_gemv(x, qweight, scales, zeros, block_n=64, num_warps=4, num_stages=3,
                                            BLOCK_N=block_n, NUM_STAGES=num_stages, PREFETCH=prefetch, BF16X2=bf16x2,
                                            num_warps=num_warps)
     return out[0] if split == 1 else out.sum(0).to(x.dtype)
-
-
-def weights(k, n, dev, dtype, gen):
-    q = torch.randint(0, 16, (k, n), device=dev, dtype=torch.int32, generator=gen)
-    scales = (torch.rand(k // GROUP, n, device=dev, generator=gen) * 0.02 + 0.005).to(dtype)
-    zeros = torch.randint(0, 16, (k // GROUP, n), device=dev, generator=gen).to(dtype)
-    return pack_rows(q, 4), scales, zeros, (torch.arange(k, device=dev) // GROUP).to(torch.int32)
 
 
 # (BLOCK_N, num_warps, num_stages, groups a K step, register prefetch, programs an SM), all bf16x2
