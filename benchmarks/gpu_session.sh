@@ -182,9 +182,9 @@ lora_costs() {  # W1 Qwen3-0.6B with each of $1 random rank-16 adapter counts, L
       | grep -E "^pagoda|Error" | sed "s/^/W2 llama3-8b loras=$n: /"
   done
 }
-w2() {  # tree label model batches
+w2() {  # tree label model batches [latency.py args...]
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site python3 benchmarks/latency.py --model-config "$MA/$3.json" --batch $4 \
-    --out "$OUT/$2" 2>&1 | grep "^pagoda " | sed "s/^/W2 $3 $2: /")
+    --out "$OUT/$2" "${@:5}" 2>&1 | grep -E "^pagoda |Error" | sed "s/^/W2 $3 $2: /")
 }
 w2_moe() {  # tree: W2 on Qwen3-30B-A3B's shapes at batches 1, 8 and 64, labelled by the tree
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site timeout 200 python3 benchmarks/latency.py --model-config \
@@ -1283,16 +1283,13 @@ case "${1:-}" in
     # batch 1, BASE (the merged GEMV) against this tree; the eight matrices at one row
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/kernels/test_triton_w4a16.py \
       > "$OUT/tests.txt" 2>&1; grep -E "^FAILED|^E  |passed|failed" "$OUT/tests.txt" | head -30
-    w2g() {  # tree label model knob...
-      tree=$1 label=$2 m=$3; shift 3
-      (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 100 python3 benchmarks/latency.py --model-config "$MA/$m.json" \
-        --batch 1 --quantization gptq --out "$OUT/w2_$label" "$@" 2>&1 | grep -E "^pagoda|Error" \
-        | sed "s|^|W2 $m gptq $label: |")
-    }
-    for m in llama3-8b qwen3-0.6b; do w2g "$BASE" base $m; w2g . tree $m; done
+    for m in llama3-8b qwen3-0.6b; do
+      w2 "$BASE" gptq_base $m 1 --quantization gptq; w2 . gptq_tree $m 1 --quantization gptq
+    done
     timeout 60 python3 benchmarks/w4a16.py --rows 1 2>&1 | grep "^all eight"
-    [ "${MORE:-}" ] && { w2g . no-bf16x2 llama3-8b --knob triton_w4a16.GEMV_BF16X2=0;
-      w2g . torch-sums llama3-8b --knob triton_w4a16.GEMV_REDUCE_IN_KERNEL=0; }
+    [ "${MORE:-}" ] && for knob in triton_w4a16.GEMV_BF16X2=0 triton_w4a16.GEMV_REDUCE_IN_KERNEL=0; do
+      w2 . "gptq_$knob" llama3-8b 1 --quantization gptq --knob $knob
+    done
     ;;
   s43b)
     # GGUF on the GPU: the W4A16 kernels with float zero points; files as llama.cpp writes them
