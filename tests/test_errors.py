@@ -161,10 +161,10 @@ def test_weights_larger_than_the_device(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps(config))
     build = loader._build
 
-    def out_of_memory(cls, config, device):
+    def out_of_memory(cls, config, device, gguf=None):
         if str(device) != "meta":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
-        return build(cls, config, device)
+        return build(cls, config, device, gguf)
 
     monkeypatch.setattr(loader, "_build", out_of_memory)
     monkeypatch.setattr(loader, "device_memory", lambda device: (100 << 20, 1 << 30))

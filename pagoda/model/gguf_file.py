@@ -132,6 +132,12 @@ class _Header:
         return [self.value(etype) for _ in range(n)]
 
 
+def _bytes_on(raw: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A block-quantized tensor's bytes (a view of the read-only map) as a uint8 tensor on
+    ``device``, where ``gguf_quants`` unpacks them."""
+    return torch.from_numpy(raw.copy()).to(device)
+
+
 class GGUFModel:
     """A GGUF file: `metadata`, `tensor_infos`, `hf_config`, `tokenizer_metadata` and `iter_weights()`."""
 
@@ -328,7 +334,7 @@ class GGUFModel:
         and the GPU unpacks them)."""
         shape, qtype, raw = self._raw(gguf_name)
         if qtype in gguf_quants.TYPES:
-            w = gguf_quants.dequantize(torch.from_numpy(raw.copy()).to(device), qtype).view(shape)
+            w = gguf_quants.dequantize(_bytes_on(raw, device), qtype).view(shape)
         else:
             w = dequantize(raw.reshape(prod(shape[:-1]), -1), qtype).reshape(shape)
             # F32 comes back as a view of the read-only map: copy it (and only it) so torch may own it.
@@ -370,7 +376,7 @@ class GGUFModel:
         (q/k rows un-permuted for llama): ``(".gguf_q", q (N, K) uint8), (".gguf_scale", (N, K /
         GROUP) float32), (".gguf_zero", ...)``."""
         shape, qtype, raw = self._raw(gguf_name, gguf_quants.TYPES)
-        parts = gguf_quants.decompose(torch.from_numpy(raw.copy()).to(device), qtype)
+        parts = gguf_quants.decompose(_bytes_on(raw, device), qtype)
         return [(suffix, self._unpermute(gguf_name, t.reshape(shape[0], -1)))
                 for suffix, t in zip((".gguf_q", ".gguf_scale", ".gguf_zero"), parts)]
 

@@ -336,7 +336,9 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             p.data.uniform_(-1e-2, 1e-2, generator=gen)
 
 
-def _build(cls, config: ModelConfig, device: torch.device | str) -> nn.Module:
+def _build(cls, config: ModelConfig, device: torch.device | str, gguf: GGUFModel | None = None) -> nn.Module:
+    """The model's modules on ``device``, unloaded (``gguf``: the file of a GGUF config, if
+    already open)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
@@ -347,7 +349,8 @@ def _build(cls, config: ModelConfig, device: torch.device | str) -> nn.Module:
             if config.quantization == "gguf" and config.load_format != "dummy":
                 _check_gguf_packable(model)
                 leave_unquantized(model, {name.removesuffix(".weight") for name, qtype
-                                          in GGUFModel(config.path).hf_types().items() if qtype in FLOAT_TYPES})
+                                          in (gguf or GGUFModel(config.path)).hf_types().items()
+                                          if qtype in FLOAT_TYPES})
             return model
     finally:
         torch.set_default_dtype(prev)
@@ -400,8 +403,9 @@ def weights_do_not_fit(cls, config: ModelConfig, device: torch.device) -> ValueE
 
 def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
     cls = get_model_class(config.arch.architecture)
+    gguf = GGUFModel(config.path) if config.is_gguf and config.load_format != "dummy" else None
     try:
-        model = _build(cls, config, device)
+        model = _build(cls, config, device, gguf)
     except torch.OutOfMemoryError:
         model = None   # (raised below, once the half-built model is unreferenced)
     if model is None:
@@ -410,7 +414,6 @@ def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
         init_dummy_weights(model, config.seed)
     else:
         skip = other_stages_weights(model)
-        gguf = GGUFModel(config.path) if config.is_gguf else None
         weights = gguf.iter_weights(skip, device, gguf_packed(model, gguf)) if gguf \
             else iter_safetensors(config.path, skip, getattr(model, "checkpoint_prefixes", None))
         if config.classifier_token_ids:
