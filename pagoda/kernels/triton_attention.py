@@ -539,13 +539,22 @@ def _paged_attention_kernel(
 def _merge_segments_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr,
                            num_seqs, stride_ot, stride_oh,
                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           HEAD_DIM_P: tl.constexpr, NUM_SEGMENTS: tl.constexpr, USE_PDL: tl.constexpr):
-    token = tl.program_id(0)
+                           HEAD_DIM_P: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DECODE: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    """The segments' partial outputs of a row and head, weighed by their sums. A program a row
+    (a request's query), or with ``DECODE`` a request, which is merged only if it has one query:
+    the decode launch of a mixed step wrote no partials for the others. Rows of no request
+    (padding, or before query_start_loc[0]) are left untouched. (The query ranges are step
+    inputs: read before waiting for the attention kernel.)"""
     head = tl.program_id(1)
-    # rows of no request (padding, or before query_start_loc[0]): left untouched. (A step
-    # input: read before waiting for the attention kernel.)
-    if (token < tl.load(query_start_loc_ptr)) | (token >= tl.load(query_start_loc_ptr + num_seqs)):
-        return
+    if DECODE:
+        token = tl.load(query_start_loc_ptr + tl.program_id(0))
+        if tl.load(query_start_loc_ptr + tl.program_id(0) + 1) - token != 1:
+            return
+    else:
+        token = tl.program_id(0)
+        if (token < tl.load(query_start_loc_ptr)) | (token >= tl.load(query_start_loc_ptr + num_seqs)):
+            return
     pdl_wait(USE_PDL)
     offs_s = tl.arange(0, NUM_SEGMENTS)
     offs_d = tl.arange(0, HEAD_DIM_P)
@@ -677,11 +686,11 @@ def paged_attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         LOOP_STAGES=tiles["num_stages"], DECODE=decode, SKIP_DECODES=skip_decodes, FP8_DOTS_F16=dots_f16,
         WINDOW=sliding_window, SOFTCAP=softcap * math.log2(math.e), **tiles, **pdl_launch(query.device))
     if num_segments > 1:
-        _merge_segments_kernel[(num_tokens, num_heads)](
+        _merge_segments_kernel[(num_seqs if decode else num_tokens, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc, num_seqs,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-            NUM_SEGMENTS=num_segments, num_warps=4, **pdl_launch(out.device))
+            NUM_SEGMENTS=num_segments, DECODE=decode, num_warps=4, **pdl_launch(out.device))
     return out
 
 

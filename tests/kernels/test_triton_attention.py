@@ -171,16 +171,17 @@ def test_split_kv_decode(num_segments, request):
                     DTYPES[-1], seed_for(request), num_segments=num_segments)
 
 
-def test_decode_launch_of_a_mixed_step(request):
-    """A mixed step's decode launch (unsplit): the decodes' rows attended, the prefills' (another
-    launch's) left untouched."""
+@pytest.mark.parametrize("num_segments", [1, 4])
+def test_decode_launch_of_a_mixed_step(num_segments, request):
+    """A mixed step's decode launch, split or not: the decodes' rows attended, the prefills'
+    (another launch's) left untouched, by the attention and by the split's merge."""
     gen = seed_for(request)
     q_lens, seq_lens = [1, 9, 1, 1, 4, 1], [LONG, 40, 300, 77, 4, 1]
     query, kv_cache, tables, seq_lens_t, qsl = make_batch(q_lens, seq_lens, *HEADS[1], 64, 16, DTYPES[0], gen)
     ref = reference.paged_attention(query.float(), kv_cache.float(), tables, seq_lens_t, qsl, 64 ** -0.5)
     out = torch.full_like(query, float("nan"))
     ta.paged_attention_triton(query, kv_cache, tables, seq_lens_t, qsl, 64 ** -0.5, LONG, 1, out=out,
-                              num_segments=1)
+                              num_segments=num_segments)
     decode_rows = (qsl[:-1][torch.tensor(q_lens) == 1]).long()
     others = torch.ones(len(query), dtype=torch.bool)
     others[decode_rows.cpu()] = False
