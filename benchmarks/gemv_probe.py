@@ -15,8 +15,8 @@ relative error against the float32 product:
               Labelled BLOCK_N x warps, pipeline stages, groups a K step, "pf" (the next step's
               words loaded into registers instead of a shared-memory pipeline), programs an SM;
   - bf16:     cuBLAS on the bf16 weight.
-Results: BENCHMARKS.md, forty-fourth session. ``gemv_candidate.patch`` is the best variant as
-the engine's GEMV.
+Results: BENCHMARKS.md, forty-fourth session. The best variant is the engine's GEMV since the
+forty-fifth (``pagoda/kernels/triton_w4a16.py``).
 
   python3 benchmarks/gemv_probe.py [--ncu]
 """
@@ -34,38 +34,8 @@ from pagoda.quant.int4 import dequantize
 
 COPIES = 10
 
-# Eight 4-bit values of a word (value j at bits 4j) times their x, summed: pairs (j, j + 4) are
-# masked into the mantissas of two bf16 (128 + q: exact), 128 + zero subtracted by an fma with
-# 1.0 (exact), times the pair's x (one rounding), the four pairs' products added in bf16x2, then
-# the two halves added in fp32. $1 word, $2 -(128 + zero) twice, $3-$6 x pairs; $0 the fp32 sum.
-BF16X2_ASM = tl.constexpr("""{
-.reg .b32 t, d, a, s, one;
-mov.b32 one, 0x3F803F80;
-lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 d, t, one, $2;
-mul.rn.bf16x2 a, d, $3;
-shr.u32 s, $1, 4;
-lop3.b32 t, s, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 d, t, one, $2;
-fma.rn.bf16x2 a, d, $4, a;
-shr.u32 s, $1, 8;
-lop3.b32 t, s, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 d, t, one, $2;
-fma.rn.bf16x2 a, d, $5, a;
-shr.u32 s, $1, 12;
-lop3.b32 t, s, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 d, t, one, $2;
-fma.rn.bf16x2 a, d, $6, a;
-shl.b32 t, a, 16;
-and.b32 d, a, 0xFFFF0000;
-add.f32 $0, t, d;
-}""")
-
-
-@triton.jit
-def _bits16(v):
-    """A bf16 tensor's bits in the low half of an int32."""
-    return v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+# Eight 4-bit values of a word in bf16x2 instructions, and a 16-bit float's bits: the engine's
+BF16X2_ASM, _bits16 = tw.BF16X2_ASM, tw._bits16
 
 
 @triton.jit

@@ -58,7 +58,7 @@
 #   bash benchmarks/gpu_session.sh serve17   # W3 with the asyncio client, both models; the server stack over a stand-in engine
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh s44b      # batch-1 GPTQ GEMV variants (gemv_probe.py), ncu of each
-#   BASE=dir bash benchmarks/gpu_session.sh s44c  # gemv_candidate.patch applied: tests, W2 GPTQ batch 1 BASE vs tree
+#   BASE=dir bash benchmarks/gpu_session.sh s45a  # the GEMV of s44b merged: tests, W2 GPTQ batch 1 BASE vs tree
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s40b      # a draft model's step cost: W2 Llama-3-8B with a Llama-3.2-1B-shaped draft
 #   bash benchmarks/gpu_session.sh s43b      # GGUF on the GPU: tests, load times, packed vs dequantized (gguf_load.py)
@@ -1277,19 +1277,17 @@ case "${1:-}" in
         python3 benchmarks/gemv_probe.py --ncu > "$OUT/ncu.txt" 2>&1; tail -5 "$OUT/ncu.txt"
     else echo "no ncu"; fi
     ;;
-  s44c)
-    # The GEMV kernel rewritten (one row of 4-bit weights; `git apply benchmarks/gemv_candidate.patch`
-    # first, BASE a worktree without it): its tests compiled (failures in $OUT/tests.txt); W2 GPTQ
-    # batch 1, BASE (the merged GEMV) against this tree; the eight matrices at one row
+  s45a)
+    # The GEMV kernel merged: its tests compiled; W2 Llama-3-8B batch 1 GPTQ, BASE (the previous
+    # GEMV) against this tree, and bf16; the eight matrices at one row, BASE and tree (MORE=1: the
+    # GEMV's settings swept)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/kernels/test_triton_w4a16.py \
-      > "$OUT/tests.txt" 2>&1; grep -E "^FAILED|^E  |passed|failed" "$OUT/tests.txt" | head -30
+      > "$OUT/tests.txt" 2>&1; grep -E "^FAILED|passed|failed" "$OUT/tests.txt" | cut -c1-300 | head -20
     for m in llama3-8b qwen3-0.6b; do
-      w2 "$BASE" gptq_base $m 1 --quantization gptq; w2 . gptq_tree $m 1 --quantization gptq
+      w2 "$BASE" gptq_base $m 1 --quantization gptq; w2 . gptq_tree $m 1 --quantization gptq; w2 . bf16 $m 1
     done
-    timeout 60 python3 benchmarks/w4a16.py --rows 1 2>&1 | grep "^all eight"
-    [ "${MORE:-}" ] && for knob in triton_w4a16.GEMV_BF16X2=0 triton_w4a16.GEMV_REDUCE_IN_KERNEL=0; do
-      w2 . "gptq_$knob" llama3-8b 1 --quantization gptq --knob $knob
-    done
+    trees "^all eight" w4a16.py --rows 1
+    [ "${MORE:-}" ] && timeout 120 python3 benchmarks/w4a16.py --rows 1 --gemv-sweep 2>&1 | grep -E "^GEMV"
     ;;
   s43b)
     # GGUF on the GPU: the W4A16 kernels with float zero points; files as llama.cpp writes them

@@ -53,9 +53,10 @@ def tile_name(t):
     return f"{t['BLOCK_M']}x{t['BLOCK_N']}x{t['BLOCK_K']}w{t['num_warps']}s{t['num_stages']}"
 
 
-# --gemv-sweep: GEMV_TILES tried at one row, (BLOCK_N, BLOCK_K, num_warps, num_stages)
-GEMV_SWEEP = [(128, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (64, 512, 4, 2), (128, 256, 4, 3),
-              (128, 512, 8, 2), (32, 256, 4, 3), (32, 512, 4, 3), (64, 256, 2, 4), (64, 512, 8, 3)]
+# --gemv-sweep: the GEMV kernel's settings tried at one row, (BLOCK_N, num_warps, GEMV_STEP,
+# GEMV_PROGRAMS_PER_SM)
+GEMV_SWEEP = [(64, 4, 128, 4), (64, 4, 128, 8), (32, 4, 128, 8), (64, 2, 128, 8), (128, 4, 128, 4),
+              (64, 4, 64, 4), (64, 4, 256, 4), (32, 2, 128, 16), (64, 8, 128, 4), (32, 4, 128, 4)]
 
 
 def layer(k, n, dev, dtype, gen):
@@ -214,14 +215,15 @@ def main():
             print(f"{model + ' ' + name:22s} {m:4d} {bf16:11.1f} {deq * 1e3:10.1f} {kern:7.1f} {rate:6.0f} "
                   f"{bf16 / kern:6.2f}x {err:8.1e} {tc:7.1f}")
             if m == 1 and args.gemv_sweep:
-                for bn, bk, warps, stages in GEMV_SWEEP:
-                    tiles, tw.GEMV_TILES = tw.GEMV_TILES, dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                                               num_stages=stages)
+                for bn, warps, step, per_sm in GEMV_SWEEP:
+                    saved = tw.GEMV_TILES, tw.GEMV_STEP, tw.GEMV_PROGRAMS_PER_SM
+                    tw.GEMV_TILES = dict(BLOCK_N=bn, num_warps=warps)
+                    tw.GEMV_STEP, tw.GEMV_PROGRAMS_PER_SM = step, per_sm
                     out = tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4, None, GROUP)
                     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
-                    sweep_us[bn, bk, warps, stages] += graph_ms(
+                    sweep_us[bn, warps, step, per_sm] += graph_ms(
                         lambda: tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4, None, GROUP)) * 1e3
-                    tw.GEMV_TILES = tiles
+                    tw.GEMV_TILES, tw.GEMV_STEP, tw.GEMV_PROGRAMS_PER_SM = saved
         torch.cuda.empty_cache()
     for m in args.rows:
         sel = [r for r in rows if r["rows"] == m]
@@ -230,7 +232,7 @@ def main():
               f"(tensor-core kernel {sum(r['tensor_core_us'] for r in sel):.1f}), dequantize + cuBLAS {deq:.1f} us: "
               f"{'the kernel' if kern < deq else 'dequantize + cuBLAS'} wins (PACKED_MAX_M {tw.PACKED_MAX_M})")
     for tiles, us in sorted(sweep_us.items(), key=lambda t: t[1]):
-        print(f"GEMV tiles (BLOCK_N, BLOCK_K, warps, stages) {tiles}: {us:.1f} us for the eight at one row")
+        print(f"GEMV (BLOCK_N, warps, step, programs an SM) {tiles}: {us:.1f} us for the eight at one row")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "w4a16.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)

@@ -26,8 +26,12 @@ become cheaper.
 Measured on the H200 (BENCHMARKS.md, fourteenth session): the eight decode matrices of
 Qwen3-0.6B and Llama-3-8B at one row in 204 us, against 2,941 for dequantize + cuBLAS and 199
 for bf16 cuBLAS: a quarter of the bytes in bf16's time, so the dequantization, not memory,
-bounds it. One row now takes the GEMV kernel (164 us, thirty-fourth session): a 16-row tensor-
-core tile dequantized for one row of x is work the CUDA cores skip.
+bounds it. One row takes the GEMV kernel (164 us, thirty-fourth session): a 16-row tensor-
+core tile dequantized for one row of x is work the CUDA cores skip. Its second form (forty-
+fifth session, ``_w4a16_gemv_kernel``) takes a word's eight 4-bit values two at a time in bf16x2
+instructions (``BF16X2_ASM``), a group a K step, the next step's words prefetched into
+registers, and sums the split partials in the kernel: 110 us against 132 for the eight on an
+H100; W2 Llama-3-8B GPTQ batch 1 3.21 ms a token against 4.13.
 """
 import torch
 import triton
@@ -58,13 +62,48 @@ TILES = {
 PROGRAMS_PER_SM = 4      # split K until this many programs an SM
 MAX_SPLIT_K = 16
 # One row of x with packed weights (a batch-1 decode step) takes the GEMV kernel: no tensor cores,
-# so no tile of 16 rows dequantized for one (1 turns it on, 0 off). On the H200 (BENCHMARKS.md,
-# thirty-fourth session) the eight decode matrices of both models at one row: 164 us against the
-# tensor-core kernel's 204 (bf16 cuBLAS 202); W2 Llama-3-8B GPTQ batch 1 4.02 ms a step against
-# 5.01. Its tiles: the fastest of `benchmarks/w4a16.py --gemv-sweep`'s on an H100 (32 x 256: 167
-# us; 64 x 128: 179; 128 x 128: 196).
+# so no tile of 16 rows dequantized for one (1 turns it on, 0 off). Its tiles, programs an SM and
+# split-K sums: BENCHMARKS.md, forty-fourth session (`benchmarks/gemv_probe.py`, H100: the eight
+# decode matrices of both models at one row 109.9 us against the previous GEMV's 132.2; bf16
+# cuBLAS 192.5).
 GEMV = 1
-GEMV_TILES = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
+GEMV_TILES = dict(BLOCK_N=64, num_warps=4)
+GEMV_STEP = 128             # K a loop step (at most; a power of two dividing the group size)
+GEMV_PROGRAMS_PER_SM = 4    # split K until this many programs an SM
+# 4-bit weights times bf16 x two values an instruction (BF16X2_ASM; 0: in float32 as float16's)
+GEMV_BF16X2 = 1
+# Split partials summed by the last program of each column tile (1), or by torch after the kernel (0)
+GEMV_REDUCE_IN_KERNEL = 1
+
+# The eight 4-bit values of a word (value j at bits 4j) times their x, summed: the pairs (j, j + 4)
+# are masked into the mantissas of two bf16 (128 + q: exact), 128 + zero subtracted by an fma with
+# 1.0 (exact), multiplied by the pair's x (one rounding a product), the four pairs' products added
+# in bf16x2 and the two halves once in float32. $1: the word; $2: -(128 + zero) in both halves;
+# $3-$6: the x pairs (x_j, x_j+4); $0: the float32 sum's bits. Twice fewer instructions a weight
+# than float32 (shift, mask, subtract, multiply-add each), at a product's rounding to bf16 (the
+# relative error of a row's sum about 1.5x float32's: tests/kernels/test_triton_w4a16.py).
+BF16X2_ASM = tl.constexpr("""{
+.reg .b32 t, d, a, s, one;
+mov.b32 one, 0x3F803F80;
+lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 d, t, one, $2;
+mul.rn.bf16x2 a, d, $3;
+shr.u32 s, $1, 4;
+lop3.b32 t, s, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 d, t, one, $2;
+fma.rn.bf16x2 a, d, $4, a;
+shr.u32 s, $1, 8;
+lop3.b32 t, s, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 d, t, one, $2;
+fma.rn.bf16x2 a, d, $5, a;
+shr.u32 s, $1, 12;
+lop3.b32 t, s, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 d, t, one, $2;
+fma.rn.bf16x2 a, d, $6, a;
+shl.b32 t, a, 16;
+and.b32 d, a, 0xFFFF0000;
+add.f32 $0, t, d;
+}""")
 
 fix_interpreter_bugs()
 
@@ -237,56 +276,129 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr
 
 
 @triton.jit
-def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
-                       N, K, k_per_split, group_size, stride_w, stride_sg, stride_os,
-                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ROW_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                       INT_ZEROS: tl.constexpr):
-    """``x (1, K) @ W`` for packed W: each program sums ``BLOCK_N`` columns over its range of K,
-    on the CUDA cores. The tile's words stay in the layout they were loaded in: value j of each
-    word is taken out in turn (a shift and a mask), made a float32 without a conversion (its
-    bits set into the mantissa of 2^23; an integer zero is subtracted together with 2^23,
-    exactly; a float one, ``INT_ZEROS`` off, after it) and multiplied by its x. Where each word
-    lies in one group (``ROW_GROUPS``: groups by the rule), the scale multiplies a word row's sum
-    once; else each value's group comes from ``g_idx``. The partial sums of the tile's rows
-    reduce once, at the end."""
+def _bits16(v):
+    """A 16-bit float tensor's bits in the low half of an int32."""
+    return v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _gemv_words(qweight_ptr, k0, k_hi, r, offs_n, n_ok, stride_w, PACK: tl.constexpr):
+    """The packed words of the K step from ``k0``: (word rows, columns)."""
+    rows = k0 // PACK + r
+    return tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_w + offs_n[None, :],
+                   mask=(rows * PACK < k_hi)[:, None] & n_ok[None, :], other=0)
+
+
+@triton.jit
+def _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_ptr, g_idx_ptr, group_size,
+               stride_sg, BITS: tl.constexpr, VALUE_GROUPS: tl.constexpr, INT_ZEROS: tl.constexpr,
+               BF16X2: tl.constexpr):
+    """``acc += words' values times their x``, per word, the values' scales applied."""
     PACK: tl.constexpr = 32 // BITS
-    BLOCK_KP: tl.constexpr = BLOCK_K // PACK
     MANTISSA: tl.constexpr = 8388608.0   # 2^23
+    ks = k0 + r * PACK                   # each word row's first input
+    row_ok = ks < k_hi
+    xk = x_ptr + ks
+    if VALUE_GROUPS:    # each value's group from g_idx (act-order)
+        for j in tl.static_range(PACK):
+            g = tl.load(g_idx_ptr + ks + j, mask=row_ok, other=0).to(tl.int64)[:, None]
+            s = tl.load(scales_ptr + g * stride_sg + offs_n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)
+            z = tl.load(zeros_ptr + g * stride_sg + offs_n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)
+            x = tl.load(xk + j, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            qf = (((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
+            acc += (qf - (z + MANTISSA) if INT_ZEROS else (qf - MANTISSA) - z) * s * x
+        return acc
+    # the step lies in one group: a row of scales and zeros
+    sz = (k0 // group_size) * stride_sg + offs_n
+    s = tl.load(scales_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    z = tl.load(zeros_ptr + sz, mask=n_ok, other=0.0)
+    if BF16X2:
+        nz = _bits16((-(z.to(tl.float32) + 128.0)).to(tl.bfloat16))[None, :]
+        x0 = (_bits16(tl.load(xk, mask=row_ok, other=0.0)) | (_bits16(tl.load(xk + 4, mask=row_ok, other=0.0)) << 16))[:, None]
+        x1 = (_bits16(tl.load(xk + 1, mask=row_ok, other=0.0)) | (_bits16(tl.load(xk + 5, mask=row_ok, other=0.0)) << 16))[:, None]
+        x2 = (_bits16(tl.load(xk + 2, mask=row_ok, other=0.0)) | (_bits16(tl.load(xk + 6, mask=row_ok, other=0.0)) << 16))[:, None]
+        x3 = (_bits16(tl.load(xk + 3, mask=row_ok, other=0.0)) | (_bits16(tl.load(xk + 7, mask=row_ok, other=0.0)) << 16))[:, None]
+        sums = tl.inline_asm_elementwise(BF16X2_ASM, "=r,r,r,r,r,r,r", [words, nz | (nz << 16), x0, x1, x2, x3],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+        return acc + sums.to(tl.float32, bitcast=True) * s
+    # float32: each value made a float without a conversion (its bits set into the mantissa of
+    # 2^23), the zero subtracted with 2^23 (exactly, an integer zero), or after it (a float one)
+    z = z.to(tl.float32)[None, :]
+    tile = tl.zeros(acc.shape, tl.float32)
+    for j in tl.static_range(PACK):
+        x = tl.load(xk + j, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        qf = (((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
+        tile += (qf - (z + MANTISSA) if INT_ZEROS else (qf - MANTISSA) - z) * x
+    return acc + tile * s
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+                       N, K, k_per_split, num_splits, group_size, stride_w, stride_sg,
+                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, VALUE_GROUPS: tl.constexpr,
+                       INT_ZEROS: tl.constexpr, BF16X2: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SPLIT: tl.constexpr, REDUCE: tl.constexpr, FENCE: tl.constexpr):
+    """``x (1, K) @ W`` for packed W: each program sums ``BLOCK_N`` columns over its range of K,
+    on the CUDA cores, in steps of ``STEP`` inputs that each lie in one group (unless
+    ``VALUE_GROUPS``: act-order). A step's words are loaded into registers while the step
+    before is summed (no pipeline through shared memory: its waits were what bounded the kernel).
+    With K split (``SPLIT``), each program writes its float32 sums to ``part``; with ``REDUCE``
+    the last program of a column tile to arrive (counted in ``count``, which it sets back to 0)
+    adds them up and writes the output, else torch does."""
+    PACK: tl.constexpr = 32 // BITS
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    r = tl.arange(0, STEP // PACK)
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        rows = k0 // PACK + tl.arange(0, BLOCK_KP)
-        ok = (rows < tl.cdiv(k_hi, PACK))[:, None] & n_ok[None, :]
-        words = tl.load(qweight_ptr + rows[:, None].to(tl.int64) * stride_w + offs_n[None, :], mask=ok, other=0)
-        if ROW_GROUPS:     # a row of scales and zeros a word row
-            sz = ((rows * PACK) // group_size).to(tl.int64)[:, None] * stride_sg + offs_n[None, :]
-            scale = tl.load(scales_ptr + sz, mask=ok, other=0.0).to(tl.float32)
-            zero = tl.load(zeros_ptr + sz, mask=ok, other=0.0).to(tl.float32)
-            tile = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
-        for j in tl.static_range(PACK):
-            ks = rows * PACK + j
-            x = tl.load(x_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32)[:, None]   # (rows past K: 0)
-            q = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
-            qf = q.to(tl.float32, bitcast=True)
-            if ROW_GROUPS:
-                tile += (qf - (zero + MANTISSA) if INT_ZEROS else (qf - MANTISSA) - zero) * x
-            else:          # each row's own group: act-order, small or partial groups
-                sz = tl.load(g_idx_ptr + ks, mask=ks < k_hi, other=0).to(tl.int64)[:, None] * stride_sg + offs_n[None, :]
-                s = tl.load(scales_ptr + sz, mask=n_ok[None, :], other=0.0).to(tl.float32)
-                z = tl.load(zeros_ptr + sz, mask=n_ok[None, :], other=0.0).to(tl.float32)
-                acc += (qf - (z + MANTISSA) if INT_ZEROS else (qf - MANTISSA) - z) * s * x
-        if ROW_GROUPS:
-            acc += tile * scale
+    acc = tl.zeros([STEP // PACK, BLOCK_N], tl.float32)
+    w_next = _gemv_words(qweight_ptr, k_lo, k_hi, r, offs_n, n_ok, stride_w, PACK)
+    for k0 in tl.range(k_lo, k_hi, STEP, num_stages=1):
+        words = w_next
+        w_next = _gemv_words(qweight_ptr, k0 + STEP, k_hi, r, offs_n, n_ok, stride_w, PACK)
+        acc = _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_ptr, g_idx_ptr, group_size,
+                         stride_sg, BITS, VALUE_GROUPS, INT_ZEROS, BF16X2)
     out = tl.sum(acc, axis=0)
+    if SPLIT:
+        tl.store(part_ptr + split.to(tl.int64) * N + offs_n, out, mask=n_ok)
+        if not REDUCE:
+            return
+        # Every thread's sums stored and made visible at the GPU's scope before the count
+        # (threadfence reduction): the last program to count reads them all.
+        if FENCE:   # (not in the CPU interpreter, which runs one program at a time)
+            _fence_gpu(offs_n)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived != num_splits - 1:
+            return
+        out = tl.zeros([BLOCK_N], tl.float32)
+        for sp in range(num_splits):   # (.cg: from L2, where the other programs' sums are)
+            out += tl.load(part_ptr + sp * N + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")   # for the next launch
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + split.to(tl.int64) * stride_os + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _fence_gpu(like):
+    """``fence.acq_rel.gpu`` in every thread (``like``: any tensor of the program, for its shape)."""
+    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,r", [like.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+_COUNTS: dict = {}
+
+
+def _split_counts(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one a column tile, shared by the GEMV launches on ``device``: a launch
+    leaves them at zero. (One stream runs the forward, so no two launches use them at once.)"""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < n:
+        counts = _COUNTS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return counts
 
 
 def use_w4a16(x: torch.Tensor, max_m: int | None = None) -> bool:
@@ -336,42 +448,82 @@ def _launch(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch.Tens
     qweight, scales, zeros, g_idx = weights
     m, k = x.shape
     assert x.stride(1) == 1
-    gemv = GEMV and m == 1 and not row_scaled
+    if GEMV and m == 1 and not row_scaled:
+        return _launch_gemv(x, n, weights, bits, bias, group_size, int_zeros)
     block_m = min(max(TILES), max(16, triton.next_power_of_2(m)))
-    tiles = GEMV_TILES if gemv else TILES[max(block_m, min(TILES))]
+    tiles = TILES[max(block_m, min(TILES))]
     block_n, block_k = tiles["BLOCK_N"], tiles["BLOCK_K"]
     col_tiles = triton.cdiv(n, block_n)
     row_tiles = triton.cdiv(m, block_m)
-    split = max(1, min(MAX_SPLIT_K, triton.cdiv(k, block_k),
-                       triton.cdiv(PROGRAMS_PER_SM * num_sms(x.device), col_tiles * row_tiles)))
     # splits of whole groups where groups are whole tiles: each tile then reads one row of scales
     whole_groups = group_size is not None and group_size % block_k == 0
-    unit = group_size if whole_groups else block_k
-    k_per_split = triton.cdiv(triton.cdiv(k, unit), split) * unit
-    split = triton.cdiv(k, k_per_split)   # no empty splits
+    split, k_per_split = _split_k(k, block_k, group_size if whole_groups else block_k, col_tiles * row_tiles,
+                                  PROGRAMS_PER_SM, x.device)
     if split == 1:   # the bias added in the kernel
         out, fused_bias = torch.empty(m, n, dtype=x.dtype, device=x.device), bias
     else:            # float32 partials, summed (and the bias added) below
         out, fused_bias = torch.empty(split, m, n, dtype=torch.float32, device=x.device), None
-    if gemv:
-        _w4a16_gemv_kernel[(col_tiles, split)](
-            x, qweight, scales, zeros, g_idx, scales if fused_bias is None else fused_bias, out, n, k, k_per_split,
-            group_size or 1, qweight.stride(0), scales.stride(0), out.stride(0) if split > 1 else 0, BITS=bits,
-            BLOCK_N=block_n, BLOCK_K=block_k, ROW_GROUPS=group_size is not None and group_size % (32 // bits) == 0,
-            HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"], INT_ZEROS=int_zeros,
-            num_warps=tiles["num_warps"])
-    else:
-        _w4a16_kernel[(col_tiles, split, row_tiles)](
-            x, qweight, scales, zeros, g_idx, scales if fused_bias is None else fused_bias, out,
-            m, n, k, k_per_split, group_size or 1, group_n or 1, x.stride(0), qweight.stride(0), scales.stride(0),
-            out.stride(0) if split > 1 else 0, out.stride(-2),
-            BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WHOLE_GROUPS=whole_groups,
-            ROW_SCALED=row_scaled, BLOCK_SCALED=group_n is not None, FP8_WEIGHT=fp8_weight,
-            HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"], INT_ZEROS=int_zeros,
-            num_warps=tiles["num_warps"])
+    _w4a16_kernel[(col_tiles, split, row_tiles)](
+        x, qweight, scales, zeros, g_idx, scales if fused_bias is None else fused_bias, out,
+        m, n, k, k_per_split, group_size or 1, group_n or 1, x.stride(0), qweight.stride(0), scales.stride(0),
+        out.stride(0) if split > 1 else 0, out.stride(-2),
+        BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WHOLE_GROUPS=whole_groups,
+        ROW_SCALED=row_scaled, BLOCK_SCALED=group_n is not None, FP8_WEIGHT=fp8_weight,
+        HAS_BIAS=fused_bias is not None, NUM_STAGES=tiles["num_stages"], INT_ZEROS=int_zeros,
+        num_warps=tiles["num_warps"])
+    return _sum_splits(out, split, bias, x.dtype)
+
+
+def _split_k(k: int, step: int, unit: int, programs: int, per_sm: int, device: torch.device) -> tuple[int, int]:
+    """K split over programs until about ``per_sm`` programs an SM run (at most MAX_SPLIT_K, one
+    ``step`` of K each at least), in whole ``unit``s: (splits, K a split), no split empty."""
+    split = max(1, min(MAX_SPLIT_K, triton.cdiv(k, step), triton.cdiv(per_sm * num_sms(device), programs)))
+    k_per_split = triton.cdiv(triton.cdiv(k, unit), split) * unit
+    return triton.cdiv(k, k_per_split), k_per_split
+
+
+def _sum_splits(out: torch.Tensor, split: int, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A launch's output: itself, or its float32 split partials summed, the bias added, rounded."""
     if split == 1:
         return out
     out = out.sum(0)
     if bias is not None:
         out += bias.float()
-    return out.to(x.dtype)
+    return out.to(dtype)
+
+
+def _launch_gemv(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch.Tensor | None,
+                 group_size: int | None, int_zeros: bool) -> torch.Tensor:
+    """One row of x: the GEMV kernel, its steps, K split and the splits' sum."""
+    qweight, scales, zeros, g_idx = weights
+    k = x.shape[1]
+    pack = 32 // bits
+    # Steps in one group each: a power of two that divides the group size (and holds whole
+    # words); groups of a whole K (one row of scales) take any step. Else each value's group.
+    step = GEMV_STEP
+    value_groups = group_size is None
+    if not value_groups and group_size < k:
+        step = min(step, group_size & -group_size)
+        value_groups = step < pack
+    if value_groups:
+        step = GEMV_STEP
+    block_n = GEMV_TILES["BLOCK_N"]
+    col_tiles = triton.cdiv(n, block_n)
+    split, k_per_split = _split_k(k, step, step, col_tiles, GEMV_PROGRAMS_PER_SM, x.device)
+    reduce = split > 1 and bool(GEMV_REDUCE_IN_KERNEL)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    counts = _split_counts(x.device, col_tiles)   # (int32 even where unused: compiled all the same)
+    fused_bias = bias if split == 1 or reduce else None
+    compiled = not triton.knobs.runtime.interpret   # (inline PTX: not in the CPU interpreter)
+    bf16x2 = bool(GEMV_BF16X2) and compiled and bits == 4 and x.dtype == torch.bfloat16 and int_zeros \
+        and not value_groups
+    _w4a16_gemv_kernel[(col_tiles, split)](
+        x, qweight, scales, zeros, g_idx, bias if fused_bias is not None else scales, out, part, counts,
+        n, k, k_per_split, split, group_size or k, qweight.stride(0), scales.stride(0),
+        BITS=bits, BLOCK_N=block_n, STEP=step, VALUE_GROUPS=value_groups, INT_ZEROS=int_zeros, BF16X2=bf16x2,
+        HAS_BIAS=fused_bias is not None, SPLIT=split > 1, REDUCE=reduce, FENCE=compiled,
+        num_warps=GEMV_TILES["num_warps"])
+    if split == 1 or reduce:
+        return out
+    return _sum_splits(part[:, None], split, bias, x.dtype)

@@ -151,9 +151,10 @@ def test_split_k_is_chosen_for_few_column_tiles(monkeypatch, kernel, rows):
             return real[grid]
     monkeypatch.setattr(tw, kernel, Spy())
     monkeypatch.setattr(tw, "PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(tw, "GEMV_PROGRAMS_PER_SM", 1)
     gen = torch.Generator().manual_seed(0)
     block_n = (tw.GEMV_TILES if rows == 1 else tw.TILES[64])["BLOCK_N"]
-    k = 2 * (tw.GEMV_TILES if rows == 1 else tw.TILES[64])["BLOCK_K"]
+    k = 2 * (tw.GEMV_STEP if rows == 1 else tw.TILES[64]["BLOCK_K"])
     for n in (2 * block_n, block_n * tw.num_sms(torch.device(DEVICE))):
         qweight, scales, zeros, g_idx = random_layer(k, n, 4, 128, False, torch.float32, gen)
         x = torch.randn(rows, k, generator=gen).to(DEVICE)
@@ -161,6 +162,46 @@ def test_split_k_is_chosen_for_few_column_tiles(monkeypatch, kernel, rows):
         ref = x.double() @ dequantize(qweight, scales, zeros, g_idx, 4).double()
         assert ((out.double() - ref).norm() / ref.norm()).item() < TOLERANCE[torch.float32]
     assert calls[0][1] > 1 and calls[1][1] == 1
+
+
+@pytest.mark.parametrize("reduce_in_kernel", [1, 0])
+@pytest.mark.parametrize("k,group", [(1024, 128), (480, 48), (384, 384), (4096, 64)],
+                         ids=["groups-128", "groups-48-steps-16", "one-group", "groups-64-split"])
+def test_gemv_split_sums(monkeypatch, reduce_in_kernel, k, group, request):
+    """One row, K split over programs: the last program of each column tile sums the splits (its
+    counters left at zero for the next launch: three launches in a row agree), or torch does;
+    steps within groups of any size that holds whole words, and a single group."""
+    monkeypatch.setattr(tw, "GEMV_REDUCE_IN_KERNEL", reduce_in_kernel)
+    gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    dtype = DTYPES[0]
+    n = 3 * tw.GEMV_TILES["BLOCK_N"] - 5
+    qweight, scales, zeros, g_idx = random_layer(k, n, 4, group, False, dtype, gen)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    ref = x.float() @ dequantize(qweight, scales, zeros, g_idx, 4).float() + bias.float()
+    outs = [tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4, bias, group) for _ in range(3)]
+    err = ((outs[0].float() - ref).norm() / ref.norm()).item()
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    if reduce_in_kernel:
+        assert int(tw._split_counts(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.skipif(not ON_GPU, reason="inline PTX: compiled only")
+def test_gemv_bf16x2_against_float32(monkeypatch):
+    """4-bit weights times bf16 x two values an instruction: as close to the exact product as the
+    float32 path, within a factor of two, and not the float32 path's result (so it ran)."""
+    gen = torch.Generator().manual_seed(3)
+    k, n = 4096, 512
+    qweight, scales, zeros, g_idx = random_layer(k, n, 4, 128, False, torch.bfloat16, gen)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16)
+    ref = x.double() @ dequantize(qweight, scales, zeros, g_idx, 4).double()
+    errs, outs = [], []
+    for on in (1, 0):
+        monkeypatch.setattr(tw, "GEMV_BF16X2", on)
+        outs.append(tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4, None, 128))
+        errs.append(((outs[-1].double() - ref).norm() / ref.norm()).item())
+    assert errs[0] < 2 * errs[1] + 1e-3 and not torch.equal(outs[0], outs[1]), errs
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the layer takes the kernel on CUDA tensors only")
@@ -176,6 +217,7 @@ def test_quantized_layer_runs_the_kernel_for_decode_batches(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     layer.qweight.data, layer.scales.data, layer.zeros, layer.g_idx.data = random_layer(256, 128, 4, 128, False,
                                                                                     torch.bfloat16, gen)
+    layer.bits = 4   # (as process_weights_after_loading sets it)
     dequantized = []
     real_dequantize = tw.dequantize
     monkeypatch.setattr(tw, "dequantize", lambda *a, **kw: dequantized.append(a[-1]) or real_dequantize(*a, **kw))
