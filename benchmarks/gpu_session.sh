@@ -1283,10 +1283,11 @@ case "${1:-}" in
     # GEMV's settings swept)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/kernels/test_triton_w4a16.py \
       > "$OUT/tests.txt" 2>&1; grep -E "^FAILED|passed|failed" "$OUT/tests.txt" | cut -c1-300 | head -20
-    for m in llama3-8b qwen3-0.6b; do
-      w2 "$BASE" gptq_base $m 1 --quantization gptq; w2 . gptq_tree $m 1 --quantization gptq; w2 . bf16 $m 1
+    for m in llama3-8b ${QUICK:-qwen3-0.6b}; do   # (QUICK=" ": Llama-3-8B's GPTQ alone)
+      w2 "$BASE" gptq_base $m 1 --quantization gptq; w2 . gptq_tree $m 1 --quantization gptq
+      [ "${QUICK:-}" ] || w2 . bf16 $m 1
     done
-    trees "^all eight" w4a16.py --rows 1
+    [ "${QUICK:-}" ] || trees "^all eight" w4a16.py --rows 1
     [ "${MORE:-}" ] && timeout 120 python3 benchmarks/w4a16.py --rows 1 --gemv-sweep 2>&1 | grep -E "^GEMV"
     ;;
   s43b)
