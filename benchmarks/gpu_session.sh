@@ -1278,11 +1278,13 @@ case "${1:-}" in
     else echo "no ncu"; fi
     ;;
   s45a)
-    # The GEMV kernel merged: its tests compiled; W2 Llama-3-8B batch 1 GPTQ, BASE (the previous
+    # The GEMV kernel merged: its tests compiled (and the attention's mixed / split ones); W2 Llama-3-8B batch 1 GPTQ, BASE (the previous
     # GEMV) against this tree, and bf16; the eight matrices at one row, BASE and tree (MORE=1: the
     # GEMV's settings swept)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/kernels/test_triton_w4a16.py \
       > "$OUT/tests.txt" 2>&1; grep -E "^FAILED|passed|failed" "$OUT/tests.txt" | cut -c1-300 | head -20
+    [ "${QUICK:-}" ] || timeout 250 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+      -k "mixed or split" 2>&1 | tail -1 | sed "s/^/attention (split decode merge): /"
     for m in llama3-8b ${QUICK:-qwen3-0.6b}; do   # (QUICK=" ": Llama-3-8B's GPTQ alone)
       w2 "$BASE" gptq_base $m 1 --quantization gptq; w2 . gptq_tree $m 1 --quantization gptq
       [ "${QUICK:-}" ] || w2 . bf16 $m 1
