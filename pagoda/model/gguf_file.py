@@ -362,8 +362,10 @@ class GGUFModel:
         n_head = heads if ".attn_q." in gguf_name else self.metadata.get(f"{arch}.attention.head_count_kv", heads)
         return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
+    @cached_property
     def hf_types(self) -> dict[str, QT]:
-        """Each tensor's type by its HF name (stacked experts left out)."""
+        """Each tensor's type by its HF name (stacked experts left out). (Once a file: a packed
+        load asks for it twice.)"""
         names = {}
         for gguf_name, (_, qtype, _) in self.tensor_infos.items():
             m = _LAYER_RE.fullmatch(gguf_name)

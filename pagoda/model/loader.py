@@ -349,7 +349,7 @@ def _build(cls, config: ModelConfig, device: torch.device | str, gguf: GGUFModel
             if config.quantization == "gguf" and config.load_format != "dummy":
                 _check_gguf_packable(model)
                 leave_unquantized(model, {name.removesuffix(".weight") for name, qtype
-                                          in (gguf or GGUFModel(config.path)).hf_types().items()
+                                          in (gguf or GGUFModel(config.path)).hf_types.items()
                                           if qtype in FLOAT_TYPES})
             return model
     finally:
@@ -369,7 +369,7 @@ def gguf_packed(model: nn.Module, gguf: GGUFModel) -> set[str]:
     from pagoda.quant.int4 import GGUFLinearMethod
     mapping, owners = getattr(model, "packed_modules_mapping", {}), dict(model.named_modules())
     packed = set()
-    for name in gguf.hf_types():
+    for name in gguf.hf_types:
         layer = owners.get(_param_name(name, mapping)[0].rpartition(".")[0])
         if isinstance(layer, LinearBase) and isinstance(layer.quant_method, GGUFLinearMethod):
             packed.add(name)
