@@ -81,7 +81,8 @@ GEMV_REDUCE_IN_KERNEL = 1
 # in bf16x2 and the two halves once in float32. $1: the word; $2: -(128 + zero) in both halves;
 # $3-$6: the x pairs (x_j, x_j+4); $0: the float32 sum's bits. Twice fewer instructions a weight
 # than float32 (shift, mask, subtract, multiply-add each), at a product's rounding to bf16 (the
-# relative error of a row's sum about 1.5x float32's: tests/kernels/test_triton_w4a16.py).
+# relative error of a row's sum about 1.5x float32's: tests/kernels/test_triton_w4a16.py). The CPU
+# interpreter runs no PTX: ``_bf16x2_emulated`` does the same arithmetic there.
 BF16X2_ASM = tl.constexpr("""{
 .reg .b32 t, d, a, s, one;
 mov.b32 one, 0x3F803F80;
@@ -292,7 +293,7 @@ def _gemv_words(qweight_ptr, k0, k_hi, r, offs_n, n_ok, stride_w, PACK: tl.const
 @triton.jit
 def _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_ptr, g_idx_ptr, group_size,
                stride_sg, BITS: tl.constexpr, VALUE_GROUPS: tl.constexpr, INT_ZEROS: tl.constexpr,
-               BF16X2: tl.constexpr):
+               BF16X2: tl.constexpr, COMPILED: tl.constexpr):
     """``acc += words' values times their x``, per word, the values' scales applied."""
     PACK: tl.constexpr = 32 // BITS
     MANTISSA: tl.constexpr = 8388608.0   # 2^23
@@ -318,9 +319,12 @@ def _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_p
         x1 = (_bits16(tl.load(xk + 1, mask=row_ok, other=0.0)) | (_bits16(tl.load(xk + 5, mask=row_ok, other=0.0)) << 16))[:, None]
         x2 = (_bits16(tl.load(xk + 2, mask=row_ok, other=0.0)) | (_bits16(tl.load(xk + 6, mask=row_ok, other=0.0)) << 16))[:, None]
         x3 = (_bits16(tl.load(xk + 3, mask=row_ok, other=0.0)) | (_bits16(tl.load(xk + 7, mask=row_ok, other=0.0)) << 16))[:, None]
-        sums = tl.inline_asm_elementwise(BF16X2_ASM, "=r,r,r,r,r,r,r", [words, nz | (nz << 16), x0, x1, x2, x3],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-        return acc + sums.to(tl.float32, bitcast=True) * s
+        if COMPILED:
+            sums = tl.inline_asm_elementwise(BF16X2_ASM, "=r,r,r,r,r,r,r", [words, nz | (nz << 16), x0, x1, x2, x3],
+                                             dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+        else:
+            sums = _bf16x2_emulated(words, nz | (nz << 16), x0, x1, x2, x3)
+        return acc + sums * s
     # float32: each value made a float without a conversion (its bits set into the mantissa of
     # 2^23), the zero subtracted with 2^23 (exactly, an integer zero), or after it (a float one)
     z = z.to(tl.float32)[None, :]
@@ -333,11 +337,45 @@ def _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_p
 
 
 @triton.jit
+def _bf16x2_emulated(words, nz2, x0, x1, x2, x3):
+    """``BF16X2_ASM``'s sums in float32 ops, rounded to bf16 where its instructions round (each
+    product, and each sum of products), for the CPU interpreter, which runs no PTX: so that the
+    tests there check what the kernel feeds it (the x pairs, the zero) on fresh inputs. (Where an
+    fma's float32 sum itself rounds, the PTX rounds once and this twice: a rare last-bit
+    difference.)"""
+    sums = tl.zeros(words.shape, tl.float32)
+    for HALF in tl.static_range(2):
+        a = tl.zeros(words.shape, tl.float32)
+        a = _bf16x2_fma_half(a, words, 0, nz2, x0, HALF)
+        a = _bf16x2_fma_half(a, words, 4, nz2, x1, HALF)
+        a = _bf16x2_fma_half(a, words, 8, nz2, x2, HALF)
+        a = _bf16x2_fma_half(a, words, 12, nz2, x3, HALF)
+        sums += a
+    return sums
+
+
+@triton.jit
+def _bf16x2_fma_half(a, words, SHIFT: tl.constexpr, nz2, x2, HALF: tl.constexpr):
+    """One half of one of ``BF16X2_ASM``'s fmas: ``a + (q - zero) * x`` rounded to bf16 (to
+    nearest even: the interpreter's conversion truncates)."""
+    q = ((words >> (SHIFT + 16 * HALF)) & 0xF).to(tl.float32)
+    d = (q + 128.0) + _bf16_half(nz2, HALF)                       # exact, as the fma with 1.0
+    bits = (a + d * _bf16_half(x2, HALF)).to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_half(v, HALF: tl.constexpr):
+    """The bf16 in the low (``HALF`` 0) or high half of an int32, as a float32."""
+    return ((v << 16) if HALF == 0 else (v & -65536)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                        N, K, k_per_split, num_splits, group_size, stride_w, stride_sg,
                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, VALUE_GROUPS: tl.constexpr,
                        INT_ZEROS: tl.constexpr, BF16X2: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SPLIT: tl.constexpr, REDUCE: tl.constexpr, FENCE: tl.constexpr):
+                       SPLIT: tl.constexpr, REDUCE: tl.constexpr, COMPILED: tl.constexpr):
     """``x (1, K) @ W`` for packed W: each program sums ``BLOCK_N`` columns over its range of K,
     on the CUDA cores, in steps of ``STEP`` inputs that each lie in one group (unless
     ``VALUE_GROUPS``: act-order). A step's words are loaded into registers while the step
@@ -359,7 +397,7 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bia
         words = w_next
         w_next = _gemv_words(qweight_ptr, k0 + STEP, k_hi, r, offs_n, n_ok, stride_w, PACK)
         acc = _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_ptr, g_idx_ptr, group_size,
-                         stride_sg, BITS, VALUE_GROUPS, INT_ZEROS, BF16X2)
+                         stride_sg, BITS, VALUE_GROUPS, INT_ZEROS, BF16X2, COMPILED)
     out = tl.sum(acc, axis=0)
     if SPLIT:
         tl.store(part_ptr + split.to(tl.int64) * N + offs_n, out, mask=n_ok)
@@ -367,7 +405,7 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bia
             return
         # Every thread's sums stored and made visible at the GPU's scope before the count
         # (threadfence reduction): the last program to count reads them all.
-        if FENCE:   # (not in the CPU interpreter, which runs one program at a time)
+        if COMPILED:   # (not in the CPU interpreter, which runs one program at a time)
             _fence_gpu(offs_n)
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -515,14 +553,12 @@ def _launch_gemv(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch
     part = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
     counts = _split_counts(x.device, col_tiles)   # (int32 even where unused: compiled all the same)
     fused_bias = bias if split == 1 or reduce else None
-    compiled = not triton.knobs.runtime.interpret   # (inline PTX: not in the CPU interpreter)
-    bf16x2 = bool(GEMV_BF16X2) and compiled and bits == 4 and x.dtype == torch.bfloat16 and int_zeros \
-        and not value_groups
+    bf16x2 = bool(GEMV_BF16X2) and bits == 4 and x.dtype == torch.bfloat16 and int_zeros and not value_groups
     _w4a16_gemv_kernel[(col_tiles, split)](
         x, qweight, scales, zeros, g_idx, bias if fused_bias is not None else scales, out, part, counts,
         n, k, k_per_split, split, group_size or k, qweight.stride(0), scales.stride(0),
         BITS=bits, BLOCK_N=block_n, STEP=step, VALUE_GROUPS=value_groups, INT_ZEROS=int_zeros, BF16X2=bf16x2,
-        HAS_BIAS=fused_bias is not None, SPLIT=split > 1, REDUCE=reduce, FENCE=compiled,
+        HAS_BIAS=fused_bias is not None, SPLIT=split > 1, REDUCE=reduce, COMPILED=not triton.knobs.runtime.interpret,
         num_warps=GEMV_TILES["num_warps"])
     if split == 1 or reduce:
         return out
