@@ -1278,9 +1278,9 @@ case "${1:-}" in
     else echo "no ncu"; fi
     ;;
   s45a)
-    # The GEMV kernel merged: its tests compiled (and the attention's mixed / split ones); W2 Llama-3-8B batch 1 GPTQ, BASE (the previous
-    # GEMV) against this tree, and bf16; the eight matrices at one row, BASE and tree (MORE=1: the
-    # GEMV's settings swept)
+    # The GEMV kernel merged: its tests compiled (and the attention's mixed / split ones); W2
+    # Llama-3-8B batch 1 GPTQ, BASE (the previous GEMV) against this tree, and bf16; the eight
+    # matrices at one row, BASE and tree (MORE=1: the GEMV's settings swept)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/kernels/test_triton_w4a16.py \
       > "$OUT/tests.txt" 2>&1; grep -E "^FAILED|passed|failed" "$OUT/tests.txt" | cut -c1-300 | head -20
     [ "${QUICK:-}" ] || timeout 250 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \

@@ -111,12 +111,16 @@ fix_interpreter_bugs()
 
 @triton.jit
 def _minus_zero(q, zero, BITS: tl.constexpr, INT_ZEROS: tl.constexpr):
-    """``q - zero`` in zero's dtype (exact for integer zeros: small integers). For bf16 and fp16
-    without an int-to-float conversion (a quarter-rate instruction, one per weight): q's bits set
-    into the mantissa of 128.0 (bf16, 7 mantissa bits: 4-bit q) or 1024.0 (fp16, 10 bits: up to
-    8-bit q) read as that float, then that base subtracted with an integer zero point; a float
-    one (``INT_ZEROS`` off: GGUF's) after the base, so that its fraction survives (one rounding)."""
-    if (zero.dtype == tl.bfloat16) & (BITS <= 7):
+    """``q - zero`` in zero's dtype (exact for integer zeros: small integers). Without an
+    int-to-float conversion (a quarter-rate instruction, one per weight): q's bits set into the
+    mantissa of 128.0 (bf16, 7 mantissa bits: 4-bit q), 1024.0 (fp16, 10 bits: up to 8-bit q) or
+    2^23 (float32) read as that float, then that base subtracted with an integer zero point; a
+    float one (``INT_ZEROS`` off: GGUF's) after the base, so that its fraction survives (one
+    rounding)."""
+    if zero.dtype == tl.float32:
+        q = (q | 0x4B000000).to(tl.float32, bitcast=True)
+        return q - (zero + 8388608.0) if INT_ZEROS else (q - 8388608.0) - zero
+    elif (zero.dtype == tl.bfloat16) & (BITS <= 7):
         q = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
         return q - (zero + 128.0) if INT_ZEROS else (q - 128.0) - zero
     elif (zero.dtype == tl.float16) & (BITS <= 10):
@@ -296,7 +300,6 @@ def _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_p
                BF16X2: tl.constexpr, COMPILED: tl.constexpr):
     """``acc += words' values times their x``, per word, the values' scales applied."""
     PACK: tl.constexpr = 32 // BITS
-    MANTISSA: tl.constexpr = 8388608.0   # 2^23
     ks = k0 + r * PACK                   # each word row's first input
     row_ok = ks < k_hi
     xk = x_ptr + ks
@@ -306,8 +309,7 @@ def _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_p
             s = tl.load(scales_ptr + g * stride_sg + offs_n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)
             z = tl.load(zeros_ptr + g * stride_sg + offs_n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)
             x = tl.load(xk + j, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            qf = (((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
-            acc += (qf - (z + MANTISSA) if INT_ZEROS else (qf - MANTISSA) - z) * s * x
+            acc += _minus_zero((words >> (j * BITS)) & ((1 << BITS) - 1), z, BITS, INT_ZEROS) * s * x
         return acc
     # the step lies in one group: a row of scales and zeros
     sz = (k0 // group_size) * stride_sg + offs_n
@@ -315,25 +317,29 @@ def _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_p
     z = tl.load(zeros_ptr + sz, mask=n_ok, other=0.0)
     if BF16X2:
         nz = _bits16((-(z.to(tl.float32) + 128.0)).to(tl.bfloat16))[None, :]
-        x0 = (_bits16(tl.load(xk, mask=row_ok, other=0.0)) | (_bits16(tl.load(xk + 4, mask=row_ok, other=0.0)) << 16))[:, None]
-        x1 = (_bits16(tl.load(xk + 1, mask=row_ok, other=0.0)) | (_bits16(tl.load(xk + 5, mask=row_ok, other=0.0)) << 16))[:, None]
-        x2 = (_bits16(tl.load(xk + 2, mask=row_ok, other=0.0)) | (_bits16(tl.load(xk + 6, mask=row_ok, other=0.0)) << 16))[:, None]
-        x3 = (_bits16(tl.load(xk + 3, mask=row_ok, other=0.0)) | (_bits16(tl.load(xk + 7, mask=row_ok, other=0.0)) << 16))[:, None]
+        nz2 = nz | (nz << 16)
+        x0, x1 = _x_pair(xk, 0, row_ok), _x_pair(xk, 1, row_ok)
+        x2, x3 = _x_pair(xk, 2, row_ok), _x_pair(xk, 3, row_ok)
         if COMPILED:
-            sums = tl.inline_asm_elementwise(BF16X2_ASM, "=r,r,r,r,r,r,r", [words, nz | (nz << 16), x0, x1, x2, x3],
+            sums = tl.inline_asm_elementwise(BF16X2_ASM, "=r,r,r,r,r,r,r", [words, nz2, x0, x1, x2, x3],
                                              dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
         else:
-            sums = _bf16x2_emulated(words, nz | (nz << 16), x0, x1, x2, x3)
+            sums = _bf16x2_emulated(words, nz2, x0, x1, x2, x3)
         return acc + sums * s
-    # float32: each value made a float without a conversion (its bits set into the mantissa of
-    # 2^23), the zero subtracted with 2^23 (exactly, an integer zero), or after it (a float one)
-    z = z.to(tl.float32)[None, :]
+    z = z.to(tl.float32)[None, :]     # (float32 math: _minus_zero's 2^23 base)
     tile = tl.zeros(acc.shape, tl.float32)
     for j in tl.static_range(PACK):
         x = tl.load(xk + j, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-        qf = (((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
-        tile += (qf - (z + MANTISSA) if INT_ZEROS else (qf - MANTISSA) - z) * x
+        tile += _minus_zero((words >> (j * BITS)) & ((1 << BITS) - 1), z, BITS, INT_ZEROS) * x
     return acc + tile * s
+
+
+@triton.jit
+def _x_pair(xk, j: tl.constexpr, row_ok):
+    """Each word row's x_j and x_j+4 (bf16) in the low and high halves of an int32: (rows, 1)."""
+    lo = _bits16(tl.load(xk + j, mask=row_ok, other=0.0))
+    hi = _bits16(tl.load(xk + j + 4, mask=row_ok, other=0.0))
+    return (lo | (hi << 16))[:, None]
 
 
 @triton.jit
