@@ -1,11 +1,13 @@
-"""GGUF load time: a Llama-shaped file of random Q4_K_M-like blocks (Q6_K for the LM head, the
-embedding, attn_v and ffn_down; Q4_K for the other matrices; F32 norms), dequantized by gguf-py's
+"""GGUF load time: a Llama-shaped (or Qwen3-MoE-shaped: the config has experts) file of random
+Q4_K_M-like blocks (Q6_K for the LM head, the embedding, attn_v and ffn_down(_exps); Q4_K for the
+other matrices; F32 norms and routers), dequantized by gguf-py's
 numpy (one core: the baseline), by pagoda's torch ops on the CPU (every core) and on the GPU; on
 a GPU also loaded whole by ``LLM``, dequantized and kept packed (``quantization="gguf"``): time to
 its first token, its layers' memory, W2's decode ms a token. Random blocks dequantize to noise:
 the model's tokens mean nothing, the times are a real file's.
 
   python benchmarks/gguf_load.py --model-config benchmarks/models/llama3.2-1b.json
+  python benchmarks/gguf_load.py --model-config benchmarks/models/qwen3-30b-a3b.json --packed-only
 """
 import argparse
 import json
@@ -25,37 +27,55 @@ from tests.quant_utils import random_gguf_blocks
 
 
 def write_file(cfg: dict, path: str, seed: int = 0) -> int:
-    """The config's Llama model as llama.cpp names it; returns its parameter count."""
+    """The config's model as llama.cpp names it (a Llama, or a Qwen3-MoE where the config has
+    experts: their stacks Q4_K, Q6_K for ffn_down_exps; the router F32); returns its parameter
+    count."""
     rng = np.random.default_rng(seed)
     hidden, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
-    w = gguf.GGUFWriter(path, "llama")
+    experts = cfg.get("num_experts", 0)
+    w = gguf.GGUFWriter(path, "qwen3moe" if experts else "llama")
     for key, value in [("block_count", layers), ("context_length", 8192), ("embedding_length", hidden),
                        ("feed_forward_length", inter), ("head_count", heads), ("head_count_kv", kv),
                        ("layer_norm_rms_eps", cfg["rms_norm_eps"]), ("rope_freq_base", cfg["rope_theta"]),
                        ("vocab_size", cfg["vocab_size"])]:
         getattr(w, f"add_{key}")(value)
     w.add_key_length(head_dim)
-    matrices = {"token_embd.weight": (cfg["vocab_size"], hidden, QT.Q6_K)}
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    matrices = {"token_embd.weight": ((cfg["vocab_size"], hidden), QT.Q6_K)}
     if not cfg.get("tie_word_embeddings"):
-        matrices["output.weight"] = (cfg["vocab_size"], hidden, QT.Q6_K)
+        matrices["output.weight"] = ((cfg["vocab_size"], hidden), QT.Q6_K)
+    moe_inter = cfg.get("moe_intermediate_size")
+    mlp = [("ffn_gate_exps", (experts, moe_inter, hidden), QT.Q4_K),
+           ("ffn_up_exps", (experts, moe_inter, hidden), QT.Q4_K),
+           ("ffn_down_exps", (experts, hidden, moe_inter), QT.Q6_K)] if experts else \
+          [("ffn_gate", (inter, hidden), QT.Q4_K), ("ffn_up", (inter, hidden), QT.Q4_K),
+           ("ffn_down", (hidden, inter), QT.Q6_K)]
     for i in range(layers):
-        for name, rows, cols, qtype in [("attn_q", heads * head_dim, hidden, QT.Q4_K),
-                                        ("attn_k", kv * head_dim, hidden, QT.Q4_K),
-                                        ("attn_v", kv * head_dim, hidden, QT.Q6_K),
-                                        ("attn_output", hidden, heads * head_dim, QT.Q4_K),
-                                        ("ffn_gate", inter, hidden, QT.Q4_K), ("ffn_up", inter, hidden, QT.Q4_K),
-                                        ("ffn_down", hidden, inter, QT.Q6_K)]:
-            matrices[f"blk.{i}.{name}.weight"] = (rows, cols, qtype)
+        for name, shape, qtype in [("attn_q", (heads * head_dim, hidden), QT.Q4_K),
+                                   ("attn_k", (kv * head_dim, hidden), QT.Q4_K),
+                                   ("attn_v", (kv * head_dim, hidden), QT.Q6_K),
+                                   ("attn_output", (hidden, heads * head_dim), QT.Q4_K)] + mlp:
+            matrices[f"blk.{i}.{name}.weight"] = (shape, qtype)
     params = 0
-    for name, (rows, cols, qtype) in matrices.items():
-        w.add_tensor(name, random_gguf_blocks(rng, qtype, rows, cols, scale=0.002), raw_dtype=qtype)
-        params += rows * cols
-    norms = ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")]
-    for name in norms:
-        w.add_tensor(name, np.ones(hidden, np.float32))
-        params += hidden
+    for name, (shape, qtype) in matrices.items():
+        blocks = random_gguf_blocks(rng, qtype, int(np.prod(shape[:-1])), shape[-1], scale=0.002)
+        w.add_tensor(name, blocks.reshape(*shape[:-1], -1), raw_dtype=qtype)
+        params += int(np.prod(shape))
+    floats = {f"blk.{i}.{n}.weight": np.ones(hidden, np.float32) for i in range(layers)
+              for n in ("attn_norm", "ffn_norm")} | {"output_norm.weight": np.ones(hidden, np.float32)}
+    if experts:     # (Qwen3's q / k norms; the routers)
+        floats |= {f"blk.{i}.{n}.weight": np.ones(head_dim, np.float32) for i in range(layers)
+                   for n in ("attn_q_norm", "attn_k_norm")}
+        floats |= {f"blk.{i}.ffn_gate_inp.weight": rng.standard_normal((experts, hidden), np.float32) * 0.02
+                   for i in range(layers)}
+    for name, t in floats.items():
+        w.add_tensor(name, t)
+        params += t.size
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -105,6 +125,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-config", action="append", required=True, help="a Llama config.json (repeatable)")
     parser.add_argument("--no-numpy", action="store_true", help="skip gguf-py's one-core baseline (slow for 8B)")
+    parser.add_argument("--packed-only", action="store_true",
+                        help="only the packed engine (no dequantization timings, no dequantized engine: a 30B model's "
+                             "bf16 weights fill an H100)")
     args = parser.parse_args()
     out = os.environ.get("OUT", "results")
     rows = []
@@ -117,12 +140,13 @@ def main():
             params = write_file(cfg, path)
             row = dict(model=name, params=params, file_gb=os.path.getsize(path) / 1e9,
                        write_s=time.perf_counter() - t, cpu_threads=torch.get_num_threads())
-            row["numpy_s"] = None if args.no_numpy else numpy_seconds(path)
-            row["torch_cpu_s"] = pagoda_seconds(path, "cpu")
+            row["numpy_s"] = None if args.no_numpy or args.packed_only else numpy_seconds(path)
+            row["torch_cpu_s"] = None if args.packed_only else pagoda_seconds(path, "cpu")
             if torch.cuda.is_available():
-                pagoda_seconds(path, "cuda")     # (CUDA's context and kernels, once)
-                row["torch_cuda_s"] = pagoda_seconds(path, "cuda")
-                for quantization in (None, "gguf"):
+                if not args.packed_only:
+                    pagoda_seconds(path, "cuda")     # (CUDA's context and kernels, once)
+                    row["torch_cuda_s"] = pagoda_seconds(path, "cuda")
+                for quantization in ("gguf",) if args.packed_only else (None, "gguf"):
                     for key, value in llm_run(path, quantization).items():
                         row[f"{quantization or 'dequantized'}_{key}"] = value
         rows.append(row)
@@ -142,7 +166,7 @@ def main():
     if any("gguf_ms_per_token" in r for r in rows):
         print(f"\n{'model, bf16':20s} {'to 1st token s':>15s} {'layers GiB':>11s} {'W2 b=1 ms/token':>16s}")
         for r in rows:
-            for kind in ("dequantized", "gguf"):
+            for kind in [k for k in ("dequantized", "gguf") if f"{k}_ms_per_token" in r]:
                 first, gib, ms = (r[f"{kind}_{key}"] for key in ("first_token_s", "layers_gib", "ms_per_token"))
                 print(f"{r['model'] + ' ' + kind:20s} {first:15.1f} {gib:11.2f} {ms:16.2f}")
 

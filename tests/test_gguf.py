@@ -246,8 +246,8 @@ def _hf_gguf(folder, path, arch, types=None):
     fused projections kept fused, Gemma's norm weights plus 1 (and Gemma 2/3's norms of each
     sublayer's output, their caps, a linear rope scaling), Llama-3's rope scaling as a factor a
     frequency, EXAONE's tensors under Llama's names; F32, but for the layer matrices named in
-    ``types`` (llama.cpp's module name -> type): the legacy types quantized by gguf-py, the
-    K-quants (which it cannot quantize) random blocks."""
+    ``types`` (llama.cpp's module name -> type; ffn_gate_exps, ... the stacked experts): the
+    legacy types quantized by gguf-py, the K-quants (which it cannot quantize) random blocks."""
     import glob
     import json
     import re
@@ -313,6 +313,16 @@ def _hf_gguf(folder, path, arch, types=None):
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
     experts, rng = {}, np.random.default_rng(0)
+
+    def add(gguf_name, t, module):     # (stacked experts: random blocks an expert's row at a time)
+        qtype = (types or {}).get(module)
+        if qtype in K_QUANTS:
+            w.add_tensor(gguf_name, random_gguf_blocks(rng, qtype, t.size // t.shape[-1], t.shape[-1]).reshape(
+                *t.shape[:-1], -1), raw_dtype=qtype)
+        elif qtype is not None:
+            w.add_tensor(gguf_name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, t)
     for name, t in sd.items():
         t = t.float().numpy()
         if arch == "exaone":
@@ -339,15 +349,9 @@ def _hf_gguf(folder, path, arch, types=None):
             t = _llama_cpp_permute(t, heads if module == "self_attn.q_proj" else kv)
         gate_vector = "shared_expert_gate" in module
         names = {**_HF_TO_GGUF, **(_GEMMA_TO_GGUF if arch in ("gemma2", "gemma3", "olmo2") else {})}
-        qtype, gguf_name = (types or {}).get(names[module]), f"blk.{layer}.{names[module]}.{kind}"
-        if qtype in K_QUANTS:
-            w.add_tensor(gguf_name, random_gguf_blocks(rng, qtype, *t.shape), raw_dtype=qtype)
-        elif qtype is not None:
-            w.add_tensor(gguf_name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name, t.reshape(-1) if gate_vector else t)
+        add(f"blk.{layer}.{names[module]}.{kind}", t.reshape(-1) if gate_vector else t, names[module])
     for name, by_expert in experts.items():
-        w.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
+        add(name, np.stack([by_expert[e] for e in sorted(by_expert)]), name.split(".")[2])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -532,8 +536,53 @@ def test_smollm2_packed(llm, smollm_path):
     assert ours < dense / 5, (ours, dense)
 
 
+@pytest.mark.parametrize("case,arch,types,layouts,tp", [
+    # Q4_K_M's experts: gate / up Q4_K (4-bit, groups of 32, zeros with fractions), down Q6_K
+    ("qwen3_moe", "qwen3moe", dict(ffn_gate_exps=QT.Q4_K, ffn_up_exps=QT.Q4_K, ffn_down_exps=QT.Q6_K,
+                                   attn_q=QT.Q4_K, attn_k=QT.Q4_K, attn_v=QT.Q6_K, attn_output=QT.Q4_K,
+                                   ffn_gate=QT.Q4_K, ffn_up=QT.Q4_K, ffn_down=QT.Q6_K), ((4, 32), (8, 16)), 1),
+    # Mixtral (arch "llama"): legacy types quantized by gguf-py, gate and up of two types (w13 8-bit)
+    ("mixtral", "llama", dict(ffn_gate_exps=QT.Q4_1, ffn_up_exps=QT.Q5_0, ffn_down_exps=QT.Q4_0), ((8, 32), (4, 32)),
+     1),
+    # each rank its slice of every expert's intermediate size: w13's rows, w2's groups of inputs
+    ("qwen3_moe", "qwen3moe", dict(ffn_gate_exps=QT.Q2_K, ffn_up_exps=QT.Q2_K, ffn_down_exps=QT.Q5_K),
+     ((4, 16), (8, 32)), 2),
+], ids=["q4_k_m", "legacy", "tp2"])
+def test_packed_gguf_experts_equal_dequantized(tmp_path, case, arch, types, layouts, tp):
+    """quantization="gguf" keeps a mixture's experts packed too (w13 and w2 each 4- or 8-bit in
+    groups of 32 or 16 as its block types allow) and gives the dequantized file's greedy tokens
+    and prompt logprobs (float32)."""
+    from pagoda import LLM, SamplingParams
+    from tests.test_architectures import save_tiny
+    sizes = dict(intermediate_size=512, moe_intermediate_size=256) if case == "qwen3_moe" \
+        else dict(intermediate_size=256)    # (Mixtral's experts')
+    folder, _ = save_tiny(tmp_path, case, hidden_size=256, head_dim=64, **sizes)
+    path = _hf_gguf(folder, tmp_path / "q.gguf", arch, types)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 14, 3, 77], list(range(20, 60)))]
+    outs, found = [], []
+    for quantization in (None, "gguf"):
+        llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128,
+                  quantization=quantization, tensor_parallel_size=tp, **({"device": "cpu"} if tp > 1 else {}))
+        outs.append(llm.generate(prompts, params, use_tqdm=False))
+        found.append(llm.apply_model(_first_experts_layouts)[0])
+        del llm
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert next(iter(pa.values())).logprob == pytest.approx(next(iter(pb.values())).logprob, abs=1e-3)
+    assert found == [[], list(layouts)]
+
+
+def _first_experts_layouts(model):
+    """The first packed mixture's (bits, group) of w13 and w2 (picklable: for apply_model at tp > 1)."""
+    return [(moe.int4_bits[w], moe.group_sizes[w]) for moe in model.modules()
+            if getattr(moe, "int4", None) for w in ("w13", "w2")][:2]
+
+
 def test_packed_gguf_refusals(tmp_path, smollm_path):
-    """quantization="gguf" needs a GGUF file, and keeps no mixture of experts packed yet."""
+    """quantization="gguf" needs a GGUF file, and experts of a block type (a file of float
+    experts loads with it unset)."""
     from pagoda import LLM
     from tests.test_architectures import save_tiny
     folder, _ = save_tiny(tmp_path, "qwen3")
@@ -541,7 +590,7 @@ def test_packed_gguf_refusals(tmp_path, smollm_path):
         LLM(folder, quantization="gguf")
     folder, _ = save_tiny(tmp_path, "mixtral")
     path = _hf_gguf(folder, tmp_path / "moe.gguf", "llama")
-    with pytest.raises(NotImplementedError, match="mixture of experts"):
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp\.experts's as F32: leave quantization"):
         LLM(path, quantization="gguf", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128)
 
 

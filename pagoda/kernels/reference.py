@@ -292,16 +292,18 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
 
 @dataclass(frozen=True)
 class Int4Experts:
-    """A mixture of experts' stacked GPTQ / AWQ weight (w13 or w2) in ``quant.int4``'s layout, an
-    expert a row: ``qweight (E, K / pack, N)`` int32, ``scales`` / ``zeros (E, groups, N)``;
-    ``g_idx (E, halves, K)``, each input's group for each half of the N columns (act-order: w13's
-    gate and up rows have their own), or None: groups of ``group_size`` inputs in order."""
+    """A mixture of experts' stacked GPTQ / AWQ / GGUF weight (w13 or w2) in ``quant.int4``'s
+    layout, an expert a row: ``qweight (E, K / pack, N)`` int32, ``scales`` / ``zeros (E, groups,
+    N)``; ``g_idx (E, halves, K)``, each input's group for each half of the N columns (act-order:
+    w13's gate and up rows have their own), or None: groups of ``group_size`` inputs in order.
+    ``int_zeros`` off: zero points with fractions (GGUF's types with a minimum)."""
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
     g_idx: torch.Tensor | None
     bits: int
     group_size: int
+    int_zeros: bool = True
 
     @property
     def shape(self) -> tuple[int, int, int]:

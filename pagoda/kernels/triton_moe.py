@@ -123,7 +123,8 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
                        stride_ge, group_n, group_k, n_per_g_idx, ROWS_PER_A: tl.constexpr, WEIGHTED: tl.constexpr,
                        BLOCK_SCALED: tl.constexpr, INT_BITS: tl.constexpr, HAS_G_IDX: tl.constexpr,
                        WHOLE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       TRANSPOSED: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                       TRANSPOSED: tl.constexpr, DOT_PRECISION: tl.constexpr, INT_ZEROS: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     """``c[p] = a[p // ROWS_PER_A] @ w[expert].T`` (times the pair's weight if WEIGHTED) for
     the pairs of one block and BLOCK_N of the N output columns. ``w``: a dense ``(E, N, K)``
     (``stride_w1``: its rows'); BLOCK_SCALED: FP8 (its bytes) or INT8, each group_n x group_k block of it
@@ -131,7 +132,8 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
     tile lies in one column of blocks); INT_BITS: GPTQ / AWQ words ``(E, K / pack, N)``
     (``stride_w1``: a row of words'), ``(q - z) * s`` of each input's group (``z`` / ``s``
     ``(E, groups, N)``): ``k // group_k``, whole tiles of one group if WHOLE_K; HAS_G_IDX: read
-    from ``g[expert, n // n_per_g_idx, k]``, each half of w13 its own under act-order.
+    from ``g[expert, n // n_per_g_idx, k]``, each half of w13 its own under act-order; INT_ZEROS
+    off: zero points with fractions (GGUF's).
     TRANSPOSED: ``c^T`` accumulated, the converted weight tile the dot's A operand (as the dense
     W4A16 kernel does: its shared-memory stores 16 bytes wide, not 2)."""
     pdl_wait(USE_PDL)       # (every program, the tiles past the last expert's run too)
@@ -160,7 +162,8 @@ def _moe_matmul_kernel(a_ptr, w_ptr, c_ptr, pairs_ptr, block_experts_ptr, pair_w
         a = tl.load(a_ptrs, mask=valid[:, None] & k_valid[None, :], other=0.0)
         if INT_BITS:
             w = _packed_tile(w_ptrs, s_ptr, z_ptr, g_ptr, expert, k0, K, offs_n, n_valid, stride_se, stride_s1,
-                             stride_ge, group_k, n_per_g_idx, INT_BITS, HAS_G_IDX, WHOLE_K, BLOCK_K, BLOCK_N).to(a.dtype)
+                             stride_ge, group_k, n_per_g_idx, INT_BITS, HAS_G_IDX, WHOLE_K, BLOCK_K, BLOCK_N,
+                             INT_ZEROS).to(a.dtype)
         else:
             w = tl.load(w_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0)
         if BLOCK_SCALED:
@@ -231,7 +234,8 @@ def _moe_matmul(a, w, c, pairs, block_experts, pair_weights, rows_per_a: int, ti
                              BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], BLOCK_K=block_k,
                              TRANSPOSED=tiles.get("transposed", int4) and (int4 or scale is not None),
                              DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-                             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl_launch(a.device))
+                             INT_ZEROS=w.int_zeros if int4 else True, num_warps=tiles["num_warps"],
+                             num_stages=tiles["num_stages"], **pdl_launch(a.device))
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor | reference.Int4Experts, w2: torch.Tensor | reference.Int4Experts,

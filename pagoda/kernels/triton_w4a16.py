@@ -133,13 +133,13 @@ def _minus_zero(q, zero, BITS: tl.constexpr, INT_ZEROS: tl.constexpr):
 @triton.jit
 def _packed_tile(w_ptrs, s_ptr, z_ptr, g_ptr, expert, k0, K, offs_n, n_valid, stride_se, stride_s1, stride_ge,
                  group_k, n_per_g_idx, INT_BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, WHOLE_K: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, INT_ZEROS: tl.constexpr):
     """Inputs ``k0 .. k0 + BLOCK_K`` of a packed expert's weight columns ``offs_n``, ``(q - z) * s``
-    in the scales' dtype (``Int4Experts``' values). ``w_ptrs``: the tile's words, ``(BLOCK_K /
-    pack, BLOCK_N)``, each loaded once and unpacked in registers: word row r, value j is input
-    ``(k0 / pack + r) * pack + j`` (K is a whole number of words). Groups: whole tiles of one
-    (WHOLE_K), by the rule ``k // group_k``, or (HAS_G_IDX) read from ``g[expert, n //
-    n_per_g_idx, k]``, each half of w13 its own under act-order."""
+    in the scales' dtype (``Int4Experts``' values; ``INT_ZEROS`` off: zeros with fractions).
+    ``w_ptrs``: the tile's words, ``(BLOCK_K / pack, BLOCK_N)``, each loaded once and unpacked in
+    registers: word row r, value j is input ``(k0 / pack + r) * pack + j`` (K is a whole number of
+    words). Groups: whole tiles of one (WHOLE_K), by the rule ``k // group_k``, or (HAS_G_IDX)
+    read from ``g[expert, n // n_per_g_idx, k]``, each half of w13 its own under act-order."""
     PACK: tl.constexpr = 32 // INT_BITS
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_valid = offs_k < K
@@ -161,7 +161,7 @@ def _packed_tile(w_ptrs, s_ptr, z_ptr, g_ptr, expert, k0, K, offs_n, n_valid, st
         sz_mask = k_valid[:, None] & n_valid[None, :]
     scale = tl.load(s_ptr + sz, mask=sz_mask, other=0.0)
     zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0)
-    return _minus_zero(q, zero, INT_BITS, True) * scale
+    return _minus_zero(q, zero, INT_BITS, INT_ZEROS) * scale
 
 
 def dequantize_experts(w: reference.Int4Experts, dtype: torch.dtype) -> torch.Tensor:
@@ -178,24 +178,25 @@ def dequantize_experts(w: reference.Int4Experts, dtype: torch.dtype) -> torch.Te
                                      0 if g is None else g.stride(0), w.group_size,
                                      n if g is None else n // g.shape[1], INT_BITS=w.bits, HAS_G_IDX=g is not None,
                                      WHOLE_K=g is None and w.group_size % block_k == 0, BLOCK_N=block_n,
-                                     BLOCK_K=block_k)
+                                     BLOCK_K=block_k, INT_ZEROS=w.int_zeros)
     return out
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor, bits: int,
-               group_size: int | None, dtype: torch.dtype) -> torch.Tensor:
+               group_size: int | None, dtype: torch.dtype, int_zeros: bool = True) -> torch.Tensor:
     """A linear layer's packed weight (the module docstring's layout) as ``(N, K)`` in ``dtype``,
     as ``F.linear`` takes it: ``int4.dequantize``'s values transposed, in one pass (batches over
     ``PACKED_MAX_M`` rows, then cuBLAS). ``group_size`` None: each input's group from ``g_idx``."""
     g = None if group_size is not None else g_idx.view(1, 1, -1)
-    one = reference.Int4Experts(qweight[None], scales[None], zeros[None], g, bits, group_size or 1)
+    one = reference.Int4Experts(qweight[None], scales[None], zeros[None], g, bits, group_size or 1, int_zeros)
     return dequantize_experts(one, dtype)[0]
 
 
 @triton.jit
 def _dequantize_experts_kernel(w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, stride_we, stride_w1, stride_se, stride_s1,
                                stride_ge, group_k, n_per_g_idx, INT_BITS: tl.constexpr, HAS_G_IDX: tl.constexpr,
-                               WHOLE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               WHOLE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               INT_ZEROS: tl.constexpr):
     """One ``(BLOCK_N, BLOCK_K)`` tile of one expert's dense weight (``_packed_tile``, transposed)."""
     PACK: tl.constexpr = 32 // INT_BITS
     k0 = tl.program_id(0) * BLOCK_K
@@ -205,7 +206,7 @@ def _dequantize_experts_kernel(w_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, stride
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + (k0 // PACK + tl.arange(0, BLOCK_K // PACK))[:, None] * stride_w1
               + offs_n[None, :])
     w = _packed_tile(w_ptrs, s_ptr, z_ptr, g_ptr, expert, k0, K, offs_n, n_valid, stride_se, stride_s1, stride_ge,
-                     group_k, n_per_g_idx, INT_BITS, HAS_G_IDX, WHOLE_K, BLOCK_K, BLOCK_N)
+                     group_k, n_per_g_idx, INT_BITS, HAS_G_IDX, WHOLE_K, BLOCK_K, BLOCK_N, INT_ZEROS)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     out = out_ptr + expert.to(tl.int64) * N * K + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(offs_k < K)[:, None] & n_valid[None, :])

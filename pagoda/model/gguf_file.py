@@ -13,7 +13,7 @@ import struct
 from functools import cached_property
 from math import prod
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -95,6 +95,21 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp adds that are no parameters: rope frequency factors (Llama-3's and LongRoPE's,
 # read into the config)
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+
+
+class _Experts(NamedTuple):
+    """A GGUF tensor of experts' projections stacked (experts first): the HF names of its rows."""
+    layer: int
+    proj: str     # (gate_proj, up_proj, down_proj)
+    kind: str     # (weight, bias)
+
+    @property
+    def prefix(self) -> str:
+        return f"model.layers.{self.layer}.mlp.experts."
+
+    def name(self, e: int, suffix: str | None = None) -> str:
+        """Expert ``e``'s tensor (``suffix``: a packed part's, for ``.weight``)."""
+        return f"{self.prefix}{e}.{self.proj}{suffix or '.' + self.kind}"
 
 
 class _Header:
@@ -364,22 +379,23 @@ class GGUFModel:
 
     @cached_property
     def hf_types(self) -> dict[str, QT]:
-        """Each tensor's type by its HF name (stacked experts left out). (Once a file: a packed
-        load asks for it twice.)"""
+        """Each tensor's type by its HF name, a stack of experts' under each expert's. (Once a
+        file: a packed load asks for it twice.)"""
         names = {}
-        for gguf_name, (_, qtype, _) in self.tensor_infos.items():
-            m = _LAYER_RE.fullmatch(gguf_name)
-            if not (m and m.group(2) in _EXPERT_NAMES) and (name := self.hf_name(gguf_name)) is not None:
+        for gguf_name, (shape, qtype, _) in self.tensor_infos.items():
+            if experts := self._experts(gguf_name):
+                names.update((experts.name(e), qtype) for e in range(shape[0]))
+            elif (name := self.hf_name(gguf_name)) is not None:
                 names[name] = qtype
         return names
 
     def packed_parts(self, gguf_name: str, device: torch.device | str) -> list[tuple[str, torch.Tensor]]:
-        """A matrix of a block type as ``gguf_quants.decompose``'s parts, in HF shape and order
-        (q/k rows un-permuted for llama): ``(".gguf_q", q (N, K) uint8), (".gguf_scale", (N, K /
-        GROUP) float32), (".gguf_zero", ...)``."""
+        """A matrix (or a stack of experts' matrices) of a block type as ``gguf_quants.decompose``'s
+        parts, in HF shape and order (q/k rows un-permuted for llama): ``(".gguf_q", q (..., N, K)
+        uint8), (".gguf_scale", (..., N, K / GROUP) float32), (".gguf_zero", ...)``."""
         shape, qtype, raw = self._raw(gguf_name, gguf_quants.TYPES)
         parts = gguf_quants.decompose(_bytes_on(raw, device), qtype)
-        return [(suffix, self._unpermute(gguf_name, t.reshape(shape[0], -1)))
+        return [(suffix, self._unpermute(gguf_name, t.reshape(*shape[:-1], -1)))
                 for suffix, t in zip((".gguf_q", ".gguf_scale", ".gguf_zero"), parts)]
 
     def iter_weights(self, skip: tuple[str, ...] = (), device: torch.device | str = "cpu",
@@ -389,12 +405,16 @@ class GGUFModel:
         names ``.weight`` replaced by the parts'). Stacked experts come out as HF's, an expert at
         a time."""
         for gguf_name in self.tensor_infos:
-            m = _LAYER_RE.fullmatch(gguf_name)
-            if m and m.group(2) in _EXPERT_NAMES:
-                prefix = f"model.layers.{m.group(1)}.mlp.experts."
-                if not (skip and prefix.startswith(skip)):
+            if experts := self._experts(gguf_name):
+                if skip and experts.prefix.startswith(skip):
+                    continue
+                if experts.name(0) in packed:
+                    parts = self.packed_parts(gguf_name, device)
+                    for e in range(parts[0][1].shape[0]):
+                        yield from ((experts.name(e, suffix), t[e]) for suffix, t in parts)
+                else:
                     for e, w in enumerate(self.tensor(gguf_name, device)):
-                        yield f"{prefix}{e}.{_EXPERT_NAMES[m.group(2)]}.{m.group(3)}", w
+                        yield experts.name(e), w
                 continue
             name = self.hf_name(gguf_name)
             if name in packed and not (skip and name.startswith(skip)):
@@ -404,6 +424,13 @@ class GGUFModel:
                 w = self.tensor(gguf_name, device)
                 # (llama.cpp stores the shared expert's one-row gate as a vector)
                 yield name, w.reshape(1, -1) if gguf_name.endswith("ffn_gate_inp_shexp.weight") else w
+
+    @staticmethod
+    def _experts(gguf_name: str) -> _Experts | None:
+        """A stack of experts' projections (``blk.N.ffn_gate_exps.weight``, ...), else None."""
+        m = _LAYER_RE.fullmatch(gguf_name)
+        return _Experts(int(m.group(1)), _EXPERT_NAMES[m.group(2)], m.group(3)) \
+            if m and m.group(2) in _EXPERT_NAMES else None
 
     def __repr__(self) -> str:
         return f"GGUFModel({self.path!r}, arch={self.metadata.get('general.architecture')!r}, " \

@@ -347,33 +347,42 @@ def _build(cls, config: ModelConfig, device: torch.device | str, gguf: GGUFModel
             if config.quant_config is not None and config.load_format != "dummy" and not config.is_gguf:
                 leave_unquantized(model, stored_unquantized(config.path, getattr(cls, "checkpoint_prefixes", None)))
             if config.quantization == "gguf" and config.load_format != "dummy":
-                _check_gguf_packable(model)
-                leave_unquantized(model, {name.removesuffix(".weight") for name, qtype
-                                          in (gguf or GGUFModel(config.path)).hf_types.items()
+                types = (gguf or GGUFModel(config.path)).hf_types
+                _check_gguf_experts(model, types)
+                leave_unquantized(model, {name.removesuffix(".weight") for name, qtype in types.items()
                                           if qtype in FLOAT_TYPES})
             return model
     finally:
         torch.set_default_dtype(prev)
 
 
-def _check_gguf_packable(model: nn.Module) -> None:
+def _check_gguf_experts(model: nn.Module, types: dict) -> None:
+    """quantization="gguf" keeps experts packed: a file whose experts are floats (whose dense
+    layers are left unquantized) needs it unset."""
     from pagoda.model.layers.fused_moe import FusedMoE
-    if any(isinstance(m, FusedMoE) for m in model.modules()):
-        raise NotImplementedError("quantization='gguf' keeps dense layers' weights packed; a mixture of experts' "
-                                  "are not yet: leave quantization unset to load the file dequantized.")
+    for name, layer in _layers_of(model, types):
+        if isinstance(layer, FusedMoE) and types[name] in FLOAT_TYPES:
+            raise NotImplementedError(f"quantization='gguf' keeps a mixture's experts packed, but the file stores "
+                                      f"{name.rsplit('.', 3)[0]}'s as {types[name].name}: leave quantization unset "
+                                      "to load them as they are.")
 
 
 def gguf_packed(model: nn.Module, gguf: GGUFModel) -> set[str]:
-    """The GGUF matrices (HF names) that go to layers of ``quantization="gguf"``'s packed method."""
+    """The GGUF matrices (HF names) that go to layers of ``quantization="gguf"``'s packed method
+    (linear layers, experts)."""
+    from pagoda.model.layers.fused_moe import FusedMoE
     from pagoda.model.layers.linear import LinearBase
     from pagoda.quant.int4 import GGUFLinearMethod
+    return {name for name, layer in _layers_of(model, gguf.hf_types)
+            if isinstance(layer, LinearBase) and isinstance(layer.quant_method, GGUFLinearMethod)
+            or isinstance(layer, FusedMoE) and getattr(layer.int4, "method", None) == "gguf"}
+
+
+def _layers_of(model: nn.Module, names) -> Iterator[tuple[str, nn.Module | None]]:
+    """Each checkpoint tensor name with the module that loads it (None: no module's)."""
     mapping, owners = getattr(model, "packed_modules_mapping", {}), dict(model.named_modules())
-    packed = set()
-    for name in gguf.hf_types:
-        layer = owners.get(_param_name(name, mapping)[0].rpartition(".")[0])
-        if isinstance(layer, LinearBase) and isinstance(layer.quant_method, GGUFLinearMethod):
-            packed.add(name)
-    return packed
+    for name in names:
+        yield name, owners.get(_param_name(name, mapping)[0].rpartition(".")[0])
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:

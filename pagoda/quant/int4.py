@@ -265,10 +265,8 @@ class Int4LinearMethod(QuantMethod):
         w4a16 = triton_kernels("triton_w4a16")
         if w4a16.use_w4a16(x, w4a16.PACKED_MAX_M):   # decode batches: dequantized in registers
             return w4a16.w4a16_linear(x, *weights, bias, group_size, self.int_zeros)
-        # larger ones: the dense weight written once, for cuBLAS (by torch where zero points have
-        # fractions: the one-pass kernel takes integer ones)
-        dense = w4a16.dequantize(*weights, group_size, x.dtype) if self.int_zeros else dequantize(*weights).t()
-        return F.linear(x, dense, bias)
+        # larger ones: the dense weight written once, for cuBLAS
+        return F.linear(x, w4a16.dequantize(*weights, group_size, x.dtype, self.int_zeros), bias)
 
 
 class GGUFLinearMethod(Int4LinearMethod):
@@ -287,13 +285,24 @@ class GGUFLinearMethod(Int4LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q, scale, zero = (layer._parameters.pop(name).data for name in ("gguf_q", "gguf_scale", "gguf_zero"))
-        bits = 4 if int(q.max()) < 16 else 8
-        group = self.config.group_size
-        if scale.shape[1] % 2 == 0 and torch.equal(scale[:, 0::2], scale[:, 1::2]) \
-                and torch.equal(zero[:, 0::2], zero[:, 1::2]):
-            scale, zero, group = scale[:, 0::2], zero[:, 0::2], 2 * group
-        layer.bits, layer.group_size = bits, group
-        g_idx = torch.arange(q.shape[1], dtype=torch.int32, device=q.device) // group
-        for name, t in (("qweight", pack_rows(q.t(), bits)), ("scales", scale.t().contiguous()),
-                        ("zeros", zero.t().contiguous()), ("g_idx", g_idx)):
+        qweight, scales, zeros, layer.bits, layer.group_size = repack_gguf(q, scale, zero, self.config.group_size)
+        g_idx = torch.arange(q.shape[1], dtype=torch.int32, device=q.device) // layer.group_size
+        for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("g_idx", g_idx)):
             setattr(layer, name, nn.Parameter(t, requires_grad=False))
+
+
+def repack_gguf(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """``gguf_quants.decompose``'s parts of a ``(..., N, K)`` weight (a linear layer's, or stacked
+    experts': one layout for all of them), ``q`` a byte a weight, ``scale`` / ``zero (..., N, K /
+    group)`` -> ``(qweight (..., K / pack, N), scales, zeros (..., groups, N), bits, group)`` in
+    the module docstring's layout: 4-bit words where every value fits in 4 bits, else 8-bit; the
+    groups doubled where the scales and zeros of each pair are equal."""
+    bits = 4 if int(q.max()) < 16 else 8
+    if scale.shape[-1] % 2 == 0 and torch.equal(scale[..., 0::2], scale[..., 1::2]) \
+            and torch.equal(zero[..., 0::2], zero[..., 1::2]):
+        scale, zero, group = scale[..., 0::2], zero[..., 0::2], 2 * group
+    *lead, n, k = q.shape
+    # (an expert at a time: pack_rows' int64 values of a whole stack would be 8 bytes a weight)
+    words = torch.stack([pack_rows(w.t(), bits) for w in q.reshape(-1, n, k)]).view(*lead, k * bits // 32, n)
+    return words, scale.transpose(-1, -2).contiguous(), zero.transpose(-1, -2).contiguous(), bits, group

@@ -147,13 +147,15 @@ def test_fused_moe_with_8bit_experts(block, inter, dtype, request):
         assert (got - want).norm() / want.norm() < TOLERANCE[torch.float32], transposed
 
 
-def int4_experts(experts, n, k, bits, group, dtype, g, halves=0):
+def int4_experts(experts, n, k, bits, group, dtype, g, halves=0, int_zeros=True):
     """Random GPTQ / AWQ experts in pagoda's layout, with the dense weights they stand for.
-    ``halves``: act-order, each half of the N columns its own random order of groups."""
+    ``halves``: act-order, each half of the N columns its own random order of groups;
+    ``int_zeros`` off: zero points with fractions (GGUF's)."""
     top = (1 << bits) - 1
     groups = -(-k // group)
     q = torch.randint(0, top + 1, (experts, k, n), generator=g, dtype=torch.int32)
-    zeros = torch.randint(0, top + 1, (experts, groups, n), generator=g).to(dtype)
+    zeros = (torch.randint(0, top + 1, (experts, groups, n), generator=g) if int_zeros
+             else torch.rand(experts, groups, n, generator=g) * top).to(dtype)
     scales = ((torch.rand(experts, groups, n, generator=g) + 0.5) / (top * k ** 0.5)).to(dtype)
     by_rule = torch.arange(k) // group
     g_idx = (torch.stack([torch.stack([by_rule[torch.randperm(k, generator=g)] for _ in range(halves)])
@@ -166,23 +168,25 @@ def int4_experts(experts, n, k, bits, group, dtype, g, halves=0):
             dense[e][sel] = ((q[e][:, sel] - zeros[e][gi][:, sel]) * scales[e][gi][:, sel]).float().t()
     packed = pack_rows(q.flatten(0, 1), bits).view(experts, k * bits // 32, n)
     moved = [t if t is None else t.to(DEVICE) for t in (packed, scales, zeros, g_idx)]
-    return reference.Int4Experts(*moved, bits, group), dense.to(DEVICE, dtype)
+    return reference.Int4Experts(*moved, bits, group, int_zeros), dense.to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("bits,group,act_order,tokens", [(4, 32, False, 13), (4, 128, False, 3), (8, 16, False, 9),
-                                                         (4, 32, True, 13), (4, 48, False, 7)])
+@pytest.mark.parametrize("bits,group,act_order,tokens,int_zeros", [
+    (4, 32, False, 13, True), (4, 128, False, 3, True), (8, 16, False, 9, True), (4, 32, True, 13, True),
+    (4, 48, False, 7, True), (4, 32, False, 11, False), (8, 16, False, 5, False)])
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if ON_GPU else [torch.float16]))
-def test_fused_moe_with_int4_experts(bits, group, act_order, tokens, dtype, request):
+def test_fused_moe_with_int4_experts(bits, group, act_order, tokens, int_zeros, dtype, request):
     """GPTQ / AWQ experts (``reference.Int4Experts``): the words unpacked and each tile
     dequantized in registers, groups whole tiles, smaller than one (32 and 16 of 64-input steps,
     48: tiles across groups), one group over the whole input (128), or (act-order) each input's
-    group read from its expert's g_idx, w13's gate and up halves their own. The reference's
-    experts are the dense weights the words stand for, and the kernel's sum is the reference's."""
+    group read from its expert's g_idx, w13's gate and up halves their own; GGUF's zero points
+    with fractions. The reference's experts are the dense weights the words stand for, and the
+    kernel's sum is the reference's."""
     g = seed_for(request)
     experts, top_k, hidden, inter = 8, 2, 128, 64
     topk_weights, topk_ids = routing(tokens, experts, top_k, g)
-    w13, d13 = int4_experts(experts, 2 * inter, hidden, bits, min(group, hidden), dtype, g, 2 * act_order)
-    w2, d2 = int4_experts(experts, hidden, inter, bits, min(group, inter), dtype, g, act_order)
+    w13, d13 = int4_experts(experts, 2 * inter, hidden, bits, min(group, hidden), dtype, g, 2 * act_order, int_zeros)
+    w2, d2 = int4_experts(experts, hidden, inter, bits, min(group, inter), dtype, g, act_order, int_zeros)
     x = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)
     want = reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
     torch.testing.assert_close(want, reference.fused_moe(x, d13, d2, topk_weights, topk_ids))
@@ -195,14 +199,17 @@ def test_fused_moe_with_int4_experts(bits, group, act_order, tokens, dtype, requ
         assert err < TOLERANCE[dtype], (tiles, err)
 
 
-@pytest.mark.parametrize("bits,group,act_order", [(4, 32, False), (8, 16, False), (4, 32, True), (4, 48, False)])
-def test_dequantize_experts(bits, group, act_order, monkeypatch, request):
+@pytest.mark.parametrize("bits,group,act_order,int_zeros", [(4, 32, False, True), (8, 16, False, True),
+                                                             (4, 32, True, True), (4, 48, False, True),
+                                                             (4, 16, False, False), (8, 32, False, False)])
+def test_dequantize_experts(bits, group, act_order, int_zeros, monkeypatch, request):
     """Packed experts dequantized whole (large batches) hold ``Int4Experts.dense``'s values
-    exactly, and the MoE layer through them gives the reference's sum."""
+    exactly (GGUF's zero points with fractions too), and the MoE layer through them gives the
+    reference's sum."""
     g = seed_for(request)
     experts, top_k, hidden, inter = 8, 2, 128, 64
-    w13, _ = int4_experts(experts, 2 * inter, hidden, bits, group, torch.float32, g, 2 * act_order)
-    w2, _ = int4_experts(experts, hidden, inter, bits, min(group, inter), torch.float32, g, act_order)
+    w13, _ = int4_experts(experts, 2 * inter, hidden, bits, group, torch.float32, g, 2 * act_order, int_zeros)
+    w2, _ = int4_experts(experts, hidden, inter, bits, min(group, inter), torch.float32, g, act_order, int_zeros)
     for w in (w13, w2):
         want = torch.stack([w.dense(e) for e in range(experts)])
         assert torch.equal(triton_moe.dequantize_experts(w, torch.float32), want)

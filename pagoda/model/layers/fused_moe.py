@@ -17,11 +17,13 @@ scale per row, ``w13_weight_scale (E, 2 * I, 1)`` / ``w2_weight_scale (E, H, 1)`
 row by the whole input. (INT8 experts run as W8A16: activations stay in the model's dtype.)
 
 GPTQ / AWQ / compressed-tensors pack-quantized experts (Qwen3-30B-A3B-GPTQ-Int4's, Mixtral's AWQ)
-stay packed: each expert's tensors are loaded as the checkpoint lays them out
-(``Int4Config.checkpoint_tensors``; w13's hold its gate then its up columns), and repacked after
-loading into ``quant.int4``'s layout, ``qweight (E, K / pack, N)``, ``scales`` / ``zeros (E,
-groups, N)``, the kernels dequantizing their tiles in registers (``reference.Int4Experts``). Under
-act-order each of w13's halves keeps its own ``g_idx``.
+and a GGUF file's (``quantization="gguf"``) stay packed: each expert's tensors are loaded as the
+checkpoint lays them out (``Int4Config.checkpoint_tensors``; w13's hold its gate then its up
+columns; GGUF's as ``gguf_quants.decompose``'s parts), and repacked after loading into
+``quant.int4``'s layout, ``qweight (E, K / pack, N)``, ``scales`` / ``zeros (E, groups, N)``, the
+kernels dequantizing their tiles in registers (``reference.Int4Experts``). Under act-order each
+of w13's halves keeps its own ``g_idx``. GGUF's w13 and w2 each take 4 or 8 bits and groups of
+16 or 32 as their block types allow (``int4.repack_gguf``), their zero points with fractions.
 """
 import re
 
@@ -39,7 +41,7 @@ from pagoda.quant.base import QuantMethod, UnquantizedLinearMethod
 _EXPERT_TENSOR = re.compile(
     r"^(.*\.experts)\.(\d+)\.(gate_up_proj|down_proj)\."
     r"(weight|weight_scale_inv|weight_scale|input_scale|qweight|qzeros|scales|g_idx|weight_packed|weight_zero_point|"
-    r"weight_g_idx)$")
+    r"weight_g_idx|gguf_q|gguf_scale|gguf_zero)$")
 _STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
 
 
@@ -71,6 +73,7 @@ class FusedMoE(nn.Module):
         self.register_buffer("expert_map", expert_map, persistent=False)
         from pagoda.quant.int4 import Int4LinearMethod
         self.int4 = quant.config if isinstance(quant, Int4LinearMethod) else None
+        self.int_zeros = getattr(quant, "int_zeros", True)
         self.w8, self.block = w8_experts(None if self.int4 else quant)
         if self.w8 == "online" or self.int4:     # (the loader calls quant_method once all is loaded)
             self.quant_method = _AfterLoading()
@@ -105,6 +108,7 @@ class FusedMoE(nn.Module):
         c = self.int4
         self.int4_dims = {"w13": (h, 2 * i), "w2": (i, h)}     # (K, N)
         self.group_sizes = {w: k if c.group_size == -1 else c.group_size for w, (k, _) in self.int4_dims.items()}
+        self.int4_bits = dict.fromkeys(self.int4_dims, c.bits)     # (GGUF's: each w its own, once repacked)
         split = self.tp_size > 1 and not ep      # (each rank holds a slice of every expert's I)
         whole_groups = h % self.group_sizes["w13"] == 0 and i % self.group_sizes["w2"] == 0
         if h % c.pack or i % c.pack or (c.method == "awq" and not whole_groups):
@@ -177,11 +181,18 @@ class FusedMoE(nn.Module):
 
     def repack_int4(self) -> None:
         """The experts' tensors as loaded -> ``quant.int4``'s layout (``Int4Config.repack``, every
-        expert at once): an act-order g_idx kept ``(E, halves, K)``, else none."""
+        expert at once; GGUF's parts by ``repack_gguf``, which picks w13's and w2's bits and
+        groups): an act-order g_idx kept ``(E, halves, K)``, else none."""
+        from pagoda.quant.int4 import repack_gguf
         c = self.int4
         for w, (k, n) in self.int4_dims.items():
             loaded = {name: self._parameters.pop(f"{w}_{name}").data for name in c.checkpoint_tensors(k, n)}
-            qweight, scales, zeros, g_idx = c.repack(loaded)
+            if c.method == "gguf":
+                qweight, scales, zeros, self.int4_bits[w], self.group_sizes[w] = repack_gguf(
+                    *loaded.values(), c.group_size)
+                g_idx = None
+            else:
+                qweight, scales, zeros, g_idx = c.repack(loaded)
             for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros)):
                 setattr(self, f"{w}_{name}", nn.Parameter(t, requires_grad=False))
             setattr(self, f"{w}_g_idx", None if g_idx is None else g_idx.view(self.num_local_experts, -1, k))
@@ -191,8 +202,8 @@ class FusedMoE(nn.Module):
         if not self.int4:
             return self.w13_weight, self.w2_weight
         return tuple(reference.Int4Experts(getattr(self, f"{w}_qweight"), getattr(self, f"{w}_scales"),
-                                           getattr(self, f"{w}_zeros"), getattr(self, f"{w}_g_idx"), self.int4.bits,
-                                           self.group_sizes[w]) for w in ("w13", "w2"))
+                                           getattr(self, f"{w}_zeros"), getattr(self, f"{w}_g_idx"), self.int4_bits[w],
+                                           self.group_sizes[w], self.int_zeros) for w in ("w13", "w2"))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
