@@ -59,7 +59,8 @@
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh s44b      # batch-1 GPTQ GEMV variants (gemv_probe.py), ncu of each
 #   BASE=dir bash benchmarks/gpu_session.sh s46a  # packed GGUF experts: MoE / GGUF tests compiled, then s45a QUICK
-#   bash benchmarks/gpu_session.sh s46b      # a Qwen3-30B-A3B-shaped GGUF packed: load, memory, W2 b=1; GPTQ's W2
+#   PREV=dir bash benchmarks/gpu_session.sh s46b  # a Qwen3-30B-A3B-shaped GGUF packed: load, memory, W2 b=1;
+#                                            # GPTQ's W2; Llama-3-8B's packed, PREV vs tree
 #   BASE=dir bash benchmarks/gpu_session.sh s45a  # the GEMV of s44b merged: tests, W2 GPTQ batch 1 BASE vs tree
 #   bash benchmarks/gpu_session.sh s39b      # LongRoPE / partial rotary / windows giving blocks back on the GPU
 #   bash benchmarks/gpu_session.sh s40b      # a draft model's step cost: W2 Llama-3-8B with a Llama-3.2-1B-shaped draft
@@ -1294,6 +1295,12 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/gguf_load.py --model-config benchmarks/models/qwen3-30b-a3b.json --packed-only \
       2>&1 | tail -3
     w2 . gptq qwen3-30b-a3b 1 --quantization gptq
+    # Llama-3-8B's shapes packed: the GEMV's float zero points in float32 (PREV: the tree before
+    # their bf16x2 form) and in bf16x2 (this tree)
+    for tree in ${PREV:-} .; do
+      (cd $tree && OUT=$OUT/8b_$(basename $tree) timeout 150 python3 benchmarks/gguf_load.py --model-config \
+        benchmarks/models/llama3-8b.json --packed-only 2>&1 | tail -1 | sed "s|^|$(basename $tree): |")
+    done
     ;;
   s45a)
     # The GEMV kernel merged: its tests compiled (and the attention's mixed / split ones); W2

@@ -574,6 +574,46 @@ def test_packed_gguf_experts_equal_dequantized(tmp_path, case, arch, types, layo
     assert found == [[], list(layouts)]
 
 
+@pytest.mark.parametrize("quantization,case,arch", [("gguf", "qwen3_moe", "qwen3moe"), ("fp8", "qwen3", None)])
+def test_replaced_weights_take_memory_a_layer_at_a_time(tmp_path, monkeypatch, quantization, case, arch):
+    """What a layer's process_weights_after_loading replaces (GGUF's decomposed parts, linear
+    and experts; bf16 weights quantized to FP8 at load) is given memory as it loads, and each
+    layer is processed once whole: the first layer is repacked before the last one's tensors
+    are read, then every parameter has memory, processed exactly once."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.model import loader
+    from tests.test_architectures import save_tiny
+    folder, _ = save_tiny(tmp_path, case, hidden_size=256, head_dim=64, intermediate_size=512,
+                          **({"moe_intermediate_size": 256} if arch else {}))
+    path = _hf_gguf(folder, tmp_path / "q.gguf", arch, dict.fromkeys(
+        ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn_q", "attn_k", "attn_v", "attn_output"), QT.Q4_K)) \
+        if arch else folder
+    events = []
+    materialize = loader.materialize
+    monkeypatch.setattr(loader, "materialize", lambda m, a: events.append("give memory") or materialize(m, a))
+    process = loader._Processed.process
+
+    def recorded(self, module):
+        if getattr(module, "quant_method", None) is not None and id(module) not in self.done:
+            events.append(("process", id(module)))
+        process(self, module)
+    monkeypatch.setattr(loader._Processed, "process", recorded)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128,
+              quantization=quantization)
+    out = llm.generate([{"prompt_token_ids": [5, 9, 14]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    assert llm.apply_model(_meta_parameters)[0] == 0
+    given = [i for i, e in enumerate(events) if e == "give memory"]
+    processed = [e for e in events if e != "give memory"]
+    assert given and events.index(processed[0]) < given[-1], events
+    assert len(processed) == len(set(processed))
+
+
+def _meta_parameters(model):
+    return sum(p.is_meta for p in model.parameters())
+
+
 def _first_experts_layouts(model):
     """The first packed mixture's (bits, group) of w13 and w2 (picklable: for apply_model at tp > 1)."""
     return [(moe.int4_bits[w], moe.group_sizes[w]) for moe in model.modules()

@@ -296,10 +296,13 @@ def _gemv_words(qweight_ptr, k0, k_hi, r, offs_n, n_ok, stride_w, PACK: tl.const
 
 
 @triton.jit
-def _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_ptr, g_idx_ptr, group_size,
-               stride_sg, BITS: tl.constexpr, VALUE_GROUPS: tl.constexpr, INT_ZEROS: tl.constexpr,
-               BF16X2: tl.constexpr, COMPILED: tl.constexpr):
-    """``acc += words' values times their x``, per word, the values' scales applied."""
+def _gemv_step(acc, frac, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_ptr, g_idx_ptr, group_size,
+               stride_sg, BITS: tl.constexpr, STEP: tl.constexpr, VALUE_GROUPS: tl.constexpr,
+               INT_ZEROS: tl.constexpr, BF16X2: tl.constexpr, COMPILED: tl.constexpr):
+    """``acc += words' values times their x``, per word, the values' scales applied. In bf16x2
+    with float zero points (GGUF's) the words' sums take the zero's nearest integer ``zi``
+    (clamped so that ``q - zi`` stays an exact bf16), and ``frac`` (a column's) gathers the
+    rest, ``(zero - zi) * scale * sum(x)`` of each step, to be subtracted once at the end."""
     PACK: tl.constexpr = 32 // BITS
     ks = k0 + r * PACK                   # each word row's first input
     row_ok = ks < k_hi
@@ -311,13 +314,21 @@ def _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_p
             z = tl.load(zeros_ptr + g * stride_sg + offs_n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)
             x = tl.load(xk + j, mask=row_ok, other=0.0).to(tl.float32)[:, None]
             acc += _minus_zero((words >> (j * BITS)) & ((1 << BITS) - 1), z, BITS, INT_ZEROS) * s * x
-        return acc
+        return acc, frac
     # the step lies in one group: a row of scales and zeros
     sz = (k0 // group_size) * stride_sg + offs_n
-    s = tl.load(scales_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    s_row = tl.load(scales_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)
+    s = s_row[None, :]
     z = tl.load(zeros_ptr + sz, mask=n_ok, other=0.0)
     if BF16X2:
-        nz = _bits16((-(z.to(tl.float32) + 128.0)).to(tl.bfloat16))[None, :]
+        zi = z.to(tl.float32)
+        if not INT_ZEROS:
+            zf = zi
+            zi = tl.clamp(tl.floor(zf + 0.5), -128.0, 128.0)
+            ks = k0 + tl.arange(0, STEP)
+            sum_x = tl.sum(tl.load(x_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32))
+            frac += (zf - zi) * s_row * sum_x
+        nz = _bits16((-(zi + 128.0)).to(tl.bfloat16))[None, :]
         nz2 = nz | (nz << 16)
         x0, x1 = _x_pair(xk, 0, row_ok), _x_pair(xk, 1, row_ok)
         x2, x3 = _x_pair(xk, 2, row_ok), _x_pair(xk, 3, row_ok)
@@ -326,13 +337,13 @@ def _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_p
                                              dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
         else:
             sums = _bf16x2_emulated(words, nz2, x0, x1, x2, x3)
-        return acc + sums * s
+        return acc + sums * s, frac
     z = z.to(tl.float32)[None, :]     # (float32 math: _minus_zero's 2^23 base)
     tile = tl.zeros(acc.shape, tl.float32)
     for j in tl.static_range(PACK):
         x = tl.load(xk + j, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         tile += _minus_zero((words >> (j * BITS)) & ((1 << BITS) - 1), z, BITS, INT_ZEROS) * x
-    return acc + tile * s
+    return acc + tile * s, frac
 
 
 @triton.jit
@@ -399,13 +410,14 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bia
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([STEP // PACK, BLOCK_N], tl.float32)
+    frac = tl.zeros([BLOCK_N], tl.float32)
     w_next = _gemv_words(qweight_ptr, k_lo, k_hi, r, offs_n, n_ok, stride_w, PACK)
     for k0 in tl.range(k_lo, k_hi, STEP, num_stages=1):
         words = w_next
         w_next = _gemv_words(qweight_ptr, k0 + STEP, k_hi, r, offs_n, n_ok, stride_w, PACK)
-        acc = _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_ptr, g_idx_ptr, group_size,
-                         stride_sg, BITS, VALUE_GROUPS, INT_ZEROS, BF16X2, COMPILED)
-    out = tl.sum(acc, axis=0)
+        acc, frac = _gemv_step(acc, frac, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_ptr, g_idx_ptr,
+                               group_size, stride_sg, BITS, STEP, VALUE_GROUPS, INT_ZEROS, BF16X2, COMPILED)
+    out = tl.sum(acc, axis=0) - frac
     if SPLIT:
         tl.store(part_ptr + split.to(tl.int64) * N + offs_n, out, mask=n_ok)
         if not REDUCE:
@@ -560,7 +572,7 @@ def _launch_gemv(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch
     part = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
     counts = _split_counts(x.device, col_tiles)   # (int32 even where unused: compiled all the same)
     fused_bias = bias if split == 1 or reduce else None
-    bf16x2 = bool(GEMV_BF16X2) and bits == 4 and x.dtype == torch.bfloat16 and int_zeros and not value_groups
+    bf16x2 = bool(GEMV_BF16X2) and bits == 4 and x.dtype == torch.bfloat16 and not value_groups
     _w4a16_gemv_kernel[(col_tiles, split)](
         x, qweight, scales, zeros, g_idx, bias if fused_bias is not None else scales, out, part, counts,
         n, k, k_per_split, split, group_size or k, qweight.stride(0), scales.stride(0),

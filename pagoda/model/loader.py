@@ -4,7 +4,7 @@ import gc
 import glob
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -182,11 +182,13 @@ def _load_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tenso
     return False
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], strict: bool = True,
+                 on_layer_loaded: Callable[[nn.Module], None] | None = None) -> set[str]:
     """The checkpoint's (name, tensor) pairs into ``model`` (this rank's shard: the parameters'
     loaders cut theirs). ``strict``: every weight must come (a whole checkpoint); else any of
-    them may (a weight update), and those of other pipeline stages are passed over. Returns the
-    names loaded."""
+    them may (a weight update), and those of other pipeline stages are passed over.
+    ``on_layer_loaded``: called with each module once all its parameters are (but those with an
+    optional one: it may come later or never). Returns the names loaded."""
     params = dict(model.named_parameters(remove_duplicate=False))
     others = () if strict else missing_prefixes(model)
     modules = dict(model.named_modules())
@@ -194,6 +196,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     aliases = checkpoint_aliases(params)
     tied = ties_lm_head(model)
     prefixes = getattr(model, "checkpoint_prefixes", None)
+    expected, optional = _expected_names(model, mapping)
     loaded: set[str] = set()
     if hasattr(model, "checkpoint_weights"):    # (a layout of its own: Granite MoE's stacked experts)
         weights = model.checkpoint_weights(weights)
@@ -219,25 +222,46 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
         # The layer that owns the parameter cuts its shard. (Its method is looked up here, not
         # stored on the parameter: a bound method there makes a layer <-> parameter cycle,
         # which the engine's gc.freeze() would keep alive after the engine is dropped.)
-        module = modules[name.rpartition(".")[0]]
+        owner = name.rpartition(".")[0]
+        module = modules[owner]
+        if param.is_meta:
+            param = params[name] = materialize(module, name.rpartition(".")[2])
         loader = getattr(module, "weight_loader", None)
         if loader is None:
             param.data.copy_(tensor)
+            keys = [name]
         elif shard_id is None and hasattr(module, "checkpoint_shards"):
             # a fused layer's projections stored whole (Phi-3's qkv_proj, gate_up_proj)
+            keys = []
             for sid, part in module.checkpoint_shards(param, tensor):
                 loader(param, part, sid)
-                loaded.add(f"{name}:{sid}")
-            continue
+                keys.append(f"{name}:{sid}")
         elif shard_id is None:
             loader(param, tensor)
+            keys = [name]
         else:
             loader(param, tensor, shard_id)
-        loaded.add(name if shard_id is None else f"{name}:{shard_id}")
-    missing = sorted(_expected_names(model, mapping) - loaded)
+            keys = [f"{name}:{shard_id}"]
+        loaded.update(keys)
+        left = expected.get(owner)
+        if on_layer_loaded is not None and left and owner not in optional:
+            left.difference_update(keys)
+            if not left:
+                on_layer_loaded(module)
+    missing = sorted(k for left in expected.values() for k in left if k not in loaded)
     if missing and strict:
         raise ValueError(f"The checkpoint lacks {len(missing)} weights, e.g. {missing[:4]}.")
     return loaded
+
+
+def materialize(module: nn.Module, attr: str) -> nn.Parameter:
+    """A lazy parameter (``quant.base.lazy_parameter``) of ``module`` given memory, uninitialised,
+    on the device the model was built on: a new parameter with the old one's attributes."""
+    old = module._parameters[attr]
+    new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=old.load_device), requires_grad=False)
+    new.__dict__.update(old.__dict__)
+    module._parameters[attr] = new
+    return new
 
 
 def checkpoint_aliases(params: dict[str, nn.Parameter]) -> dict[str, str]:
@@ -267,23 +291,30 @@ def ties_lm_head(model: nn.Module) -> bool:
     return model.config.tie_word_embeddings and hasattr(model, "lm_head")
 
 
-def _expected_names(model: nn.Module, mapping: dict) -> set[str]:
+def _expected_names(model: nn.Module, mapping: dict) -> tuple[dict[str, set[str]], set[str]]:
+    """What a whole checkpoint loads into each module (by the module's name): its parameters'
+    names, with each shard's id where shards fill them (optional ones left out); and the
+    modules that have an optional parameter."""
     shards: dict[str, list] = {}
     for fused, sid in mapping.values():
         if sid is not None:      # (an entry that only renames loads its tensor whole)
             shards.setdefault(fused, []).append(sid)
-    names = set()
+    names: dict[str, set[str]] = {}
+    optional = set()
     for name, p in model.named_parameters():   # tied weights appear once
+        owner = name.rpartition(".")[0]
         if getattr(p, "optional", False):       # (FP8's static input_scale)
+            optional.add(owner)
             continue
-        module = name.rsplit(".", 2)[-2]
+        module = owner.rpartition(".")[2]
         if hasattr(p, "shard_ids"):             # (the experts' stacked weights)
-            names.update(f"{name}:{sid}" for sid in p.shard_ids)
+            keys = {f"{name}:{sid}" for sid in p.shard_ids}
         elif module in shards:
-            names.update(f"{name}:{sid}" for sid in shards[module])
+            keys = {f"{name}:{sid}" for sid in shards[module]}
         else:
-            names.add(name)
-    return names
+            keys = {name}
+        names.setdefault(owner, set()).update(keys)
+    return names, optional
 
 
 def other_stages_weights(model: nn.Module) -> tuple[str, ...]:
@@ -323,9 +354,26 @@ def score_from_lm_head(weights: Iterator[tuple[str, torch.Tensor]], model: nn.Mo
     yield "score.weight", ((rows[1] - rows[0])[None] if two_way else rows).to(head.dtype)
 
 
+class _Processed:
+    """Each layer's ``process_weights_after_loading``, once: as soon as it is loaded (so that the
+    memory of what it replaces goes back layer by layer), or after the whole checkpoint."""
+
+    def __init__(self):
+        self.done: set[int] = set()
+
+    def process(self, module: nn.Module) -> None:
+        qm = getattr(module, "quant_method", None)
+        if qm is not None and id(module) not in self.done:
+            self.done.add(id(module))
+            qm.process_weights_after_loading(module)
+
+
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Small uniform values: speed does not depend on them and activations stay finite (packed
     integer and FP8 weights of quantized layers: zeros, which every format reads as valid)."""
+    for module in model.modules():
+        for attr in [a for a, p in module._parameters.items() if p is not None and p.is_meta]:
+            materialize(module, attr)
     for i, (name, p) in enumerate(model.named_parameters()):
         if not p.is_floating_point() or p.element_size() == 1:
             p.data.zero_()
@@ -412,13 +460,25 @@ def weights_do_not_fit(cls, config: ModelConfig, device: torch.device) -> ValueE
 
 def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
     cls = get_model_class(config.arch.architecture)
-    gguf = GGUFModel(config.path) if config.is_gguf and config.load_format != "dummy" else None
     try:
-        model = _build(cls, config, device, gguf)
+        model = _built_and_loaded(cls, config, device)
     except torch.OutOfMemoryError:
         model = None   # (raised below, once the half-built model is unreferenced)
     if model is None:
         raise weights_do_not_fit(cls, config, device)
+    if config.compute_dtype != config.dtype:
+        # Weights keep the values of the requested dtype; the math runs in compute_dtype. (Only
+        # tensors of that dtype: FP8 weights stay FP8, their float32 scales float32.)
+        model._apply(lambda t: t.to(config.compute_dtype) if t.dtype == config.dtype else t)
+    return model.eval()
+
+
+def _built_and_loaded(cls, config: ModelConfig, device: torch.device) -> nn.Module:
+    """The model with its weights (lazy parameters given memory as they load: an out-of-memory
+    error may come from here as from the build), each layer processed after loading."""
+    gguf = GGUFModel(config.path) if config.is_gguf and config.load_format != "dummy" else None
+    model = _build(cls, config, device, gguf)
+    processed = _Processed()
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
@@ -427,13 +487,7 @@ def get_model(config: ModelConfig, device: torch.device) -> nn.Module:
             else iter_safetensors(config.path, skip, getattr(model, "checkpoint_prefixes", None))
         if config.classifier_token_ids:
             weights = score_from_lm_head(weights, model, config.classifier_token_ids)
-        load_weights(model, weights)
+        load_weights(model, weights, on_layer_loaded=processed.process)
     for m in model.modules():
-        qm = getattr(m, "quant_method", None)
-        if qm is not None:
-            qm.process_weights_after_loading(m)
-    if config.compute_dtype != config.dtype:
-        # Weights keep the values of the requested dtype; the math runs in compute_dtype. (Only
-        # tensors of that dtype: FP8 weights stay FP8, their float32 scales float32.)
-        model._apply(lambda t: t.to(config.compute_dtype) if t.dtype == config.dtype else t)
-    return model.eval()
+        processed.process(m)
+    return model

@@ -40,6 +40,17 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
+def lazy_parameter(shape: tuple, dtype: torch.dtype) -> nn.Parameter:
+    """A parameter that takes no memory until the loader puts its first tensor in (it lives on
+    the meta device till then; ``model.loader.materialize`` gives it memory on the device the
+    model is built on), for what ``process_weights_after_loading`` replaces: GGUF's decomposed
+    blocks, weights quantized at load. The loader processes each layer once it is whole, so one
+    layer's are held at a time, not the model's."""
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+    p.load_device = torch.get_default_device()
+    return p
+
+
 class QuantMethod:
     # Whether ``input_quant`` can ever name a dtype: the layers before a matmul ask it only then
     # (no Python work a forward for the methods that never quantize their input)

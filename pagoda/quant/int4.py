@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.quant.base import QuantMethod, compressed_tensors_group, triton_kernels
+from pagoda.quant.base import QuantMethod, compressed_tensors_group, lazy_parameter, triton_kernels
 
 # AWQ's order of the 8 columns in a packed word: slot i holds column AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -241,7 +241,9 @@ class Int4LinearMethod(QuantMethod):
                              "rank); use a smaller tensor_parallel_size or a checkpoint without act-order.")
         layer.group_size = group
         for name, spec in c.checkpoint_tensors(k, n).items():
-            p = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype or dtype), requires_grad=False)
+            # (GGUF's parts, a byte a weight, are repacked to half of it: allocated as they load)
+            p = lazy_parameter(spec.shape, spec.dtype or dtype) if c.method == "gguf" else \
+                nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype or dtype), requires_grad=False)
             p.output_dim, p.output_pack, p.input_dim, p.input_pack = spec.n_dim, spec.n_pack, spec.k_dim, spec.k_pack
             p.optional = spec.optional
             setattr(layer, name, p)

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels.reference import QuantizedInput, dequantize_blocks
-from pagoda.quant.base import QuantMethod, compressed_tensors_group, triton_kernels
+from pagoda.quant.base import QuantMethod, compressed_tensors_group, lazy_parameter, triton_kernels
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max   # 448
@@ -124,10 +124,10 @@ class W8LinearMethod(QuantMethod):
         self.quantizes_input = block is None   # (block scales: W8A16 or dequantized, never W8A8)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
-        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.dtype or dtype),
-                                    requires_grad=False)
         if self.dtype is None:   # the checkpoint's own weight, quantized after loading
+            layer.weight = lazy_parameter((out_features, in_features), dtype)
             return
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.dtype), requires_grad=False)
         if self.block is not None:
             bn, bk = self.block
             if getattr(layer, "tp_size", 1) > 1 and in_features % bk:

@@ -187,20 +187,26 @@ def test_gemv_split_sums(monkeypatch, reduce_in_kernel, k, group, request):
         assert int(tw._split_counts(x.device, 1).abs().sum()) == 0
 
 
-def test_gemv_bf16x2_against_float32(monkeypatch):
+@pytest.mark.parametrize("zeros_kind,group", [("int", 128), ("fractions", 32), ("beyond_clamp", 16)])
+def test_gemv_bf16x2_against_float32(monkeypatch, zeros_kind, group):
     """4-bit weights times bf16 x two values an instruction: as close to the exact product as the
     float32 path, within a factor of two, and not the float32 path's result (so it ran). In the
     CPU interpreter the instructions' arithmetic is emulated (``_bf16x2_emulated``), which checks
-    the x pairs and zeros the kernel feeds them."""
+    the x pairs and zeros the kernel feeds them. GGUF's zero points with fractions (the words'
+    sums take their nearest integers, the fractions' share added once), also far outside the
+    range an integer part may take (-128..128: the rest goes with the fraction)."""
     gen = torch.Generator().manual_seed(3)
     k, n = (4096, 512) if ON_GPU else (1024, 96)
-    qweight, scales, zeros, g_idx = random_layer(k, n, 4, 128, False, torch.bfloat16, gen)
+    qweight, scales, zeros, g_idx = random_layer(k, n, 4, group, False, torch.bfloat16, gen)
+    if zeros_kind != "int":
+        span = 16 if zeros_kind == "fractions" else 600
+        zeros = ((torch.rand(zeros.shape, generator=gen) - (0 if span == 16 else 0.5)) * span).to(DEVICE, zeros.dtype)
     x = torch.randn(1, k, generator=gen).to(DEVICE, torch.bfloat16)
     ref = x.double() @ dequantize(qweight, scales, zeros, g_idx, 4).double()
     errs, outs = [], []
     for on in (1, 0):
         monkeypatch.setattr(tw, "GEMV_BF16X2", on)
-        outs.append(tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4, None, 128))
+        outs.append(tw.w4a16_linear(x, qweight, scales, zeros, g_idx, 4, None, group, int_zeros=zeros_kind == "int"))
         errs.append(((outs[-1].double() - ref).norm() / ref.norm()).item())
     assert errs[0] < 2 * errs[1] + 1e-3 and not torch.equal(outs[0], outs[1]), errs
 

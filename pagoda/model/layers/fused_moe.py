@@ -33,7 +33,7 @@ from torch import nn
 from pagoda.distributed.parallel_state import expert_parallel, get_tp_rank, get_tp_size, tp_all_reduce
 from pagoda.kernels import reference
 from pagoda.model.layers.linear import _copy, _divide
-from pagoda.quant.base import QuantMethod, UnquantizedLinearMethod
+from pagoda.quant.base import QuantMethod, UnquantizedLinearMethod, lazy_parameter
 
 # A checkpoint's per-expert tensor, ``...experts.<e>.<name>.weight`` once the model's
 # packed_modules_mapping has named gate / up projections gate_up_proj (with their half as the
@@ -130,7 +130,11 @@ class FusedMoE(nn.Module):
         """A stacked parameter (an expert a row). ``i_dim``: its dimension along I (the rows of
         w13, the columns of w2, or what stands for them: packed words, groups); None: I is not one
         of its dimensions."""
-        p = nn.Parameter(torch.empty(self.num_local_experts, *shape, dtype=dtype), requires_grad=False)
+        shape = (self.num_local_experts, *shape)
+        # (what process_weights_after_loading replaces, bf16 experts to quantize and GGUF's parts:
+        # given memory as they load)
+        p = lazy_parameter(shape, dtype) if self.w8 == "online" or getattr(self.int4, "method", None) == "gguf" \
+            else nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
         p.i_dim = i_dim
         # What a whole checkpoint fills: every expert's gate and up halves, and its down weight
         p.shard_ids = ([(e, half) for e in range(self.num_experts) for half in (0, 1)] if name.startswith("w13")
