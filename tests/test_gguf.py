@@ -342,7 +342,7 @@ def _hf_gguf(folder, path, arch, types=None):
         if m := re.fullmatch(r"(block_sparse_moe|shared_mlp)\.input_linear\.weight", rest):
             kind = "exps" if m[1] == "block_sparse_moe" else "shexp"
             for half, part in zip(("gate", "up"), np.split(t, 2, axis=t.ndim - 2)):
-                w.add_tensor(f"blk.{layer}.ffn_{half}_{kind}.weight", part)
+                add(f"blk.{layer}.ffn_{half}_{kind}.weight", np.ascontiguousarray(part), f"ffn_{half}_{kind}")
             continue
         module, kind = rest.rsplit(".", 1)
         if arch in ("llama", "granite", "granitemoe", "smollm3") and module in ("self_attn.q_proj", "self_attn.k_proj"):
@@ -547,15 +547,25 @@ def test_smollm2_packed(llm, smollm_path):
     # each rank its slice of every expert's intermediate size: w13's rows, w2's groups of inputs
     ("qwen3_moe", "qwen3moe", dict(ffn_gate_exps=QT.Q2_K, ffn_up_exps=QT.Q2_K, ffn_down_exps=QT.Q5_K),
      ((4, 16), (8, 32)), 2),
-], ids=["q4_k_m", "legacy", "tp2"])
+    # a shared expert beside them, packed as a dense MLP (Qwen2-MoE's, with its gate; Granite MoE
+    # Shared's, whose experts' gate and up come from one stacked input_linear)
+    ("qwen2_moe", "qwen2moe", dict(ffn_gate_exps=QT.Q4_0, ffn_up_exps=QT.Q4_0, ffn_down_exps=QT.Q8_0,
+                                   ffn_gate_shexp=QT.Q4_K, ffn_up_shexp=QT.Q4_K, ffn_down_shexp=QT.Q6_K),
+     ((4, 32), (8, 32)), 1),
+    ("granitemoeshared", "granitemoe", dict(ffn_gate_exps=QT.Q4_K, ffn_up_exps=QT.Q4_K, ffn_down_exps=QT.Q6_K,
+                                            ffn_gate_shexp=QT.Q4_K, ffn_up_shexp=QT.Q4_K, ffn_down_shexp=QT.Q6_K),
+     ((4, 32), (8, 16)), 1),
+], ids=["q4_k_m", "legacy", "tp2", "qwen2_shared", "granite_shared"])
 def test_packed_gguf_experts_equal_dequantized(tmp_path, case, arch, types, layouts, tp):
     """quantization="gguf" keeps a mixture's experts packed too (w13 and w2 each 4- or 8-bit in
     groups of 32 or 16 as its block types allow) and gives the dequantized file's greedy tokens
     and prompt logprobs (float32)."""
     from pagoda import LLM, SamplingParams
     from tests.test_architectures import save_tiny
-    sizes = dict(intermediate_size=512, moe_intermediate_size=256) if case == "qwen3_moe" \
-        else dict(intermediate_size=256)    # (Mixtral's experts')
+    sizes = {"qwen3_moe": dict(intermediate_size=512, moe_intermediate_size=256),
+             "qwen2_moe": dict(moe_intermediate_size=256, shared_expert_intermediate_size=256),
+             "granitemoeshared": dict(intermediate_size=256, shared_intermediate_size=256)}.get(
+        case, dict(intermediate_size=256))    # (Mixtral's experts')
     folder, _ = save_tiny(tmp_path, case, hidden_size=256, head_dim=64, **sizes)
     path = _hf_gguf(folder, tmp_path / "q.gguf", arch, types)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
