@@ -58,6 +58,7 @@
 #   bash benchmarks/gpu_session.sh serve17   # W3 with the asyncio client, both models; the server stack over a stand-in engine
 #   bash benchmarks/gpu_session.sh skip18    # W1 with the layers' norms and SiLU-and-mul skipped (fusion's upper bound)
 #   bash benchmarks/gpu_session.sh s44b      # batch-1 GPTQ GEMV variants (gemv_probe.py), ncu of each
+#   bash benchmarks/gpu_session.sh s46d      # s46c's GEMV with GGUF's groups a word row: tests, 8B GGUF W2, GGUF tests
 #   PREV=dir bash benchmarks/gpu_session.sh s46c  # the session in one call: tests, 30B-A3B GGUF, 8B GGUF PREV/tree
 #   BASE=dir bash benchmarks/gpu_session.sh s46a  # packed GGUF experts: MoE / GGUF tests compiled, then s45a QUICK
 #   PREV=dir bash benchmarks/gpu_session.sh s46b  # a Qwen3-30B-A3B-shaped GGUF packed: load, memory, W2 b=1;
@@ -1280,6 +1281,18 @@ case "${1:-}" in
         --section SpeedOfLight --section WarpStateStats --section InstructionStats --section Occupancy \
         python3 benchmarks/gemv_probe.py --ncu > "$OUT/ncu.txt" 2>&1; tail -5 "$OUT/ncu.txt"
     else echo "no ncu"; fi
+    ;;
+  s46d)
+    # s46c's GEMV again with GGUF's groups a word row each (steps of 128, not 16 / 32): its tests,
+    # the GGUF experts' and lazy loading's tests, Llama-3-8B's shapes as a GGUF file packed (W2 b=1)
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/kernels/test_triton_w4a16.py \
+      -k "gemv or float_zero or bf16x2 or layer" 2>&1 | grep -E "^FAILED|^E  |passed|failed" | cut -c1-300 \
+      | head -8 | sed "s/^/w4a16: /"
+    OUT=$OUT/8b timeout 100 python3 benchmarks/gguf_load.py --model-config benchmarks/models/llama3-8b.json \
+      --packed-only 2>&1 | tail -1
+    timeout 110 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_gguf.py \
+      -k "experts_equal or replaced" 2>&1 | grep -E "^FAILED|^E  |passed|failed" | cut -c1-300 | head -8 \
+      | sed "s/^/gguf: /"
     ;;
   s46c)
     # The session's changes in one call: the GEMV's, MoE kernels' and GGUF tests compiled;

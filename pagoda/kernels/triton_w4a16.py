@@ -296,13 +296,13 @@ def _gemv_words(qweight_ptr, k0, k_hi, r, offs_n, n_ok, stride_w, PACK: tl.const
 
 
 @triton.jit
-def _gemv_step(acc, frac, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_ptr, g_idx_ptr, group_size,
-               stride_sg, BITS: tl.constexpr, STEP: tl.constexpr, VALUE_GROUPS: tl.constexpr,
+def _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_ptr, g_idx_ptr, group_size,
+               stride_sg, BITS: tl.constexpr, VALUE_GROUPS: tl.constexpr, ROW_GROUPS: tl.constexpr,
                INT_ZEROS: tl.constexpr, BF16X2: tl.constexpr, COMPILED: tl.constexpr):
     """``acc += words' values times their x``, per word, the values' scales applied. In bf16x2
     with float zero points (GGUF's) the words' sums take the zero's nearest integer ``zi``
-    (clamped so that ``q - zi`` stays an exact bf16), and ``frac`` (a column's) gathers the
-    rest, ``(zero - zi) * scale * sum(x)`` of each step, to be subtracted once at the end."""
+    (clamped so that ``q - zi`` stays an exact bf16) and subtract the rest, ``(zero - zi)``
+    times the word's x summed, before the scale."""
     PACK: tl.constexpr = 32 // BITS
     ks = k0 + r * PACK                   # each word row's first input
     row_ok = ks < k_hi
@@ -314,21 +314,20 @@ def _gemv_step(acc, frac, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, z
             z = tl.load(zeros_ptr + g * stride_sg + offs_n[None, :], mask=n_ok[None, :], other=0.0).to(tl.float32)
             x = tl.load(xk + j, mask=row_ok, other=0.0).to(tl.float32)[:, None]
             acc += _minus_zero((words >> (j * BITS)) & ((1 << BITS) - 1), z, BITS, INT_ZEROS) * s * x
-        return acc, frac
-    # the step lies in one group: a row of scales and zeros
-    sz = (k0 // group_size) * stride_sg + offs_n
-    s_row = tl.load(scales_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)
-    s = s_row[None, :]
-    z = tl.load(zeros_ptr + sz, mask=n_ok, other=0.0)
+        return acc
+    # the scales and zeros: a row for the step, which lies in one group, or (ROW_GROUPS: groups
+    # smaller than the step, GGUF's 16 and 32) a row for each word row
+    if ROW_GROUPS:
+        sz = (ks // group_size).to(tl.int64)[:, None] * stride_sg + offs_n[None, :]
+        sz_ok = row_ok[:, None] & n_ok[None, :]
+    else:
+        sz = (k0 // group_size) * stride_sg + offs_n[None, :]
+        sz_ok = n_ok[None, :]
+    s = tl.load(scales_ptr + sz, mask=sz_ok, other=0.0).to(tl.float32)
+    z = tl.load(zeros_ptr + sz, mask=sz_ok, other=0.0).to(tl.float32)
     if BF16X2:
-        zi = z.to(tl.float32)
-        if not INT_ZEROS:
-            zf = zi
-            zi = tl.clamp(tl.floor(zf + 0.5), -128.0, 128.0)
-            ks = k0 + tl.arange(0, STEP)
-            sum_x = tl.sum(tl.load(x_ptr + ks, mask=ks < k_hi, other=0.0).to(tl.float32))
-            frac += (zf - zi) * s_row * sum_x
-        nz = _bits16((-(zi + 128.0)).to(tl.bfloat16))[None, :]
+        zi = z if INT_ZEROS else tl.clamp(tl.floor(z + 0.5), -128.0, 128.0)
+        nz = _bits16((-(zi + 128.0)).to(tl.bfloat16))
         nz2 = nz | (nz << 16)
         x0, x1 = _x_pair(xk, 0, row_ok), _x_pair(xk, 1, row_ok)
         x2, x3 = _x_pair(xk, 2, row_ok), _x_pair(xk, 3, row_ok)
@@ -337,13 +336,17 @@ def _gemv_step(acc, frac, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, z
                                              dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
         else:
             sums = _bf16x2_emulated(words, nz2, x0, x1, x2, x3)
-        return acc + sums * s, frac
-    z = z.to(tl.float32)[None, :]     # (float32 math: _minus_zero's 2^23 base)
-    tile = tl.zeros(acc.shape, tl.float32)
+        if not INT_ZEROS:
+            sum_x = tl.zeros(row_ok.shape, tl.float32)
+            for j in tl.static_range(PACK):
+                sum_x += tl.load(xk + j, mask=row_ok, other=0.0).to(tl.float32)
+            sums -= (z - zi) * sum_x[:, None]
+        return acc + sums * s
+    tile = tl.zeros(acc.shape, tl.float32)     # (float32 math: _minus_zero's 2^23 base)
     for j in tl.static_range(PACK):
         x = tl.load(xk + j, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         tile += _minus_zero((words >> (j * BITS)) & ((1 << BITS) - 1), z, BITS, INT_ZEROS) * x
-    return acc + tile * s, frac
+    return acc + tile * s
 
 
 @triton.jit
@@ -392,11 +395,11 @@ def _bf16_half(v, HALF: tl.constexpr):
 def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                        N, K, k_per_split, num_splits, group_size, stride_w, stride_sg,
                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, VALUE_GROUPS: tl.constexpr,
-                       INT_ZEROS: tl.constexpr, BF16X2: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SPLIT: tl.constexpr, REDUCE: tl.constexpr, COMPILED: tl.constexpr):
+                       ROW_GROUPS: tl.constexpr, INT_ZEROS: tl.constexpr, BF16X2: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr, COMPILED: tl.constexpr):
     """``x (1, K) @ W`` for packed W: each program sums ``BLOCK_N`` columns over its range of K,
     on the CUDA cores, in steps of ``STEP`` inputs that each lie in one group (unless
-    ``VALUE_GROUPS``: act-order). A step's words are loaded into registers while the step
+    ``ROW_GROUPS``: each word in one, or ``VALUE_GROUPS``: act-order). A step's words are loaded into registers while the step
     before is summed (no pipeline through shared memory: its waits were what bounded the kernel).
     With K split (``SPLIT``), each program writes its float32 sums to ``part``; with ``REDUCE``
     the last program of a column tile to arrive (counted in ``count``, which it sets back to 0)
@@ -410,14 +413,13 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bia
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([STEP // PACK, BLOCK_N], tl.float32)
-    frac = tl.zeros([BLOCK_N], tl.float32)
     w_next = _gemv_words(qweight_ptr, k_lo, k_hi, r, offs_n, n_ok, stride_w, PACK)
     for k0 in tl.range(k_lo, k_hi, STEP, num_stages=1):
         words = w_next
         w_next = _gemv_words(qweight_ptr, k0 + STEP, k_hi, r, offs_n, n_ok, stride_w, PACK)
-        acc, frac = _gemv_step(acc, frac, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_ptr, g_idx_ptr,
-                               group_size, stride_sg, BITS, STEP, VALUE_GROUPS, INT_ZEROS, BF16X2, COMPILED)
-    out = tl.sum(acc, axis=0) - frac
+        acc = _gemv_step(acc, words, k0, k_hi, r, offs_n, n_ok, x_ptr, scales_ptr, zeros_ptr, g_idx_ptr, group_size,
+                         stride_sg, BITS, VALUE_GROUPS, ROW_GROUPS, INT_ZEROS, BF16X2, COMPILED)
+    out = tl.sum(acc, axis=0)
     if SPLIT:
         tl.store(part_ptr + split.to(tl.int64) * N + offs_n, out, mask=n_ok)
         if not REDUCE:
@@ -555,15 +557,14 @@ def _launch_gemv(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch
     qweight, scales, zeros, g_idx = weights
     k = x.shape[1]
     pack = 32 // bits
-    # Steps in one group each: a power of two that divides the group size (and holds whole
-    # words); groups of a whole K (one row of scales) take any step. Else each value's group.
+    # Steps of GEMV_STEP inputs: in one group each where the groups are a whole number of steps
+    # (or one group is all of K), else a group a word row (GGUF's 16 and 32 inputs: steps that
+    # small would be most of their time in their loop), else (words across groups, act-order)
+    # each value's group.
     step = GEMV_STEP
-    value_groups = group_size is None
-    if not value_groups and group_size < k:
-        step = min(step, group_size & -group_size)
-        value_groups = step < pack
-    if value_groups:
-        step = GEMV_STEP
+    row_groups = group_size is not None and group_size < k and group_size % step != 0
+    value_groups = group_size is None or (row_groups and group_size % pack != 0)
+    row_groups = row_groups and not value_groups
     block_n = GEMV_TILES["BLOCK_N"]
     col_tiles = triton.cdiv(n, block_n)
     split, k_per_split = _split_k(k, step, step, col_tiles, GEMV_PROGRAMS_PER_SM, x.device)
@@ -576,7 +577,8 @@ def _launch_gemv(x: torch.Tensor, n: int, weights: tuple, bits: int, bias: torch
     _w4a16_gemv_kernel[(col_tiles, split)](
         x, qweight, scales, zeros, g_idx, bias if fused_bias is not None else scales, out, part, counts,
         n, k, k_per_split, split, group_size or k, qweight.stride(0), scales.stride(0),
-        BITS=bits, BLOCK_N=block_n, STEP=step, VALUE_GROUPS=value_groups, INT_ZEROS=int_zeros, BF16X2=bf16x2,
+        BITS=bits, BLOCK_N=block_n, STEP=step, VALUE_GROUPS=value_groups, ROW_GROUPS=row_groups,
+        INT_ZEROS=int_zeros, BF16X2=bf16x2,
         HAS_BIAS=fused_bias is not None, SPLIT=split > 1, REDUCE=reduce, COMPILED=not triton.knobs.runtime.interpret,
         num_warps=GEMV_TILES["num_warps"])
     if split == 1 or reduce:

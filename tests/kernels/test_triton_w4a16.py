@@ -166,7 +166,7 @@ def test_split_k_is_chosen_for_few_column_tiles(monkeypatch, kernel, rows):
 
 @pytest.mark.parametrize("reduce_in_kernel", [1, 0])
 @pytest.mark.parametrize("k,group", [(1024, 128), (480, 48), (384, 384), (4096, 64)],
-                         ids=["groups-128", "groups-48-steps-16", "one-group", "groups-64-split"])
+                         ids=["groups-128", "groups-48-a-word-row-each", "one-group", "groups-64-split"])
 def test_gemv_split_sums(monkeypatch, reduce_in_kernel, k, group, request):
     """One row, K split over programs: the last program of each column tile sums the splits (its
     counters left at zero for the next launch: three launches in a row agree), or torch does;
@@ -227,7 +227,7 @@ def test_quantized_layer_runs_the_kernel_for_decode_batches(monkeypatch):
     layer.bits = 4   # (as process_weights_after_loading sets it)
     dequantized = []
     real_dequantize = tw.dequantize
-    monkeypatch.setattr(tw, "dequantize", lambda *a, **kw: dequantized.append(a[-1]) or real_dequantize(*a, **kw))
+    monkeypatch.setattr(tw, "dequantize", lambda *a, **kw: dequantized.append(a[6]) or real_dequantize(*a, **kw))
     w = dequantize(layer.qweight, layer.scales, layer.zeros, layer.g_idx, 4).float()
     for m in (1, tw.PACKED_MAX_M, tw.PACKED_MAX_M + 1, 2000):
         x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
