@@ -399,8 +399,9 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bia
                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr, COMPILED: tl.constexpr):
     """``x (1, K) @ W`` for packed W: each program sums ``BLOCK_N`` columns over its range of K,
     on the CUDA cores, in steps of ``STEP`` inputs that each lie in one group (unless
-    ``ROW_GROUPS``: each word in one, or ``VALUE_GROUPS``: act-order). A step's words are loaded into registers while the step
-    before is summed (no pipeline through shared memory: its waits were what bounded the kernel).
+    ``ROW_GROUPS``: each word in one, or ``VALUE_GROUPS``: act-order). A step's words are loaded
+    into registers while the step before is summed (no pipeline through shared memory: its
+    waits were what bounded the kernel).
     With K split (``SPLIT``), each program writes its float32 sums to ``part``; with ``REDUCE``
     the last program of a column tile to arrive (counted in ``count``, which it sets back to 0)
     adds them up and writes the output, else torch does."""
