@@ -314,7 +314,7 @@ def _hf_gguf(folder, path, arch, types=None):
         w.add_logit_scale(cfg["logits_scaling"])
     experts, rng = {}, np.random.default_rng(0)
 
-    def add(gguf_name, t, module):     # (stacked experts: random blocks an expert's row at a time)
+    def add(gguf_name, t, module):     # (a stack of experts: random blocks for every row of every expert)
         qtype = (types or {}).get(module)
         if qtype in K_QUANTS:
             w.add_tensor(gguf_name, random_gguf_blocks(rng, qtype, t.size // t.shape[-1], t.shape[-1]).reshape(
