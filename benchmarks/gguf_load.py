@@ -7,7 +7,7 @@ its first token, its layers' memory, W2's decode ms a token. Random blocks dequa
 the model's tokens mean nothing, the times are a real file's.
 
   python benchmarks/gguf_load.py --model-config benchmarks/models/llama3.2-1b.json
-  python benchmarks/gguf_load.py --model-config benchmarks/models/qwen3-30b-a3b.json --packed-only
+  python benchmarks/gguf_load.py --model-config benchmarks/models/qwen3-30b-a3b.json --packed-only --batch 1 8 64
 """
 import argparse
 import json
@@ -100,31 +100,37 @@ def pagoda_seconds(path: str, device: str) -> float:
     return time.perf_counter() - start
 
 
-def llm_run(path: str, quantization: str | None) -> dict:
+def llm_run(path: str, quantization: str | None, batches: list[int]) -> dict:
     """``LLM(path)`` (bf16; ``quantization="gguf"``: the matrices kept packed): seconds to its
-    first token (load, KV cache, kernels, CUDA graphs), its decoder layers' GiB, and ms a token
-    decoding 256 tokens after a 512-token prompt at batch 1 (W2's shape)."""
+    first token (load, KV cache, kernels, CUDA graphs), its decoder layers' GiB, and ms a decode
+    step over 256 tokens after 512-token prompts at each batch size (W2's shape; batch 1's is
+    ``ms_per_token``, the others ``ms_per_step_b<B>``)."""
     start = time.perf_counter()
     llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, gpu_memory_utilization=0.6,
               quantization=quantization)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1), use_tqdm=False)
-    first = time.perf_counter() - start
+    row = {"first_token_s": time.perf_counter() - start}
     layers = llm.apply_model(lambda m: sum(t.numel() * t.element_size() for n, t in m.named_parameters()
                                            if ".layers." in n))[0]
-    prompt = {"prompt_token_ids": list(range(1, 513))}
+    row["layers_gib"] = layers / (1 << 30)
     params = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
-    llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)   # (warm)
-    t = time.perf_counter()
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    ms = (time.perf_counter() - t) * 1e3 / len(out.outputs[0].token_ids)
+    for b in batches:
+        # (prompts of their own tokens: no prefix shared, as W2's random ones)
+        prompts = [{"prompt_token_ids": [1 + (i * 7919 + j) % 1000 for j in range(512)]} for i in range(b)]
+        llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)   # (warm)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        ms = (time.perf_counter() - t) * 1e3 / max(len(o.outputs[0].token_ids) for o in outs)
+        row["ms_per_token" if b == 1 else f"ms_per_step_b{b}"] = ms
     del llm
-    return {"first_token_s": first, "layers_gib": layers / (1 << 30), "ms_per_token": ms}
+    return row
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-config", action="append", required=True, help="a Llama config.json (repeatable)")
     parser.add_argument("--no-numpy", action="store_true", help="skip gguf-py's one-core baseline (slow for 8B)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="W2's batch sizes (default 1)")
     parser.add_argument("--packed-only", action="store_true",
                         help="only the packed engine (no dequantization timings, no dequantized engine: a 30B model's "
                              "bf16 weights fill an H100)")
@@ -147,7 +153,7 @@ def main():
                     pagoda_seconds(path, "cuda")     # (CUDA's context and kernels, once)
                     row["torch_cuda_s"] = pagoda_seconds(path, "cuda")
                 for quantization in ("gguf",) if args.packed_only else (None, "gguf"):
-                    for key, value in llm_run(path, quantization).items():
+                    for key, value in llm_run(path, quantization, args.batch).items():
                         row[f"{quantization or 'dequantized'}_{key}"] = value
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -163,13 +169,14 @@ def main():
         cells = [r.get(k) for k in ("numpy_s", "torch_cpu_s", "torch_cuda_s")]
         print(f"{r['model']:14s} {r['params'] / 1e9:6.2f}B {r['file_gb']:8.2f} "
               + " ".join(f"{c:>{w}.1f}" if c is not None else f"{'-':>{w}s}" for c, w in zip(cells, (8, 12, 12))))
-    if any("gguf_ms_per_token" in r for r in rows):
-        print(f"\n{'model, bf16':20s} {'to 1st token s':>15s} {'layers GiB':>11s} {'W2 b=1 ms/token':>16s}")
+    steps = {b: "ms_per_token" if b == 1 else f"ms_per_step_b{b}" for b in args.batch}
+    if any(f"gguf_{key}" in r for r in rows for key in steps.values()):
+        print(f"\n{'model, bf16':20s} {'to 1st token s':>15s} {'layers GiB':>11s}"
+              + "".join(f"{f'W2 b={b} ms':>13s}" for b in steps))
         for r in rows:
-            for kind in [k for k in ("dequantized", "gguf") if f"{k}_ms_per_token" in r]:
-                first, gib, ms = (r[f"{kind}_{key}"] for key in ("first_token_s", "layers_gib", "ms_per_token"))
-                print(f"{r['model'] + ' ' + kind:20s} {first:15.1f} {gib:11.2f} {ms:16.2f}")
-
+            for kind in [k for k in ("dequantized", "gguf") if f"{k}_first_token_s" in r]:
+                print(f"{r['model'] + ' ' + kind:20s} {r[f'{kind}_first_token_s']:15.1f} {r[f'{kind}_layers_gib']:11.2f}"
+                      + "".join(f"{r[f'{kind}_{key}']:13.2f}" for key in steps.values()))
 
 if __name__ == "__main__":
     main()

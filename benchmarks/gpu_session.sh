@@ -1282,14 +1282,15 @@ case "${1:-}" in
     ;;
   s47a)
     # What the forty-sixth session could not run: the GGUF engine tests on CUDA (packed experts,
-    # lazy loading; their compiling outlasted 110 s), Qwen3-30B-A3B's GGUF with the word-row GEMV,
-    # Llama-3.2-1B's GGUF packed against dequantized (is packed still slower at 1B?)
+    # lazy loading; their compiling outlasted 110 s); Llama-3.2-1B's GGUF packed against
+    # dequantized (is packed still slower at 1B?) and Qwen3-30B-A3B's with the word-row GEMV, W2
+    # at batches 1, 8 and 64
     timeout 300 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_gguf.py \
       -k "packed or replaced" 2>&1 | grep -E "^FAILED|^E  |passed|failed" | cut -c1-300 | head -12 | sed "s/^/gguf: /"
     OUT=$OUT/1b timeout 150 python3 benchmarks/gguf_load.py --model-config benchmarks/models/llama3.2-1b.json \
-      --no-numpy 2>&1 | tail -3
+      --no-numpy --batch 1 8 64 2>&1 | tail -3
     timeout 200 python3 benchmarks/gguf_load.py --model-config benchmarks/models/qwen3-30b-a3b.json --packed-only \
-      2>&1 | tail -1
+      --batch 1 8 64 2>&1 | tail -1
     ;;
   s46d)
     # s46c's GEMV again with GGUF's groups a word row each (steps of 128, not 16 / 32): its tests,
