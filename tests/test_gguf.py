@@ -604,9 +604,10 @@ def test_replaced_weights_take_memory_a_layer_at_a_time(tmp_path, monkeypatch, q
     process = loader._Processed.process
 
     def recorded(self, module):
-        if getattr(module, "quant_method", None) is not None and id(module) not in self.done:
-            events.append(("process", id(module)))
+        before = len(self.done)
         process(self, module)
+        if len(self.done) > before:
+            events.append(("process", id(module)))
     monkeypatch.setattr(loader._Processed, "process", recorded)
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24, max_model_len=128,
               quantization=quantization)
